@@ -1,0 +1,242 @@
+"""Training: AdamW, linear warm-up then cosine decay, gradient clipping, a per-step JSON-lines log.
+
+Deterministic for a seed (on the same thread count): the torch generator seeds the weights, a
+numpy generator picks the batches. A NaN/inf loss is a result ("diverged at step N"), not a crash.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from . import __version__
+from .data import DataConfig, PreparedData, evaluation_windows, prepare_data, sample_train_batch
+from .errors import ConfigError, RunDirError
+from .fileio import atomic_path, write_json_atomic
+from .models import CausalLM, ModelConfig
+from .runs import CHECKPOINT_FILE, CONFIG_FILE, TRAIN_LOG_FILE, TRAIN_SUMMARY_FILE, RunDir, check_out_dir, config_hash
+
+# A step is a gradient spike when its (pre-clip) gradient norm exceeds SPIKE_FACTOR times the
+# median of the previous SPIKE_WINDOW steps' norms (needs at least SPIKE_WINDOW // 2 of them).
+SPIKE_FACTOR = 3.0
+SPIKE_WINDOW = 50
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 400
+    batch_size: int = 32
+    lr: float = 3e-3
+    warmup: int = 30
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.steps <= 0:
+            raise ConfigError(f"steps must be > 0, got {self.steps}")
+        if self.batch_size <= 0:
+            raise ConfigError(f"batch size must be > 0, got {self.batch_size}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ConfigError(f"learning rate must be a positive number, got {self.lr}")
+        if self.warmup < 0:
+            raise ConfigError(f"warmup must be >= 0 steps, got {self.warmup}")
+        if self.warmup > self.steps:
+            raise ConfigError(f"warmup ({self.warmup}) is longer than training ({self.steps} steps): lower --warmup")
+        if self.grad_clip <= 0:
+            raise ConfigError(f"gradient clip must be > 0, got {self.grad_clip}")
+
+    def lr_at(self, step: int) -> float:
+        """Linear warm-up over ``warmup`` steps, then cosine decay to ``min_lr_ratio * lr``."""
+        if step < self.warmup:
+            return self.lr * (step + 1) / self.warmup
+        progress = (step - self.warmup) / max(1, self.steps - self.warmup)
+        floor = self.lr * self.min_lr_ratio
+        return floor + 0.5 * (self.lr - floor) * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything that decides a trained checkpoint; its hash names a reusable run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+    def to_dict(self) -> dict:
+        return {"model": asdict(self.model), "train": asdict(self.train), "data": asdict(self.data)}
+
+    def hash(self, corpus_sha256: str) -> str:
+        return config_hash({**self.to_dict(), "corpus_sha256": corpus_sha256})
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RunConfig":
+        return cls(ModelConfig(**d["model"]), TrainConfig(**d["train"]), DataConfig(**d["data"]))
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    steps: int                      # steps actually run (fewer than asked when diverged)
+    final_train_loss: float | None  # mean of the last 10 finite step losses, nats
+    eval_bits_per_byte: float | None
+    diverged: bool
+    diverged_at: int | None
+    gradient_spikes: int
+    tokens_per_s: float
+    wall_s: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def lm_loss(model: CausalLM, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = model(inputs)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def make_optimizer(model: CausalLM, cfg: TrainConfig) -> torch.optim.AdamW:
+    # Weight decay on matrices only (not on norms, biases or embeddings' rows... of 1-D tensors).
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
+
+
+def per_layer_grad_norms(model: CausalLM) -> dict[str, float]:
+    """Gradient L2 norm per block (and for the embedding and the head) — Xiong et al.'s picture."""
+    groups: dict[str, list[torch.Tensor]] = {}
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        parts = name.split(".")
+        key = f"block{parts[1]}" if parts[0] == "blocks" else ("embed" if parts[0].endswith("emb") else parts[0])
+        groups.setdefault(key, []).append(p.grad.detach().flatten())
+    return {k: float(torch.linalg.vector_norm(torch.cat(v))) for k, v in groups.items()}
+
+
+def count_spikes(grad_norms: list[float]) -> int:
+    spikes = 0
+    for i, g in enumerate(grad_norms):
+        history = grad_norms[max(0, i - SPIKE_WINDOW):i]
+        if len(history) >= SPIKE_WINDOW // 2 and g > SPIKE_FACTOR * statistics.median(history):
+            spikes += 1
+    return spikes
+
+
+@torch.no_grad()
+def eval_bits_per_byte(model: CausalLM, data: PreparedData, batch_size: int = 32) -> float:
+    """Bits per byte on the evaluation range, by the protocol of FORMULAS.md (scored_from 0)."""
+    inputs, targets = evaluation_windows(data.tokens, data.splits.evaluation, data.window)
+    model.eval()
+    total_nll, count = 0.0, 0
+    for i in range(0, len(inputs), batch_size):
+        x = torch.from_numpy(inputs[i:i + batch_size])
+        y = torch.from_numpy(targets[i:i + batch_size])
+        logits = model(x).double()
+        total_nll += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum"))
+        count += y.numel()
+    return total_nll / count / math.log(2)
+
+
+def train(run: RunConfig, out_dir: Path, *, progress: bool = True, data: PreparedData | None = None) -> TrainResult:
+    """Train a model and write config, log, checkpoint and summary into ``out_dir``.
+
+    All inputs are validated (configs at construction, corpus here) before anything is written.
+    """
+    out_dir = check_out_dir(out_dir)
+    data = data or prepare_data(run.data, run.model.context)
+    torch.manual_seed(run.train.seed)
+    rng = np.random.default_rng(run.train.seed)
+    model = CausalLM(run.model)
+    optimizer = make_optimizer(model, run.train)
+    tokens = data.tokens
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = {**run.to_dict(), "config_hash": run.hash(data.corpus.sha256), "n_params": model.n_params(),
+              "data_ranges": data.describe(), "quantnorm_version": __version__}
+    write_json_atomic(out_dir / CONFIG_FILE, config)
+
+    cfg = run.train
+    losses: list[float] = []
+    grad_norms: list[float] = []
+    diverged_at = None
+    start = time.perf_counter()
+    with atomic_path(out_dir / TRAIN_LOG_FILE) as log_path, open(log_path, "w", encoding="utf-8") as log:
+        bar = tqdm(range(cfg.steps), desc=f"train {run.model.placement}/{run.model.norm}", disable=not progress,
+                   unit="step", dynamic_ncols=True, leave=False)
+        model.train()
+        for step in bar:
+            lr = cfg.lr_at(step)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            x, y = sample_train_batch(tokens, data.splits.train, data.window, cfg.batch_size, rng)
+            loss = lm_loss(model, torch.from_numpy(x), torch.from_numpy(y))
+            loss_value = float(loss.detach())
+            record: dict = {"step": step, "loss": loss_value, "lr": lr}
+            if not math.isfinite(loss_value):
+                diverged_at = step
+                record["diverged"] = True
+                log.write(json.dumps(record) + "\n")
+                break
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if step == 0:
+                record["grad_norm_per_layer"] = per_layer_grad_norms(model)
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
+            if not math.isfinite(grad_norm):
+                diverged_at = step
+                record.update(grad_norm=grad_norm, diverged=True)
+                log.write(json.dumps(record) + "\n")
+                break
+            optimizer.step()
+            record["grad_norm"] = grad_norm
+            log.write(json.dumps(record) + "\n")
+            losses.append(loss_value)
+            grad_norms.append(grad_norm)
+            if step % 10 == 0:
+                bar.set_postfix(loss=f"{loss_value:.3f}")
+        bar.close()
+    wall = time.perf_counter() - start
+    steps_run = len(losses)
+
+    with atomic_path(out_dir / CHECKPOINT_FILE) as ckpt:
+        save_file(model.state_dict(), str(ckpt))
+    bits = None if diverged_at is not None else eval_bits_per_byte(model, data)
+    result = TrainResult(
+        steps=steps_run,
+        final_train_loss=float(np.mean(losses[-10:])) if losses else None,
+        eval_bits_per_byte=bits,
+        diverged=diverged_at is not None,
+        diverged_at=diverged_at,
+        gradient_spikes=count_spikes(grad_norms),
+        tokens_per_s=steps_run * cfg.batch_size * data.window / wall if wall > 0 else 0.0,
+        wall_s=wall,
+    )
+    write_json_atomic(out_dir / TRAIN_SUMMARY_FILE, result.to_dict())
+    return result
+
+
+def load_model(run_dir: RunDir) -> tuple[CausalLM, RunConfig]:
+    """Rebuild the model of a trained run directory from its config and safetensors weights."""
+    config = run_dir.read_json(CONFIG_FILE)
+    try:
+        run = RunConfig.from_dict(config)
+    except (KeyError, TypeError) as exc:
+        raise RunDirError(f"{run_dir.file(CONFIG_FILE)} is not a quantnorm run config ({exc}); train the run again") from None
+    model = CausalLM(run.model)
+    try:
+        model.load_state_dict(load_file(str(run_dir.file(CHECKPOINT_FILE))))
+    except Exception as exc:  # safetensors raises several types for a damaged file
+        raise RunDirError(f"cannot load {run_dir.file(CHECKPOINT_FILE)}: {exc}; train the run again") from None
+    return model.eval(), run

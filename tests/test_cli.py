@@ -1,0 +1,44 @@
+"""The CLI: bad input gives one line on stderr, exit code 2, and writes nothing."""
+
+import pytest
+
+from quantnorm.cli import main
+
+TINY = ["--layers", "1", "--d-model", "32", "--heads", "2", "--context", "32", "--batch-size", "4"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--placement", "sandwich", "--norm", "rms"], "--placement"),
+    (["--placement", "pre", "--norm", "batch"], "--norm"),
+    (["--placement", "pre", "--norm", "rms", "--d-model", "30", "--heads", "4"], "not divisible"),
+    (["--placement", "pre", "--norm", "rms", "--steps", "0"], "steps must be > 0"),
+    (["--placement", "pre", "--norm", "rms", "--corpus", "MISSING"], "corpus not found"),
+    (["--placement", "pre", "--norm", "rms", "--corpus", "EMPTY"], "corpus is empty"),
+    (["--placement", "pre", "--norm", "rms", "--corpus", "SMALL"], "corpus too small"),
+    (["--placement", "pre", "--norm", "rms", "--out", "FILE"], "existing file"),
+])
+def test_train_bad_input(tmp_path, capsys, args, message, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "EMPTY").write_bytes(b"")
+    (tmp_path / "SMALL").write_bytes(b"hello world")
+    (tmp_path / "FILE").write_text("not a directory")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert main(["train", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1 and err.startswith("error: ")
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written
+
+
+@pytest.mark.parametrize("placement", ["post", "pre", "peri", "deepnorm", "residual"])
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+def test_train_every_combination(tmp_path, placement, norm, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "--placement", placement, "--norm", norm, "--steps", "3", *TINY, "--out", str(out),
+                 "--quiet"]) == 0
+    assert {"config.json", "model.safetensors", "train_log.jsonl", "train.json"} <= {p.name for p in out.iterdir()}
+    assert "bits/byte" in capsys.readouterr().out
+
+
+def test_help_lists_commands(capsys):
+    assert main(["--help"]) == 0
+    assert "train" in capsys.readouterr().out
