@@ -1,0 +1,144 @@
+"""What the measurements ran on: CPU model and ISA flags, library versions, providers, GPU.
+
+Every latency and accuracy number in ``results.json`` depends on this (pitfall 2: the same INT8
+model loses accuracy under ORT_ENABLE_ALL on an AVX2 CPU without VNNI), so the run records it in
+the ``hardware`` section (see ``shared/RESULTS.md``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+CPUINFO = Path("/proc/cpuinfo")
+
+# ISA flags that decide which INT8/FP32 kernels ONNX Runtime (MLAS) and PyTorch pick. Everything
+# else in /proc/cpuinfo (fpu, vme, tsc, ...) is noise for this report.
+_RELEVANT_FLAG = re.compile(r"^(sse4_2|avx|avx2|fma|f16c|avx512.*|avx_vnni.*|amx.*)$")
+# Instructions that make u8s8 INT8 dot products exact (no saturation, pitfall 2): AVX512-VNNI,
+# AVX-VNNI (the 256-bit variant on hybrid/later Intel and Zen 5) and AMX (Sapphire Rapids+).
+_VNNI_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8", "amx_tile", "amx_bf16")
+
+
+def _cpuinfo_field(name: str) -> str | None:
+    """The first value of ``name`` in /proc/cpuinfo, or None (not Linux, unreadable, absent)."""
+    try:
+        text = CPUINFO.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() == name:
+            return value.strip()
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def _all_cpu_flags() -> tuple[str, ...]:
+    # x86 Linux calls them "flags"; ARM Linux calls them "Features".
+    raw = _cpuinfo_field("flags") or _cpuinfo_field("Features") or ""
+    return tuple(sorted(set(raw.split())))
+
+
+def cpu_flags() -> list[str]:
+    """The ISA flags that matter for ONNX Runtime kernels (SSE4.2, AVX*, FMA, F16C, AVX-512*, VNNI, AMX)."""
+    return [flag for flag in _all_cpu_flags() if _RELEVANT_FLAG.match(flag)]
+
+
+def cpu_has_vnni() -> bool:
+    """True when the CPU has AVX512-VNNI, AVX-VNNI or AMX; False when it has none or flags are unknown."""
+    flags = set(_all_cpu_flags())
+    return any(flag in flags for flag in _VNNI_FLAGS)
+
+
+def cpu_model() -> str:
+    """The CPU model name (``model name`` in /proc/cpuinfo), else what ``platform`` knows."""
+    return _cpuinfo_field("model name") or platform.processor() or platform.machine() or "unknown"
+
+
+def available_cpus() -> int:
+    """Logical CPUs this process may run on (the affinity mask, not the machine's total)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
+@functools.lru_cache(maxsize=1)
+def gpu_names() -> tuple[str, ...]:
+    """Names of the NVIDIA GPUs ``nvidia-smi`` lists; empty when it is missing, fails or lists none.
+
+    Cached: it is asked by every provider check and the answer does not change within a run.
+    """
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return ()
+    try:
+        proc = subprocess.run(
+            [exe, "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=20, check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return ()
+    if proc.returncode != 0:
+        return ()
+    return tuple(line.strip() for line in proc.stdout.splitlines() if line.strip())
+
+
+def gpu_device_present() -> bool:
+    """Whether an NVIDIA GPU is visible: nvidia-smi lists one, or the driver exposes a device node.
+
+    The device-node check covers containers that pass a GPU through without nvidia-smi.
+    """
+    if gpu_names():
+        return True
+    return Path("/dev/nvidia0").exists() or any(Path("/proc/driver/nvidia/gpus").glob("*"))
+
+
+def _version(module: str) -> str | None:
+    try:
+        mod = __import__(module)
+    except Exception:  # noqa: BLE001 -- a broken optional install must not stop the report
+        return None
+    return getattr(mod, "__version__", None)
+
+
+def hardware_info(threads: int | None = None, *, probe_providers: bool = True) -> dict:
+    """The ``hardware`` section of ``results.json``.
+
+    ``threads`` is the intra-op thread count the measurements used; when None (ONNX Runtime's own
+    default) the number of CPUs available to the process is recorded instead, and ``cpu_count``
+    always says how many there were. With ``probe_providers`` each listed provider is checked
+    (a tiny session per GPU provider, cached) and ``providers_status`` says why one is unusable.
+    """
+    import onnxruntime as ort
+
+    available = list(ort.get_available_providers())
+    names = gpu_names()
+    info: dict = {
+        "cpu": cpu_model(),
+        "cpu_flags": cpu_flags(),
+        "vnni": cpu_has_vnni(),
+        "threads": threads if threads is not None else available_cpus(),
+        "cpu_count": available_cpus(),
+        "onnxruntime": ort.__version__,
+        "torch": _version("torch"),
+        "onnx": _version("onnx"),
+        "numpy": _version("numpy"),
+        "python": platform.python_version(),
+        "providers_available": available,
+        "gpu": ", ".join(names) if names else None,
+        "os": platform.platform(),
+    }
+    if probe_providers:
+        from .measure.sessions import provider_status
+
+        # "usable" or the reason: get_available_providers() lists what the wheel was built with,
+        # not what works here (pitfall 3).
+        info["providers_status"] = {p: provider_status(p) or "usable" for p in available}
+    return info

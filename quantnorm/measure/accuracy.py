@@ -1,0 +1,248 @@
+"""Perplexity of one model and the FP32-vs-INT8 comparison (``shared/FORMULAS.md``).
+
+Protocol: inputs and targets come from ``data.evaluation_windows`` (input ``[BOS] + b[s:s+w-1]``,
+target ``b[s:s+w]``), target positions ``i >= scored_from`` are scored, and each probability is
+read from the full 257-way softmax. PPL = exp(mean NLL in nats); bits per byte = mean NLL / ln 2.
+The comparison adds KL(p_fp32 || p_int8) per scored position (mean, 99th percentile, max) and the
+share of positions where both models pick the same next token.
+
+Everything streams over batches: only per-position scalars (NLL sums, the KL of each position)
+are kept, never the logits of the whole evaluation range.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from ..data import BOS
+from ..errors import MeasureError
+
+
+class _Session(Protocol):
+    """What this module needs of an ORT InferenceSession (tests pass a fake)."""
+
+    def get_inputs(self) -> list: ...
+
+    def run(self, output_names, input_feed, run_options=None) -> list: ...
+
+
+@dataclass(frozen=True)
+class PerplexityResult:
+    ppl: float
+    bits_per_byte: float
+    mean_nll: float  # nats per scored byte
+    n_scored: int
+
+    def to_dict(self) -> dict:
+        return {"ppl": self.ppl, "bits_per_byte": self.bits_per_byte, "mean_nll": self.mean_nll,
+                "n_scored": self.n_scored}
+
+
+@dataclass(frozen=True)
+class AccuracyResult:
+    ppl_fp32: float
+    ppl_int8: float
+    ppl_ratio: float  # ppl_int8 / ppl_fp32
+    kld_mean: float  # nats, KL(p_fp32 || p_int8) averaged over scored positions
+    kld_p99: float
+    kld_max: float
+    top1_agreement: float  # share of scored positions with the same argmax
+    n_scored: int
+    bits_per_byte_fp32: float
+    bits_per_byte_int8: float
+
+    def to_dict(self) -> dict:
+        """``recipes[].accuracy`` of results.json: the contract's keys, then the extras."""
+        return {
+            "ppl_fp32": self.ppl_fp32, "ppl_int8": self.ppl_int8, "ppl_ratio": self.ppl_ratio,
+            "kld_mean": self.kld_mean, "kld_p99": self.kld_p99, "kld_max": self.kld_max,
+            "top1_agreement": self.top1_agreement,
+            "n_scored": self.n_scored,
+            "bits_per_byte_fp32": self.bits_per_byte_fp32, "bits_per_byte_int8": self.bits_per_byte_int8,
+        }
+
+
+# --- input checks ---------------------------------------------------------------------------
+
+def _check_windows(inputs: np.ndarray, targets: np.ndarray | None, scored_from: int,
+                   batch_size: int) -> tuple[np.ndarray, np.ndarray | None]:
+    inputs = np.asarray(inputs)
+    if inputs.ndim != 2 or inputs.shape[0] == 0 or inputs.shape[1] == 0:
+        raise MeasureError(f"inputs must be a non-empty [windows, seq] array of token ids, got shape {inputs.shape}")
+    if not np.issubdtype(inputs.dtype, np.integer):
+        raise MeasureError(f"inputs must hold integer token ids, got dtype {inputs.dtype}")
+    if batch_size < 1:
+        raise MeasureError(f"batch_size must be >= 1, got {batch_size}")
+    if targets is not None:
+        targets = np.asarray(targets)
+        if targets.shape != inputs.shape:
+            raise MeasureError(f"targets shape {targets.shape} differs from inputs shape {inputs.shape}")
+        if not np.issubdtype(targets.dtype, np.integer):
+            raise MeasureError(f"targets must hold integer token ids, got dtype {targets.dtype}")
+        if targets.min() < 0:
+            raise MeasureError("targets hold a negative token id")
+        # BOS is never a target (FORMULAS.md): a BOS here means inputs and targets were built
+        # without data.windows_at, e.g. not shifted by one.
+        if (targets == BOS).any():
+            raise MeasureError(f"targets contain BOS ({BOS}); build windows with quantnorm.data.evaluation_windows")
+        targets = targets.astype(np.int64, copy=False)
+    seq = inputs.shape[1]
+    if not 0 <= scored_from < seq:
+        raise MeasureError(f"scored_from must be in [0, {seq}) for windows of {seq} tokens, got {scored_from}")
+    return inputs.astype(np.int64, copy=False), targets
+
+
+def _check_logits(logits: np.ndarray, batch: np.ndarray) -> np.ndarray:
+    logits = np.asarray(logits)
+    if logits.ndim != 3 or logits.shape[:2] != batch.shape:
+        raise MeasureError(f"model returned logits of shape {logits.shape} for input of shape {batch.shape}; "
+                           f"expected [batch, seq, vocab]")
+    if not np.isfinite(logits).all():
+        raise MeasureError("model returned non-finite logits (NaN or inf); the model is broken "
+                           "(for INT8 models check the quantization scales)")
+    return logits
+
+
+def _check_vocab(targets: np.ndarray, vocab: int) -> None:
+    if targets.max() >= vocab:
+        raise MeasureError(f"a target id {int(targets.max())} is outside the model's vocabulary of {vocab}")
+
+
+# --- core math (numpy, float64) -------------------------------------------------------------
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """log softmax over the last axis in float64 (the max is subtracted first, so it never overflows)."""
+    x = np.asarray(logits, dtype=np.float64)
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def _target_nll(logp: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """-log p(target) per position: ``logp`` [..., vocab], ``targets`` [...] -> [...]."""
+    return -np.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+
+
+def _ppl_result(nll_sum: float, count: int) -> PerplexityResult:
+    mean = nll_sum / count
+    return PerplexityResult(ppl=math.exp(mean), bits_per_byte=mean / math.log(2), mean_nll=mean, n_scored=count)
+
+
+# --- ONNX Runtime ---------------------------------------------------------------------------
+
+def run_logits(session: _Session, inputs: np.ndarray, batch_size: int = 16) -> Iterator[np.ndarray]:
+    """Run ``inputs`` [windows, seq] through the session ``batch_size`` windows at a time; yield the
+    logits [b, seq, vocab] of each batch in order."""
+    inputs, _ = _check_windows(inputs, None, 0, batch_size)
+    name = session.get_inputs()[0].name
+    for lo in range(0, inputs.shape[0], batch_size):
+        batch = np.ascontiguousarray(inputs[lo:lo + batch_size])
+        try:
+            out = session.run(None, {name: batch})[0]
+        except MeasureError:
+            raise
+        except Exception as exc:
+            raise MeasureError(f"running the model on a batch of shape {batch.shape} failed: "
+                               f"{' '.join(str(exc).split())[:300]}") from exc
+        yield _check_logits(out, batch)
+
+
+def perplexity(session: _Session, inputs: np.ndarray, targets: np.ndarray, *, scored_from: int = 0,
+               batch_size: int = 16) -> PerplexityResult:
+    """Perplexity and bits per byte of one model over the scored positions (FORMULAS.md)."""
+    inputs, targets = _check_windows(inputs, targets, scored_from, batch_size)
+    nll_sum, count, lo = 0.0, 0, 0
+    for logits in run_logits(session, inputs, batch_size):
+        hi = lo + logits.shape[0]
+        tgt = targets[lo:hi, scored_from:]
+        _check_vocab(tgt, logits.shape[-1])
+        nll = _target_nll(log_softmax(logits[:, scored_from:]), tgt)
+        nll_sum += float(nll.sum())
+        count += nll.size
+        lo = hi
+    return _ppl_result(nll_sum, count)
+
+
+def compare(fp32_session: _Session, int8_session: _Session, inputs: np.ndarray, targets: np.ndarray, *,
+            scored_from: int = 0, batch_size: int = 16) -> AccuracyResult:
+    """FP32 vs INT8 on the same windows: both perplexities and their ratio, KL(p_fp32 || p_int8)
+    mean / p99 / max, and top-1 agreement, all over the same scored positions.
+
+    Run both sessions with the same SessionSpec (FORMULAS.md; pitfall 2 shows why it matters).
+    """
+    inputs, targets = _check_windows(inputs, targets, scored_from, batch_size)
+    nll_p = nll_q = 0.0
+    agree = 0
+    klds: list[np.ndarray] = []  # one float per scored position: small next to the logits
+    lo = 0
+    for logits_p, logits_q in zip(run_logits(fp32_session, inputs, batch_size),
+                                  run_logits(int8_session, inputs, batch_size), strict=True):
+        if logits_p.shape != logits_q.shape:
+            raise MeasureError(f"FP32 and INT8 logits differ in shape: {logits_p.shape} vs {logits_q.shape}")
+        hi = lo + logits_p.shape[0]
+        tgt = targets[lo:hi, scored_from:]
+        _check_vocab(tgt, logits_p.shape[-1])
+        logp = log_softmax(logits_p[:, scored_from:])
+        logq = log_softmax(logits_q[:, scored_from:])
+        nll_p += float(_target_nll(logp, tgt).sum())
+        nll_q += float(_target_nll(logq, tgt).sum())
+        kl = (np.exp(logp) * (logp - logq)).sum(axis=-1)
+        # KL >= 0 exactly; float64 rounding can leave -1e-17 for identical distributions.
+        klds.append(np.maximum(kl, 0.0).ravel())
+        agree += int((logits_p[:, scored_from:].argmax(-1) == logits_q[:, scored_from:].argmax(-1)).sum())
+        lo = hi
+    kld = np.concatenate(klds)
+    n = kld.size
+    p, q = _ppl_result(nll_p, n), _ppl_result(nll_q, n)
+    return AccuracyResult(
+        ppl_fp32=p.ppl, ppl_int8=q.ppl, ppl_ratio=q.ppl / p.ppl,
+        kld_mean=float(kld.mean()), kld_p99=float(np.percentile(kld, 99)), kld_max=float(kld.max()),
+        top1_agreement=agree / n, n_scored=n,
+        bits_per_byte_fp32=p.bits_per_byte, bits_per_byte_int8=q.bits_per_byte,
+    )
+
+
+# --- PyTorch (the trainer's final evaluation, same protocol) --------------------------------
+
+def torch_perplexity(model, inputs: np.ndarray, targets: np.ndarray, scored_from: int = 0,
+                     batch_size: int = 16) -> PerplexityResult:
+    """``perplexity`` for a PyTorch CausalLM (input ids [b, seq] -> logits [b, seq, vocab]).
+
+    Runs under torch.no_grad on the model's device, in eval mode (restored afterwards), with the
+    log-softmax in float64 like the ONNX path so the two agree to rounding.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    inputs, targets = _check_windows(inputs, targets, scored_from, batch_size)
+    try:
+        device = next(model.parameters()).device
+    except StopIteration:
+        device = torch.device("cpu")
+    was_training = model.training
+    model.eval()
+    nll_sum, count = 0.0, 0
+    try:
+        with torch.no_grad():
+            for lo in range(0, inputs.shape[0], batch_size):
+                x = torch.from_numpy(np.ascontiguousarray(inputs[lo:lo + batch_size])).to(device)
+                tgt = targets[lo:lo + batch_size, scored_from:]
+                logits = model(x)
+                if logits.ndim != 3 or tuple(logits.shape[:2]) != tuple(x.shape):
+                    raise MeasureError(f"model returned logits of shape {tuple(logits.shape)} for input of "
+                                       f"shape {tuple(x.shape)}; expected [batch, seq, vocab]")
+                if not torch.isfinite(logits).all():
+                    raise MeasureError("model returned non-finite logits (NaN or inf); the model is broken")
+                _check_vocab(tgt, logits.shape[-1])
+                logits = logits[:, scored_from:].double()
+                nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                      torch.from_numpy(tgt.reshape(-1)).to(device), reduction="sum")
+                nll_sum += float(nll)
+                count += tgt.size
+    finally:
+        model.train(was_training)
+    return _ppl_result(nll_sum, count)

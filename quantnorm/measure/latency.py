@@ -1,0 +1,258 @@
+"""Latency per execution provider: warm-up, p50/p90/p99, throughput, size, peak memory, placement.
+
+Rules this module keeps (``shared/PITFALLS.md`` 3, 4, 6):
+- a provider that cannot run here gives a row ``status: "not measured: <reason>"`` with no
+  numbers; a CPU timing is never written under a GPU provider's name;
+- a QDQ model on the CUDA provider is simulated quantization (ORT's CUDA provider has INT8
+  kernels only for QuantizeLinear, DequantizeLinear and MatMulInteger): the row says so;
+- which provider ran each node comes from ORT's own profile (``node_providers``), since a
+  provider also hands the nodes it cannot run to the CPU without saying so.
+No thresholds here: the numbers are reported, the gate judges them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..data import BOS
+from ..errors import MeasureError
+from .sessions import CPU, CUDA, TENSORRT, ProviderUnavailable, SessionSpec, make_session, provider_status
+
+MEASURED = "measured"
+NOT_MEASURED = "not measured: "
+
+# Keys that only a measured row may carry (RESULTS.md: a not-measured row has no timing keys).
+_MEASUREMENT_KEYS = ("p50_ms", "p90_ms", "p99_ms", "mean_ms", "tokens_per_s", "iterations",
+                     "peak_rss_mb", "node_providers", "node_ops")
+
+# Op types that make a graph quantized; the first group is the QDQ format (float ops between
+# Q/DQ pairs), the second the operator format (integer kernels).
+_QDQ_OPS = {"QuantizeLinear", "DequantizeLinear"}
+_INTEGER_OPS = {"MatMulInteger", "DynamicQuantizeLinear", "QLinearMatMul", "QLinearConv", "ConvInteger",
+                "MatMulIntegerToFloat", "QAttention", "DynamicQuantizeMatMul", "QGemm"}
+
+_SIMULATED_NOTE = ("CUDA EP has INT8 kernels only for QuantizeLinear/DequantizeLinear/MatMulInteger: "
+                   "the QDQ graph runs as simulated quantization (float math between Q/DQ)")
+_TENSORRT_NOTE = "TensorRT runs INT8 only where it builds INT8 engines from the Q/DQ nodes: see node_providers"
+_GPU_NOTE = "includes host<->device copies of input_ids and logits"
+
+
+@dataclass(frozen=True)
+class LatencyRow:
+    provider: str
+    variant: str  # "fp32" or the recipe name
+    batch: int
+    seq: int
+    status: str  # "measured" or "not measured: <reason>"
+    p50_ms: float | None = None
+    p90_ms: float | None = None
+    p99_ms: float | None = None
+    mean_ms: float | None = None
+    tokens_per_s: float | None = None  # batch * seq / mean seconds per run
+    threads: int | None = None  # intra-op threads asked for (None: ORT default)
+    iterations: int | None = None  # timed runs (after warm-up)
+    size_bytes: int | None = None  # model file on disk
+    peak_rss_mb: float | None = None  # process-wide high-water mark after the run, not this model alone
+    node_providers: dict | None = None  # nodes per provider, from ORT's profile
+    simulated_int8: bool = False
+    note: str = ""
+    node_ops: dict | None = None  # {provider: {op_type: nodes}}, from the same profile
+
+    def __post_init__(self) -> None:
+        if self.status != MEASURED and not self.status.startswith(NOT_MEASURED):
+            raise ValueError(f"status must be {MEASURED!r} or start with {NOT_MEASURED!r}, got {self.status!r}")
+        if self.status != MEASURED and any(getattr(self, k) is not None for k in _MEASUREMENT_KEYS):
+            raise ValueError("a row that was not measured cannot carry timings")
+
+    @property
+    def measured(self) -> bool:
+        return self.status == MEASURED
+
+    def to_dict(self) -> dict:
+        """A ``latency`` row of results.json; None fields are left out, and a not-measured row
+        carries no timing keys."""
+        out = {k: v for k, v in asdict(self).items() if v is not None}
+        if not self.note:
+            out.pop("note", None)
+        if not self.measured:
+            for key in _MEASUREMENT_KEYS:
+                out.pop(key, None)
+        return out
+
+
+def not_measured(provider: str, variant: str, batch: int, seq: int, reason: str, **extra) -> LatencyRow:
+    return LatencyRow(provider=provider, variant=variant, batch=batch, seq=seq, status=NOT_MEASURED + reason, **extra)
+
+
+# --- model facts ----------------------------------------------------------------------------
+
+def quant_format(path: str | os.PathLike) -> str | None:
+    """``"qdq"``, ``"operator"`` (integer kernels such as MatMulInteger) or None for a float model."""
+    import onnx
+
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as exc:
+        raise MeasureError(f"cannot read ONNX model {path}: {' '.join(str(exc).split())[:200]}") from exc
+    ops = {node.op_type for node in model.graph.node}
+    for fn in model.functions:  # the dynamo exporter may keep local functions
+        ops |= {node.op_type for node in fn.node}
+    if ops & _INTEGER_OPS:
+        return "operator"
+    if ops & _QDQ_OPS:
+        return "qdq"
+    return None
+
+
+def random_input_ids(session, batch: int, seq: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """A seeded, valid feed: BOS then random bytes, int64 [batch, seq] (protocol-shaped input)."""
+    inp = session.get_inputs()[0]
+    if inp.type != "tensor(int64)":
+        raise MeasureError(f"model input {inp.name!r} is {inp.type}, expected tensor(int64) token ids")
+    vocab = session.get_outputs()[0].shape[-1]
+    high = min(vocab, 256) if isinstance(vocab, int) else 256
+    ids = np.random.default_rng(seed).integers(0, high, size=(batch, seq), dtype=np.int64)
+    if not isinstance(vocab, int) or vocab > BOS:
+        ids[:, 0] = BOS
+    return {inp.name: ids}
+
+
+def peak_rss_mb() -> float:
+    """The process's peak resident set size so far, in MiB (process-wide, includes every model)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # Linux reports KiB, macOS bytes.
+    return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024
+
+
+def _run(session, feed: dict, path: Path, batch: int, seq: int) -> None:
+    try:
+        session.run(None, feed)
+    except Exception as exc:
+        raise MeasureError(f"running {path} on input [{batch}, {seq}] failed: "
+                           f"{' '.join(str(exc).split())[:300]} (is seq within the model's context?)") from exc
+
+
+# --- node placement -------------------------------------------------------------------------
+
+def _profile_placement(path: str | os.PathLike, spec: SessionSpec, batch: int = 1,
+                       seq: int = 1) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
+    """Run once with ORT's profiler and read which provider ran each node (``Node`` events)."""
+    with tempfile.TemporaryDirectory(prefix="quantnorm-profile-") as tmp:
+        session = make_session(path, spec, profile=True, profile_prefix=Path(tmp) / "ort")
+        _run(session, random_input_ids(session, batch, seq), Path(path), batch, seq)
+        profile = Path(session.end_profiling())
+        try:
+            events = json.loads(profile.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise MeasureError(f"cannot read ORT profile {profile}: {exc}") from exc
+        # The temporary directory (and the profile in it) is deleted on exit.
+    nodes: dict[str, tuple[str, str]] = {}
+    for event in events:
+        name = event.get("name", "")
+        if event.get("cat") != "Node" or not name.endswith("_kernel_time"):
+            continue
+        args = event.get("args", {})
+        # One entry per node even if a subgraph ran it several times.
+        nodes[name[: -len("_kernel_time")]] = (args.get("provider", "unknown"), args.get("op_name", "unknown"))
+    per_provider = Counter(provider for provider, _ in nodes.values())
+    per_op: dict[str, Counter] = {}
+    for provider, op in nodes.values():
+        per_op.setdefault(provider, Counter())[op] += 1
+    return dict(sorted(per_provider.items())), {p: dict(sorted(c.items())) for p, c in sorted(per_op.items())}
+
+
+def node_placement(path: str | os.PathLike, spec: SessionSpec, *, batch: int = 1, seq: int = 1) -> dict[str, int]:
+    """Nodes per provider (after graph optimization) when the model at ``path`` runs under ``spec``."""
+    return _profile_placement(path, spec, batch, seq)[0]
+
+
+# --- benchmarks -----------------------------------------------------------------------------
+
+def bench_model(path: str | os.PathLike, *, variant: str, spec: SessionSpec, batch: int, seq: int,
+                warmup: int = 5, iters: int = 30, is_quantized: bool | None = None, progress: bool = False,
+                record_placement: bool = True, seed: int = 0) -> LatencyRow:
+    """Time ``iters`` runs (after ``warmup``) of the model at ``path`` on random ids [batch, seq].
+
+    Returns a ``not measured`` row when the provider cannot run here; raises MeasureError when
+    the file is missing or corrupt or the run fails. ``is_quantized`` None: read from the graph.
+    """
+    path = Path(path)
+    if batch < 1 or seq < 1 or warmup < 0 or iters < 1:
+        raise MeasureError(f"need batch >= 1, seq >= 1, warmup >= 0, iters >= 1; got {batch}, {seq}, {warmup}, {iters}")
+    if not path.is_file():
+        raise MeasureError(f"model file not found: {path}")
+    base = {"provider": spec.provider, "variant": variant, "batch": batch, "seq": seq,
+            "threads": spec.threads, "size_bytes": path.stat().st_size}
+    reason = provider_status(spec.provider)
+    if reason is not None:
+        return not_measured(reason=reason, **base)
+    try:
+        session = make_session(path, spec)
+    except ProviderUnavailable as exc:
+        return not_measured(reason=str(exc), **base)
+
+    fmt = quant_format(path)
+    quantized = (fmt is not None) if is_quantized is None else is_quantized
+    notes: list[str] = []
+    simulated = False
+    if spec.provider == CUDA and quantized and fmt != "operator":
+        simulated = True
+        notes.append(_SIMULATED_NOTE)
+    if spec.provider == TENSORRT and quantized:
+        notes.append(_TENSORRT_NOTE)
+    if spec.provider != CPU:
+        notes.append(_GPU_NOTE)
+
+    feed = random_input_ids(session, batch, seq, seed)
+    times = np.empty(iters, dtype=np.float64)
+    from tqdm import tqdm
+
+    label = f"{variant} {spec.provider.replace('ExecutionProvider', '')} b{batch}x{seq}"
+    with tqdm(total=warmup + iters, desc=label, disable=not progress, leave=False, unit="run") as bar:
+        for _ in range(warmup):
+            _run(session, feed, path, batch, seq)
+            bar.update()
+        for i in range(iters):
+            start = time.perf_counter()
+            _run(session, feed, path, batch, seq)
+            times[i] = time.perf_counter() - start
+            bar.update()
+    del session  # free its arena before a profiling session is built
+
+    node_providers = node_ops = None
+    if record_placement:
+        node_providers, node_ops = _profile_placement(path, spec, batch, seq)
+    p50, p90, p99 = np.percentile(times * 1e3, [50, 90, 99])
+    mean_s = float(times.mean())
+    return LatencyRow(
+        **base, status=MEASURED,
+        p50_ms=float(p50), p90_ms=float(p90), p99_ms=float(p99), mean_ms=mean_s * 1e3,
+        tokens_per_s=batch * seq / mean_s, iterations=iters, peak_rss_mb=round(peak_rss_mb(), 1),
+        node_providers=node_providers, node_ops=node_ops, simulated_int8=simulated, note="; ".join(notes),
+    )
+
+
+def bench_grid(models: dict[str, Path], providers: list[str], batches: list[int], seq: int, *,
+               threads: int | None = None, graph_optimization_level: str = "ORT_ENABLE_ALL",
+               warmup: int = 5, iters: int = 30, progress: bool = False,
+               record_placement: bool = True) -> list[LatencyRow]:
+    """Every (provider, variant, batch) combination; ``models`` maps a variant name ("fp32", a
+    recipe name) to its ONNX file. Unusable providers give ``not measured`` rows."""
+    rows: list[LatencyRow] = []
+    for provider in providers:
+        spec = SessionSpec(provider=provider, graph_optimization_level=graph_optimization_level, threads=threads)
+        for variant, path in models.items():
+            for batch in batches:
+                rows.append(bench_model(path, variant=variant, spec=spec, batch=batch, seq=seq, warmup=warmup,
+                                        iters=iters, progress=progress, record_placement=record_placement))
+    return rows

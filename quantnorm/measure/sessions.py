@@ -1,0 +1,287 @@
+"""ONNX Runtime sessions that are what they say they are.
+
+onnxruntime-gpu lists the CUDA and TensorRT providers even where no GPU or CUDA library exists,
+and a session asked for them quietly runs on the CPU (pitfall 3). Everything here therefore
+checks the providers a session actually got, and turns a fallback into ``ProviderUnavailable``
+so that no CPU timing is ever labelled as a GPU one.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnxruntime as ort
+
+from ..errors import ConfigError, MeasureError
+
+PROVIDERS: dict[str, str] = {
+    "cpu": "CPUExecutionProvider",
+    "cuda": "CUDAExecutionProvider",
+    "tensorrt": "TensorrtExecutionProvider",
+}
+CPU = PROVIDERS["cpu"]
+CUDA = PROVIDERS["cuda"]
+TENSORRT = PROVIDERS["tensorrt"]
+
+# Providers tried after the requested one, for the nodes it cannot run. CPU always comes last;
+# TensorRT hands what it rejects to CUDA first (the usual ORT setup), so they stay on the GPU.
+_FALLBACK_CHAIN: dict[str, tuple[str, ...]] = {
+    CPU: (),
+    CUDA: (CPU,),
+    TENSORRT: (CUDA, CPU),
+}
+
+OPT_LEVELS: dict[str, ort.GraphOptimizationLevel] = {
+    "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+    "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+    "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+    "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+}
+# results.json records the ORT spelling ("ORT_ENABLE_ALL"); accept both spellings on input.
+_OPT_BY_ORT_NAME = {level.name: level for level in OPT_LEVELS.values()}
+
+
+class ProviderUnavailable(MeasureError):
+    """The requested execution provider cannot run here (no device, missing libraries, fell back)."""
+
+
+def normalize_provider(name: str) -> str:
+    """A short name (``cpu``, ``cuda``, ``tensorrt``) or an ORT name -> the ORT name."""
+    key = name.strip()
+    if key.lower() in PROVIDERS:
+        return PROVIDERS[key.lower()]
+    if key in PROVIDERS.values():
+        return key
+    choices = ", ".join(f"{short} ({full})" for short, full in PROVIDERS.items())
+    raise ConfigError(f"unknown execution provider {name!r}: choose one of {choices}")
+
+
+def normalize_opt_level(name: str) -> str:
+    """A short name (``disable``/``basic``/``extended``/``all``) or an ORT name -> the ORT name."""
+    key = name.strip()
+    if key.lower() in OPT_LEVELS:
+        return OPT_LEVELS[key.lower()].name
+    if key.upper() in _OPT_BY_ORT_NAME:
+        return key.upper()
+    choices = ", ".join(f"{short} ({level.name})" for short, level in OPT_LEVELS.items())
+    raise ConfigError(f"unknown graph optimization level {name!r}: choose one of {choices}")
+
+
+@dataclass(frozen=True)
+class SessionSpec:
+    """How a model is run: provider, graph optimization level, intra-op threads (None: ORT default).
+
+    Accuracy must be measured with the options used in deployment (pitfall 2), so FP32 and INT8
+    share one spec, and results.json records it next to every number.
+    """
+
+    provider: str = CPU
+    graph_optimization_level: str = "ORT_ENABLE_ALL"
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        # Frozen: store the canonical spellings through object.__setattr__.
+        object.__setattr__(self, "provider", normalize_provider(self.provider))
+        object.__setattr__(self, "graph_optimization_level", normalize_opt_level(self.graph_optimization_level))
+        if self.threads is not None and (isinstance(self.threads, bool) or int(self.threads) < 1):
+            raise ConfigError(f"threads must be >= 1 (or omitted for the ONNX Runtime default), got {self.threads}")
+
+    @property
+    def providers(self) -> list[str]:
+        """The provider list handed to ORT: the requested one first, CPU last."""
+        return [self.provider, *_FALLBACK_CHAIN[self.provider]]
+
+    def to_dict(self) -> dict:
+        return {"provider": self.provider, "graph_optimization_level": self.graph_optimization_level,
+                "threads": self.threads}
+
+    def session_options(self) -> ort.SessionOptions:
+        opts = ort.SessionOptions()
+        opts.graph_optimization_level = _OPT_BY_ORT_NAME[self.graph_optimization_level]
+        if self.threads is not None:
+            opts.intra_op_num_threads = int(self.threads)
+        # One graph, run sequentially: inter-op threads would only add noise to timings.
+        opts.inter_op_num_threads = 1
+        # Errors only: ORT's warnings (e.g. "some nodes were not assigned to the preferred EP")
+        # are reported by node_placement as numbers instead.
+        opts.log_severity_level = 3
+        return opts
+
+
+def resolve_providers(names: list[str] | None) -> list[str]:
+    """Short or ORT provider names -> ORT names (duplicates dropped, order kept).
+
+    None means every provider that is usable here (always includes CPU). An unknown name is a
+    ConfigError that lists the choices; a known but unusable one is kept, so that the benchmark
+    can say why it was not measured.
+    """
+    if names is None:
+        return [p for p in PROVIDERS.values() if provider_status(p) is None]
+    resolved: list[str] = []
+    for name in names:
+        full = normalize_provider(name)
+        if full not in resolved:
+            resolved.append(full)
+    return resolved
+
+
+# --- provider probing -----------------------------------------------------------------------
+
+_STATUS_CACHE: dict[str, str | None] = {}
+
+
+@contextmanager
+def _capture_native_output() -> Iterator[list[str]]:
+    """Redirect file descriptors 1 and 2 (where ORT's C++ logger and its Python fallback notice
+    write) into a temporary file; the list receives the captured text on exit.
+
+    A probe that fails is expected, and its "EP Error" banner would only alarm the user; the text
+    is still used to explain why the provider is unusable.
+    """
+    captured: list[str] = []
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    with tempfile.TemporaryFile(mode="w+b") as sink:
+        try:
+            os.dup2(sink.fileno(), 1)
+            os.dup2(sink.fileno(), 2)
+            yield captured
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+            sink.seek(0)
+            captured.append(sink.read().decode("utf-8", errors="replace"))
+
+
+def _probe_model_bytes() -> bytes:
+    """A one-node float model (y = x + x): every provider can run it, and it builds in no time."""
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])
+    graph = helper.make_graph([helper.make_node("Add", ["x", "x"], ["y"])], "probe", [x], [y])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8  # readable by every ORT this project supports
+    return model.SerializeToString()
+
+
+def _reason_from_log(text: str) -> str | None:
+    """A short reason from ORT's failure log, e.g. 'missing library libcublasLt.so.13'."""
+    missing = re.search(r"error: (lib[\w.\-+]+\.so[\w.]*): cannot open shared object file", text)
+    if missing:
+        return f"missing library {missing.group(1)}"
+    require = re.search(r"(Require cuDNN[^.]*\.[^.]*\.\*)", text)
+    if require:
+        return require.group(1)
+    return None
+
+
+def _probe(provider: str) -> str | None:
+    """Create a tiny session with ``provider`` and report why it did not load, or None."""
+    import numpy as np
+
+    chain = [provider, *_FALLBACK_CHAIN[provider]]
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    error: str | None = None
+    actual: list[str] = []
+    with _capture_native_output() as log:
+        try:
+            sess = ort.InferenceSession(_probe_model_bytes(), opts, providers=chain, enable_fallback=0)
+            actual = list(sess.get_providers())
+            if actual and actual[0] == provider:
+                sess.run(None, {"x": np.ones((1, 4), dtype=np.float32)})
+        except Exception as exc:  # noqa: BLE001 -- any failure means "not usable"; the message says why
+            error = _one_line(exc)
+    text = log[0] if log else ""
+    if error is None and actual and actual[0] == provider:
+        return None
+    why = _reason_from_log(text) or _reason_from_log(error or "") or error
+    short = provider.replace("ExecutionProvider", "")
+    return f"{short} provider failed to load ({why})" if why else f"{short} provider did not load (ORT fell back to {actual})"
+
+
+def provider_status(provider: str) -> str | None:
+    """None when ``provider`` is usable here, else a short reason (``"no CUDA device"``, ...).
+
+    Cached per process. CUDA and TensorRT need a visible NVIDIA GPU (nvidia-smi or a driver
+    device node) and must really load on a tiny probe session: the wheel lists them either way.
+    """
+    provider = normalize_provider(provider)
+    if provider in _STATUS_CACHE:
+        return _STATUS_CACHE[provider]
+    from ..hardware import gpu_device_present
+
+    status: str | None
+    if provider == CPU:
+        status = None
+    elif provider not in ort.get_available_providers():
+        status = f"not built into this onnxruntime {ort.__version__} (available: {', '.join(ort.get_available_providers())})"
+    elif provider in (CUDA, TENSORRT) and not gpu_device_present():
+        status = "no CUDA device"
+    else:
+        status = _probe(provider)
+    _STATUS_CACHE[provider] = status
+    return status
+
+
+# --- sessions -------------------------------------------------------------------------------
+
+_MODEL_ERRORS = ("InvalidProtobuf", "InvalidGraph", "InvalidArgument", "NoSuchFile", "NotImplemented")
+
+
+def _one_line(exc: BaseException) -> str:
+    """An exception's message on one line, without ORT's '[ONNXRuntimeError] : 7 : X :' prefix."""
+    text = " ".join(str(exc).split())
+    text = re.sub(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ", "", text)
+    return text[:300] + ("..." if len(text) > 300 else "")
+
+
+def make_session(path: str | os.PathLike, spec: SessionSpec, *, profile: bool = False,
+                 profile_prefix: str | os.PathLike | None = None) -> ort.InferenceSession:
+    """An ORT session for the model at ``path`` that really runs on ``spec.provider``.
+
+    Raises MeasureError (one line naming the file) when the file is missing, truncated or not an
+    ONNX model, and ProviderUnavailable when the provider cannot run here or ORT fell back to
+    another one. ``profile`` turns on ORT's JSON profiler (files start with ``profile_prefix``).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise MeasureError(f"model file not found: {path}")
+    if path.stat().st_size == 0:
+        raise MeasureError(f"model file is empty: {path} (re-run the export/quantize step)")
+    status = provider_status(spec.provider)
+    if status is not None:
+        raise ProviderUnavailable(f"{spec.provider} is unavailable: {status}")
+    opts = spec.session_options()
+    if profile:
+        opts.enable_profiling = True
+        if profile_prefix is not None:
+            opts.profile_file_prefix = str(profile_prefix)
+    try:
+        # enable_fallback=0: a provider error raises instead of silently retrying on the CPU.
+        session = ort.InferenceSession(str(path), opts, providers=spec.providers, enable_fallback=0)
+    except Exception as exc:
+        kind = type(exc).__name__
+        if kind in _MODEL_ERRORS or spec.provider == CPU:
+            raise MeasureError(
+                f"cannot load ONNX model {path}: {_one_line(exc)} (the file is truncated, corrupt or not an "
+                f"ONNX model; re-run the export/quantize step)"
+            ) from exc
+        raise ProviderUnavailable(f"{spec.provider} failed to create a session for {path}: {_one_line(exc)}") from exc
+    actual = list(session.get_providers())
+    if not actual or actual[0] != spec.provider:
+        raise ProviderUnavailable(f"{spec.provider} was requested for {path} but ONNX Runtime loaded {actual}")
+    return session

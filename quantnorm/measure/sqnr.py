@@ -1,0 +1,298 @@
+"""Per-tensor quantization error (SQNR) of a QDQ INT8 model, and its link to outliers.
+
+``SQNR = 10 * log10(sum(x^2) / sum((x - x_q)^2))`` in dB (shared FORMULAS.md), summed over all
+entries of all probed windows. For each activation tensor the INT8 model quantizes:
+
+- ``sqnr_db``: x = the tensor in the FP32 model, x_q = its dequantized value inside the INT8
+  model (``post_qdq``). This is the error the next op really sees: this tensor's rounding plus
+  everything accumulated upstream.
+- ``sqnr_local_db``: x = the INT8 model's own float tensor just before its QuantizeLinear
+  (``pre_qdq``), x_q = ``post_qdq``: the rounding/clipping noise of this tensor alone, which is
+  what its outliers (a per-tensor scale stretched by one channel) explain.
+
+No noise or no signal (an all-zero tensor) has no finite SQNR: stored as None (JSON null). No
+noise is common for ``sqnr_local_db``: the quantizer re-quantizes a Transpose/Reshape of an
+already dequantized tensor with the same scale, which is exact.
+
+Pairs come from ``onnxruntime.quantization.qdq_loss_debug``: ``modify_model_output_intermediate_
+tensors`` exposes the INT8 model's QuantizeLinear inputs and DequantizeLinear outputs and
+``create_activation_matching`` pairs them with the FP32 tensors. Models run with graph
+optimizations off, as ``collect_activations`` does, so QDQ pairs are not fused away: this is the
+simulated (QDQ) error, not a fused INT8 kernel's (the accuracy metrics measure those).
+We run the sessions ourselves instead of calling ``collect_activations`` because it keeps every
+batch of every tensor in memory; here each batch is reduced to running sums and dropped.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from collections.abc import Collection, Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import numpy_helper
+from onnxruntime.quantization import qdq_loss_debug
+from scipy import stats as scipy_stats
+
+from ..errors import MeasureError
+from .outliers import TensorAccumulator
+
+# The suffix qdq_loss_debug gives the flattened copies it adds as graph outputs.
+_SAVED_SUFFIX: str = getattr(qdq_loss_debug, "_TENSOR_SAVE_POSTFIX", "_ReshapedSavedOutput")
+# A graph output that gets quantized keeps its name on the DQ output; its float input is renamed.
+_Q_INPUT_SUFFIX = "_QuantizeLinear_Input"
+
+
+def sqnr_db(x: np.ndarray, x_q: np.ndarray) -> float | None:
+    """SQNR in dB of one pair of tensors; None when exact or when ``x`` is all zeros."""
+    acc = _SqnrSums()
+    acc.add(x, x_q)
+    return acc.db()
+
+
+class _SqnrSums:
+    """Running sum(x^2) and sum((x - x_q)^2) in float64, so batches never need to be kept."""
+
+    def __init__(self) -> None:
+        self.signal = 0.0
+        self.noise = 0.0
+        self.n = 0
+
+    def add(self, x: np.ndarray, x_q: np.ndarray) -> None:
+        x = np.asarray(x, dtype=np.float64).reshape(-1)
+        x_q = np.asarray(x_q, dtype=np.float64).reshape(-1)
+        if x.shape != x_q.shape:
+            raise MeasureError(f"SQNR pair has {x.size} vs {x_q.size} values: not the same tensor")
+        self.signal += float(np.dot(x, x))
+        self.noise += float(np.dot(x - x_q, x - x_q))
+        self.n += x.size
+
+    def db(self) -> float | None:
+        if self.noise <= 0.0 or self.signal <= 0.0:
+            return None
+        return 10.0 * math.log10(self.signal / self.noise)
+
+
+def _batches(inputs: np.ndarray, batch_size: int) -> Iterator[np.ndarray]:
+    inputs = np.asarray(inputs)
+    if inputs.ndim == 1:
+        inputs = inputs[None]
+    if len(inputs) == 0:
+        raise MeasureError("no input windows to run")
+    if batch_size < 1:
+        raise MeasureError(f"batch_size must be >= 1, got {batch_size}")
+    for start in range(0, len(inputs), batch_size):
+        yield inputs[start:start + batch_size]
+
+
+def _session(path: Path) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    # As qdq_loss_debug.collect_activations: no fusion, so every QDQ tensor exists as written.
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    try:
+        return ort.InferenceSession(str(path), sess_options=options, providers=["CPUExecutionProvider"])
+    except Exception as exc:  # onnxruntime raises its own untyped errors
+        raise MeasureError(f"cannot load ONNX model {path}: {exc}") from exc
+
+
+def _feed(session: ort.InferenceSession, batch: np.ndarray) -> dict[str, np.ndarray]:
+    return {session.get_inputs()[0].name: batch.astype(np.int64)}
+
+
+def _expose_tensors(model_path: Path, names: Sequence[str], out_path: Path) -> None:
+    """Copy of the model with ``names`` added as graph outputs, shapes kept (unlike the flattened
+    outputs qdq_loss_debug adds), so each sample can be taken from the batch axis."""
+    model = onnx.load(str(model_path))
+    inferred = onnx.shape_inference.infer_shapes(model)
+    elem_types = {vi.name: vi.type.tensor_type.elem_type
+                  for vi in [*inferred.graph.value_info, *inferred.graph.output, *inferred.graph.input]}
+    produced = {o for node in model.graph.node for o in node.output} | {i.name for i in model.graph.input}
+    existing = {o.name for o in model.graph.output}
+    for name in names:
+        if name not in produced:
+            raise MeasureError(f"tensor {name!r} is not produced by any node of {model_path}")
+        if name not in existing:
+            model.graph.output.append(
+                onnx.helper.make_tensor_value_info(name, elem_types.get(name, onnx.TensorProto.FLOAT), None))
+    onnx.save(model, str(out_path))
+
+
+def _augment_qdq(int8_path: Path, out_path: Path) -> None:
+    """qdq_loss_debug's augmentation for the tensors around QuantizeLinear/DequantizeLinear,
+    minus the constant dequantized weights (a copy of every weight per batch, never paired)."""
+    qdq_loss_debug.modify_model_output_intermediate_tensors(
+        str(int8_path), str(out_path), op_types_for_saving=["QuantizeLinear", "DequantizeLinear"])
+    model = onnx.load(str(out_path))
+    initializers = {init.name for init in model.graph.initializer}
+    weight_outputs = {node.output[0] + _SAVED_SUFFIX for node in model.graph.node
+                      if node.op_type == "DequantizeLinear" and node.input[0] in initializers}
+    kept_nodes = [n for n in model.graph.node if not (n.op_type == "Reshape" and n.output[0] in weight_outputs)]
+    kept_outputs = [o for o in model.graph.output if o.name not in weight_outputs]
+    del model.graph.node[:]
+    model.graph.node.extend(kept_nodes)
+    del model.graph.output[:]
+    model.graph.output.extend(kept_outputs)
+    onnx.save(model, str(out_path))
+
+
+def _run_saved(session: ort.InferenceSession, batch: np.ndarray) -> dict[str, list[np.ndarray]]:
+    """One batch through a qdq_loss_debug-augmented model: {tensor: [values]}, as collect_activations."""
+    names = [o.name for o in session.get_outputs()]
+    values = session.run(names, _feed(session, batch))
+    return {n[:-len(_SAVED_SUFFIX)]: [v] for n, v in zip(names, values) if n.endswith(_SAVED_SUFFIX)}
+
+
+def activation_sqnr(fp32_path: Path, int8_path: Path, inputs: np.ndarray, *, batch_size: int = 8) -> list[dict]:
+    """SQNR of every activation tensor the QDQ model quantizes, in graph order.
+
+    Rows: ``{"tensor": <name in the FP32 model>, "sqnr_db", "sqnr_local_db", "n_values"}``
+    (definitions in the module docstring; ``sqnr_db`` is None too when the FP32 model lacks the
+    tensor). ``inputs``: token windows [n, seq]; use evaluation windows, not calibration ones.
+    """
+    fp32_path, int8_path = Path(fp32_path), Path(int8_path)
+    with tempfile.TemporaryDirectory(prefix="quantnorm-sqnr-") as tmp:
+        aug_int8 = Path(tmp) / "int8.augmented.onnx"
+        _augment_qdq(int8_path, aug_int8)
+        int8_session = _session(aug_int8)
+        fp32_session: ort.InferenceSession | None = None
+        total: dict[str, _SqnrSums] = {}
+        local: dict[str, _SqnrSums] = {}
+        for batch in _batches(inputs, batch_size):
+            qdq_acts = _run_saved(int8_session, batch)
+            pairs = qdq_loss_debug.create_activation_matching(qdq_acts)
+            if fp32_session is None:
+                # Now we know which tensors are quantized: expose exactly those in the FP32 model.
+                fp32_model = onnx.load(str(fp32_path))
+                produced = {o for node in fp32_model.graph.node for o in node.output}
+                float_names = [name for name in pairs if name in produced]
+                aug_fp32 = Path(tmp) / "fp32.augmented.onnx"
+                _expose_tensors(fp32_path, float_names, aug_fp32)
+                fp32_session = _session(aug_fp32)
+            float_outputs = [o.name for o in fp32_session.get_outputs() if o.name in pairs]
+            float_values = fp32_session.run(float_outputs, _feed(fp32_session, batch))
+            pairs = qdq_loss_debug.create_activation_matching(
+                qdq_acts, {n: [v] for n, v in zip(float_outputs, float_values)})
+            for name, pair in pairs.items():
+                post = pair["post_qdq"][0]
+                local.setdefault(name, _SqnrSums()).add(pair["pre_qdq"][0], post)
+                if "float" in pair:
+                    total.setdefault(name, _SqnrSums()).add(pair["float"][0], post)
+        if not local:
+            raise MeasureError(f"{int8_path} has no QuantizeLinear/DequantizeLinear activation pairs: is it a QDQ model?")
+        del int8_session, fp32_session  # release the files before the temp dir goes
+    order = _quantize_order(int8_path)
+    return [
+        {"tensor": name, "sqnr_db": total[name].db() if name in total else None,
+         "sqnr_local_db": local[name].db(), "n_values": local[name].n}
+        for name in sorted(local, key=lambda n: order.get(n, len(order)))
+    ]
+
+
+def _quantize_order(int8_path: Path) -> dict[str, int]:
+    """Graph position of each quantized activation (its QuantizeLinear), for a stable row order."""
+    order: dict[str, int] = {}
+    for node in onnx.load(str(int8_path)).graph.node:
+        if node.op_type == "QuantizeLinear":
+            name = node.input[0].removesuffix(_Q_INPUT_SUFFIX)
+            order.setdefault(name, len(order))
+    return order
+
+
+def onnx_tensor_stats(fp32_path: Path, tensor_names: Sequence[str], inputs: np.ndarray,
+                      *, batch_size: int = 8) -> dict[str, dict]:
+    """Outlier figures of the named tensors of the FP32 ONNX model, per outliers.TensorAccumulator.
+
+    Returns ``{name: {"ratio", "kurtosis", "inf_norm", "median_abs", "rms", "top", ...}}``; one
+    sample is one input window (the batch axis of each tensor).
+    """
+    names = list(dict.fromkeys(tensor_names))
+    if not names:
+        return {}
+    with tempfile.TemporaryDirectory(prefix="quantnorm-stats-") as tmp:
+        augmented = Path(tmp) / "fp32.augmented.onnx"
+        _expose_tensors(Path(fp32_path), names, augmented)
+        session = _session(augmented)
+        accs = {name: TensorAccumulator(name) for name in names}
+        for batch in _batches(inputs, batch_size):
+            for name, value in zip(names, session.run(names, _feed(session, batch))):
+                accs[name].add(value, n_samples=len(batch))
+        del session
+    return {name: acc.finish().metrics() for name, acc in accs.items()}
+
+
+def matmul_input_modules(fp32_path: Path, model) -> dict[str, list[str]]:
+    """Map each ONNX tensor that feeds a weight MatMul to the nn.Linear modules it feeds.
+
+    The exporter renames weights (``val_10`` holds ``blocks.0.attn.q.weight`` transposed), so the
+    match is by value. q, k and v share one input tensor, hence a list. Lets reports label ONNX
+    tensor names the way outliers.probe labels module inputs.
+    """
+    from torch import nn  # only this helper needs torch
+
+    linears = [(name, m.weight.detach().float().cpu().numpy().T)
+               for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    graph = onnx.load(str(fp32_path)).graph
+    weights = {init.name: init for init in graph.initializer}
+    mapping: dict[str, list[str]] = {}
+    for node in graph.node:
+        if node.op_type not in ("MatMul", "Gemm") or len(node.input) < 2 or node.input[1] not in weights:
+            continue
+        w = numpy_helper.to_array(weights[node.input[1]])
+        if node.op_type == "Gemm" and any(a.name == "transB" and a.i for a in node.attribute):
+            w = w.T
+        for name, wt in linears:
+            if wt.shape == w.shape and np.array_equal(wt, w):
+                mapping.setdefault(node.input[0], []).append(name)
+    return mapping
+
+
+def spearman(xs: Sequence[float | None], ys: Sequence[float | None]) -> float | None:
+    """Spearman rank correlation with average ranks for ties, over pairs where both are finite.
+
+    None with fewer than 3 such pairs or when either side is constant (undefined).
+    """
+    pairs = [(float(x), float(y)) for x, y in zip(xs, ys)
+             if x is not None and y is not None and math.isfinite(x) and math.isfinite(y)]
+    if len(pairs) < 3:
+        return None
+    a, b = np.array(pairs).T
+    if np.all(a == a[0]) or np.all(b == b[0]):
+        return None
+    return float(scipy_stats.spearmanr(a, b).statistic)
+
+
+def sqnr_summary(sqnr_rows: list[dict], tensor_stats: dict[str, dict], worst: int = 5,
+                 tensors: Collection[str] | None = None) -> dict:
+    """Does a tensor's outlier figure predict its quantization error?
+
+    Spearman correlations across tensors of ratio and of kurtosis with ``sqnr_db`` (and with
+    ``sqnr_local_db``); a strongly negative value means outlier-heavy tensors quantize worst.
+    ``worst``: the tensors with the lowest ``sqnr_db``, with their outlier figures.
+    ``tensors`` restricts both to those names. Attention probabilities are quantized too and
+    are mostly exact zeros (the causal mask), so their max/median ratio is astronomically large
+    by construction; ``tensors=matmul_input_modules(fp32, model)`` keeps the weight-MatMul inputs.
+    """
+    joined = []
+    for row in sqnr_rows:
+        if tensors is not None and row["tensor"] not in tensors:
+            continue
+        st = tensor_stats.get(row["tensor"], {})
+        joined.append({"tensor": row["tensor"], "sqnr_db": row.get("sqnr_db"),
+                       "sqnr_local_db": row.get("sqnr_local_db"), "ratio": st.get("ratio"),
+                       "kurtosis": st.get("kurtosis"), "inf_norm": st.get("inf_norm")})
+
+    def rho(stat: str, err: str) -> float | None:
+        return spearman([r[stat] for r in joined], [r[err] for r in joined])
+
+    ranked = sorted((r for r in joined if r["sqnr_db"] is not None), key=lambda r: r["sqnr_db"])
+    return {
+        "spearman_ratio_sqnr": rho("ratio", "sqnr_db"),
+        "spearman_kurtosis_sqnr": rho("kurtosis", "sqnr_db"),
+        "spearman_ratio_sqnr_local": rho("ratio", "sqnr_local_db"),
+        "spearman_kurtosis_sqnr_local": rho("kurtosis", "sqnr_local_db"),
+        "n_tensors": sum(1 for r in joined if r["sqnr_db"] is not None and r["ratio"] is not None),
+        "worst": ranked[:worst],
+    }

@@ -1,0 +1,243 @@
+"""measure/sessions.py and measure/latency.py: honest providers, bad files, benchmark rows.
+
+No timing thresholds: the machine is shared and noisy; only the shape of the numbers is checked.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from quantnorm.errors import ConfigError, MeasureError
+from quantnorm.measure import latency, sessions
+from quantnorm.measure.latency import LatencyRow, bench_grid, bench_model, node_placement, quant_format
+from quantnorm.measure.sessions import (
+    PROVIDERS,
+    ProviderUnavailable,
+    SessionSpec,
+    make_session,
+    provider_status,
+    resolve_providers,
+)
+
+CTX = 16
+TIMING_KEYS = {"p50_ms", "p90_ms", "p99_ms", "mean_ms", "tokens_per_s", "iterations", "peak_rss_mb",
+               "node_providers", "node_ops"}
+CUDA_WORKS = provider_status("cuda") is None
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    """A 1-layer CausalLM exported to ONNX, plus a dynamic (MatMulInteger) and a static QDQ INT8 copy."""
+    torch = pytest.importorskip("torch")
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quantize_dynamic, quantize_static
+
+    from quantnorm.models import CausalLM, ModelConfig
+
+    torch.manual_seed(0)
+    model = CausalLM(ModelConfig(n_layers=1, d_model=32, n_heads=2, context=CTX)).eval()
+    d = tmp_path_factory.mktemp("lat")
+    paths = {"fp32": d / "model.fp32.onnx", "dynamic": d / "model.int8.dynamic.onnx", "qdq": d / "model.int8.qdq.onnx"}
+    torch.onnx.export(model, (torch.randint(0, 256, (2, 8)),), str(paths["fp32"]), dynamo=True, external_data=False,
+                      opset_version=18, input_names=["input_ids"], output_names=["logits"],
+                      dynamic_shapes={"input_ids": {0: torch.export.Dim("batch"), 1: torch.export.Dim("seq", max=CTX)}})
+    quantize_dynamic(str(paths["fp32"]), str(paths["dynamic"]), op_types_to_quantize=["MatMul"])
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            rng = np.random.default_rng(0)
+            self.batches = iter([{"input_ids": rng.integers(0, 256, (2, CTX), dtype=np.int64)} for _ in range(2)])
+
+        def get_next(self):
+            return next(self.batches, None)
+
+    quantize_static(str(paths["fp32"]), str(paths["qdq"]), Reader(), quant_format=QuantFormat.QDQ,
+                    op_types_to_quantize=["MatMul"])
+    return paths
+
+
+# --- sessions -------------------------------------------------------------------------------
+
+def test_session_spec_normalizes_and_validates():
+    spec = SessionSpec(provider="cpu", graph_optimization_level="disable", threads=2)
+    assert spec.provider == "CPUExecutionProvider"
+    assert spec.graph_optimization_level == "ORT_DISABLE_ALL"
+    assert spec.to_dict() == {"provider": "CPUExecutionProvider", "graph_optimization_level": "ORT_DISABLE_ALL",
+                              "threads": 2}
+    assert SessionSpec() == SessionSpec(provider="CPUExecutionProvider", graph_optimization_level="all")
+    assert SessionSpec("tensorrt").providers == ["TensorrtExecutionProvider", "CUDAExecutionProvider",
+                                                 "CPUExecutionProvider"]
+    assert SessionSpec("cuda").providers[-1] == "CPUExecutionProvider"
+    with pytest.raises(ConfigError, match="optimization level"):
+        SessionSpec(graph_optimization_level="turbo")
+    with pytest.raises(ConfigError, match="threads"):
+        SessionSpec(threads=0)
+
+
+def test_resolve_providers():
+    assert resolve_providers(["cpu", "cuda", "CPUExecutionProvider"]) == ["CPUExecutionProvider",
+                                                                          "CUDAExecutionProvider"]
+    usable = resolve_providers(None)
+    assert "CPUExecutionProvider" in usable
+    assert all(provider_status(p) is None for p in usable)
+    with pytest.raises(ConfigError) as err:
+        resolve_providers(["rocm"])
+    for short in PROVIDERS:  # the message lists the choices
+        assert short in str(err.value)
+
+
+def test_provider_status_says_why():
+    assert provider_status("cpu") is None
+    for p in ("cuda", "tensorrt"):
+        status = provider_status(p)
+        assert status is None or (isinstance(status, str) and status)
+    if not CUDA_WORKS:
+        assert "CUDAExecutionProvider" not in resolve_providers(None)
+
+
+def test_make_session_runs_on_cpu(models):
+    s = make_session(models["fp32"], SessionSpec(threads=1))
+    assert s.get_providers() == ["CPUExecutionProvider"]
+    logits = s.run(None, {"input_ids": np.zeros((1, 4), dtype=np.int64)})[0]
+    assert logits.shape == (1, 4, 257)
+
+
+@pytest.mark.skipif(CUDA_WORKS, reason="CUDA really works here")
+def test_unavailable_provider_raises(models):
+    with pytest.raises(ProviderUnavailable, match="CUDA"):
+        make_session(models["fp32"], SessionSpec("cuda"))
+
+
+@pytest.mark.skipif(CUDA_WORKS, reason="CUDA really works here")
+def test_silent_fallback_is_caught(models, monkeypatch):
+    """Pitfall 3: with the up-front check bypassed, ORT falls back to CPU; get_providers() catches it."""
+    monkeypatch.setattr(sessions, "provider_status", lambda p: None)
+    with pytest.raises(ProviderUnavailable, match="CUDAExecutionProvider"):
+        make_session(models["fp32"], SessionSpec("cuda"))
+    monkeypatch.setattr(latency, "provider_status", lambda p: None)
+    row = bench_model(models["fp32"], variant="fp32", spec=SessionSpec("cuda"), batch=1, seq=4, warmup=0, iters=1)
+    assert not row.measured and row.p50_ms is None  # never a CPU timing under the CUDA name
+
+
+def _truncated(models, tmp_path) -> Path:
+    data = models["fp32"].read_bytes()
+    bad = tmp_path / "half.onnx"
+    bad.write_bytes(data[: len(data) // 2])
+    return bad
+
+
+@pytest.mark.parametrize("kind", ["truncated", "garbage", "empty", "missing"])
+def test_bad_model_file_is_a_one_line_measure_error(models, tmp_path, kind):
+    if kind == "truncated":
+        path = _truncated(models, tmp_path)
+    else:
+        path = tmp_path / f"{kind}.onnx"
+        if kind == "garbage":
+            path.write_bytes(b"\x00not an onnx model\xff" * 64)
+        elif kind == "empty":
+            path.write_bytes(b"")
+    with pytest.raises(MeasureError) as err:
+        make_session(path, SessionSpec())
+    message = str(err.value)
+    assert str(path) in message and "\n" not in message
+    with pytest.raises(MeasureError):
+        bench_model(path, variant="fp32", spec=SessionSpec(), batch=1, seq=4, warmup=0, iters=1)
+
+
+# --- latency --------------------------------------------------------------------------------
+
+def test_measured_cpu_row(models):
+    row = bench_model(models["fp32"], variant="fp32", spec=SessionSpec(threads=1), batch=2, seq=8, warmup=2, iters=12)
+    assert row.measured and row.status == "measured"
+    assert 0 < row.p50_ms <= row.p90_ms <= row.p99_ms
+    assert row.tokens_per_s > 0 and row.mean_ms > 0
+    assert row.tokens_per_s == pytest.approx(2 * 8 / (row.mean_ms / 1e3))
+    assert row.size_bytes == models["fp32"].stat().st_size
+    assert row.iterations == 12 and row.threads == 1 and row.peak_rss_mb > 0
+    assert row.node_providers and set(row.node_providers) == {"CPUExecutionProvider"}
+    assert row.simulated_int8 is False
+    d = row.to_dict()
+    assert d["provider"] == "CPUExecutionProvider" and d["status"] == "measured"
+    assert TIMING_KEYS <= set(d)
+
+
+@pytest.mark.skipif(CUDA_WORKS, reason="CUDA really works here")
+@pytest.mark.parametrize("provider", ["cuda", "tensorrt"])
+def test_gpu_request_without_gpu_is_not_measured(models, provider):
+    row = bench_model(models["qdq"], variant="qdq", spec=SessionSpec(provider), batch=2, seq=8, warmup=1, iters=2)
+    assert not row.measured
+    assert row.status.startswith("not measured: ")
+    assert row.status == "not measured: " + provider_status(provider)
+    d = row.to_dict()
+    assert not TIMING_KEYS & set(d)
+    assert d["provider"] == PROVIDERS[provider]
+
+
+def test_row_cannot_mix_status_and_timings():
+    with pytest.raises(ValueError):
+        LatencyRow(provider="CUDAExecutionProvider", variant="fp32", batch=1, seq=1,
+                   status="not measured: no CUDA device", p50_ms=1.0)
+    with pytest.raises(ValueError):
+        LatencyRow(provider="CPUExecutionProvider", variant="fp32", batch=1, seq=1, status="fine")
+
+
+def test_node_placement_on_cpu_is_all_cpu(models, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # ORT would write profiles into the working directory by default
+    for variant in ("fp32", "dynamic", "qdq"):
+        placement = node_placement(models[variant], SessionSpec())
+        assert set(placement) == {"CPUExecutionProvider"} and placement["CPUExecutionProvider"] > 0
+    unoptimized = node_placement(models["fp32"], SessionSpec(graph_optimization_level="disable"))
+    assert set(unoptimized) == {"CPUExecutionProvider"}
+    assert list(tmp_path.iterdir()) == []  # the profile files were deleted
+
+
+def test_quant_format(models):
+    assert quant_format(models["fp32"]) is None
+    assert quant_format(models["dynamic"]) == "operator"
+    assert quant_format(models["qdq"]) == "qdq"
+
+
+def test_cuda_qdq_row_is_flagged_simulated(models, monkeypatch):
+    """The flag logic alone: pretend CUDA loaded (the session really is a CPU one; test only)."""
+    real_make = latency.make_session
+
+    class Pretend:
+        def __init__(self, session):
+            self._s = session
+
+        def __getattr__(self, name):
+            return getattr(self._s, name)
+
+    monkeypatch.setattr(latency, "provider_status", lambda p: None)
+    monkeypatch.setattr(latency, "make_session",
+                        lambda path, spec, **kw: Pretend(real_make(path, SessionSpec(threads=1), **kw)))
+    spec = SessionSpec("cuda")
+    qdq = bench_model(models["qdq"], variant="qdq", spec=spec, batch=1, seq=4, warmup=0, iters=2)
+    assert qdq.simulated_int8 and "simulated" in qdq.note
+    fp32 = bench_model(models["fp32"], variant="fp32", spec=spec, batch=1, seq=4, warmup=0, iters=2)
+    assert not fp32.simulated_int8 and "simulated" not in fp32.note
+    dyn = bench_model(models["dynamic"], variant="dynamic", spec=spec, batch=1, seq=4, warmup=0, iters=2,
+                      record_placement=False)
+    assert not dyn.simulated_int8 and dyn.node_providers is None
+
+
+def test_bench_grid(models):
+    rows = bench_grid({"fp32": models["fp32"], "dynamic": models["dynamic"]}, ["cpu", "cuda"], [1, 2], seq=8,
+                      threads=1, warmup=1, iters=3, record_placement=False)
+    assert len(rows) == 2 * 2 * 2
+    assert [(r.provider, r.variant, r.batch) for r in rows[:4]] == [
+        ("CPUExecutionProvider", "fp32", 1), ("CPUExecutionProvider", "fp32", 2),
+        ("CPUExecutionProvider", "dynamic", 1), ("CPUExecutionProvider", "dynamic", 2)]
+    assert all(r.measured for r in rows if r.provider == "CPUExecutionProvider")
+    for r in rows:
+        assert r.seq == 8
+        if r.provider == "CUDAExecutionProvider":
+            assert r.measured == CUDA_WORKS
+
+
+def test_seq_beyond_context_is_a_measure_error(models):
+    with pytest.raises(MeasureError, match=str(models["fp32"])):
+        bench_model(models["fp32"], variant="fp32", spec=SessionSpec(), batch=1, seq=CTX + 8, warmup=0, iters=1,
+                    record_placement=False)
