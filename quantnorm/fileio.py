@@ -13,6 +13,12 @@ from pathlib import Path
 from typing import Any, Iterator
 
 
+def _current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 @contextmanager
 def atomic_path(target: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
     """Yield a temporary path in the target's directory; rename it onto the target on success."""
@@ -21,6 +27,7 @@ def atomic_path(target: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
     fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=suffix + ".tmp", dir=target.parent)
     os.close(fd)
     tmp = Path(tmp_name)
+    os.chmod(tmp, 0o666 & ~_current_umask())  # mkstemp makes 0600; give the file normal permissions
     try:
         yield tmp
         os.replace(tmp, target)

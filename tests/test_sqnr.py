@@ -1,0 +1,171 @@
+"""SQNR of QDQ models: hand computation, a planted outlier channel, rank correlation, summary."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import numpy_helper
+from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quantize_static
+
+from quantnorm.data import BOS
+from quantnorm.measure.outliers import TensorAccumulator
+from quantnorm.measure.sqnr import (
+    activation_sqnr,
+    matmul_input_modules,
+    onnx_tensor_stats,
+    spearman,
+    sqnr_db,
+    sqnr_summary,
+)
+from quantnorm.models import CausalLM, ModelConfig
+
+SEQ, D = 16, 32
+OUTLIER_CHANNEL, OUTLIER_GAIN = 3, 100.0
+
+
+def windows(n: int, seed: int) -> np.ndarray:
+    x = np.random.default_rng(seed).integers(0, 256, size=(n, SEQ))
+    x[:, 0] = BOS
+    return x
+
+
+class _Reader(CalibrationDataReader):
+    def __init__(self, x: np.ndarray):
+        self._batches = iter([{"input_ids": x[i:i + 4]} for i in range(0, len(x), 4)])
+
+    def get_next(self):
+        return next(self._batches, None)
+
+
+def _export_and_quantize(model: CausalLM, directory: Path) -> tuple[Path, Path]:
+    fp32, int8 = directory / "model.fp32.onnx", directory / "model.int8.onnx"
+    torch.onnx.export(
+        model, (torch.from_numpy(windows(2, 9)),), str(fp32), dynamo=True, external_data=False,
+        opset_version=18, input_names=["input_ids"], output_names=["logits"],
+        dynamic_shapes={"input_ids": {0: torch.export.Dim("batch"), 1: torch.export.Dim("seq", max=SEQ)}},
+        verbose=False)
+    quantize_static(str(fp32), str(int8), _Reader(windows(8, 1)), quant_format=QuantFormat.QDQ,
+                    op_types_to_quantize=["MatMul"], per_channel=True)
+    return fp32, int8
+
+
+def _tiny(outlier: bool) -> CausalLM:
+    torch.manual_seed(0)
+    model = CausalLM(ModelConfig(placement="pre", norm="layer", n_layers=1, d_model=D, n_heads=2, context=SEQ)).eval()
+    if outlier:  # the MLP's input norm gain makes one channel of mlp.up's input ~100x the others
+        with torch.no_grad():
+            model.blocks[0].mlp_norms["norm"].weight[OUTLIER_CHANNEL] = OUTLIER_GAIN
+    return model
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    model = _tiny(outlier=False)
+    return (model, *_export_and_quantize(model, tmp_path_factory.mktemp("clean")))
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory):
+    model = _tiny(outlier=True)
+    return (model, *_export_and_quantize(model, tmp_path_factory.mktemp("planted")))
+
+
+def _input_of(model: CausalLM, fp32: Path, module: str) -> str:
+    return next(t for t, mods in matmul_input_modules(fp32, model).items() if module in mods)
+
+
+def test_sqnr_of_first_tensor_matches_hand_quantization(clean):
+    model, fp32, int8 = clean
+    x = windows(6, 2)
+    rows = {r["tensor"]: r for r in activation_sqnr(fp32, int8, x, batch_size=4)}
+    name = _input_of(model, fp32, "blocks.0.attn.q")
+    assert set(matmul_input_modules(fp32, model)[name]) == {"blocks.0.attn.q", "blocks.0.attn.k", "blocks.0.attn.v"}
+
+    with torch.no_grad():  # the FP32 tensor by hand: pre-LN's first norm of the embedding
+        ref = model.blocks[0].attn_norms["norm"](model.embed(torch.from_numpy(x))).numpy().astype(np.float64)
+    graph = onnx.load(str(int8)).graph
+    q_node = next(n for n in graph.node if n.op_type == "QuantizeLinear" and n.input[0] == name)
+    inits = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
+    scale, zp = float(inits[q_node.input[1]]), inits[q_node.input[2]]
+    info = np.iinfo(zp.dtype)
+    zp = float(zp)
+    q = np.clip(np.rint(ref / scale) + zp, info.min, info.max)  # ONNX QuantizeLinear: round half to even
+    hand = 10 * math.log10(np.sum(ref**2) / np.sum((ref - (q - zp) * scale) ** 2))
+
+    row = rows[name]
+    assert row["n_values"] == x.size * D
+    assert row["sqnr_db"] == pytest.approx(hand, abs=0.05)
+    # Nothing upstream is quantized, so the local and end-to-end errors are the same tensor's.
+    assert row["sqnr_local_db"] == pytest.approx(row["sqnr_db"], abs=1e-6)
+    # Every quantized activation has a row.
+    quantized = {n.input[0].removesuffix("_QuantizeLinear_Input") for n in graph.node if n.op_type == "QuantizeLinear"}
+    assert set(rows) == quantized
+    assert all(r["sqnr_db"] is None or 10 < r["sqnr_db"] < 80 for r in rows.values())
+
+
+def test_onnx_tensor_stats_match_torch_side(clean):
+    model, fp32, _ = clean
+    x = windows(6, 2)
+    name = _input_of(model, fp32, "blocks.0.attn.q")
+    stats = onnx_tensor_stats(fp32, [name], x, batch_size=4)[name]
+    with torch.no_grad():
+        ref = model.blocks[0].attn_norms["norm"](model.embed(torch.from_numpy(x))).numpy()
+    acc = TensorAccumulator(name)
+    acc.add(ref)
+    expected = acc.finish()
+    assert stats["ratio"] == pytest.approx(expected.ratio, rel=1e-4)
+    assert stats["kurtosis"] == pytest.approx(expected.kurtosis, rel=1e-4)
+    assert stats["inf_norm"] == pytest.approx(expected.inf_norm, rel=1e-4)
+    assert stats["median_abs"] == pytest.approx(expected.median_abs, rel=1e-4)
+
+
+def test_planted_outlier_channel_lowers_sqnr(clean, planted):
+    x = windows(6, 3)
+    results = {}
+    for label, (model, fp32, int8) in {"clean": clean, "planted": planted}.items():
+        name = _input_of(model, fp32, "blocks.0.mlp.up")
+        row = next(r for r in activation_sqnr(fp32, int8, x) if r["tensor"] == name)
+        stats = onnx_tensor_stats(fp32, [name], x)[name]
+        results[label] = (row["sqnr_local_db"], stats["ratio"], stats["top"][0]["channel"])
+    (clean_db, clean_ratio, _), (planted_db, planted_ratio, planted_channel) = results["clean"], results["planted"]
+    assert planted_channel == OUTLIER_CHANNEL
+    assert planted_ratio > 10 * clean_ratio
+    assert planted_db < clean_db - 10.0, results
+
+
+def test_sqnr_db_known_values():
+    assert sqnr_db(np.array([1.0, 1.0]), np.array([1.0, 0.0])) == pytest.approx(10 * math.log10(2.0))
+    assert sqnr_db(np.array([3.0, 4.0]), np.array([3.0, 4.1])) == pytest.approx(10 * math.log10(25 / 0.01))
+    assert sqnr_db(np.array([1.0, 2.0]), np.array([1.0, 2.0])) is None  # exact: no noise
+    assert sqnr_db(np.zeros(3), np.ones(3)) is None                      # no signal
+
+
+def test_spearman_known_ranks():
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 45]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    # Ties get average ranks: x ranks (1, 2.5, 2.5, 4), y ranks (1, 2, 3, 4) -> Pearson of ranks.
+    rx, ry = np.array([1, 2.5, 2.5, 4]), np.array([1, 2, 3, 4])
+    assert spearman([1, 5, 5, 9], [1, 2, 3, 4]) == pytest.approx(np.corrcoef(rx, ry)[0, 1])
+    assert spearman([1, 2], [1, 2]) is None
+    assert spearman([1, 1, 1], [1, 2, 3]) is None
+    assert spearman([1, 2, None, 3, float("nan")], [3, 2, 1, 1, 0]) == pytest.approx(-1.0)
+
+
+def test_sqnr_summary_joins_and_ranks():
+    rows = [{"tensor": f"t{i}", "sqnr_db": 40.0 - 5 * i, "sqnr_local_db": 41.0 - 5 * i} for i in range(6)]
+    rows.append({"tensor": "exact", "sqnr_db": None, "sqnr_local_db": None})
+    stats = {f"t{i}": {"ratio": 2.0**i, "kurtosis": 3.0 + i, "inf_norm": float(i)} for i in range(6)}
+    summary = sqnr_summary(rows, stats, worst=2)
+    assert summary["spearman_ratio_sqnr"] == pytest.approx(-1.0)
+    assert summary["spearman_kurtosis_sqnr"] == pytest.approx(-1.0)
+    assert [w["tensor"] for w in summary["worst"]] == ["t5", "t4"]
+    assert summary["worst"][0] == {"tensor": "t5", "sqnr_db": 15.0, "sqnr_local_db": 16.0,
+                                   "ratio": 32.0, "kurtosis": 8.0, "inf_norm": 5.0}
+    assert summary["n_tensors"] == 6
+    only = sqnr_summary(rows, stats, tensors={"t0", "t1", "t2"})
+    assert [w["tensor"] for w in only["worst"]] == ["t2", "t1", "t0"] and only["n_tensors"] == 3
