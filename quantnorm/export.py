@@ -1,0 +1,318 @@
+"""PyTorch -> ONNX export at a pinned opset, with a checker pass, a parity check and a norm-op count.
+
+The exported model takes ``input_ids`` (int64, ``[batch, seq]``, both axes dynamic, seq up to the
+model's context) and returns ``logits`` (float32, ``[batch, seq, vocab]``); the FP32 and INT8
+models share that interface (FORMULAS.md, "The evaluation protocol").
+
+- Exporter: ``torch.onnx.export(dynamo=True, external_data=False)``. The TorchScript exporter
+  cannot export ``aten::rms_norm`` (PITFALLS.md 5), and torch 2.13 writes external data by
+  default; one self-contained file is what the quantizer and the run directory expect.
+- Opset 18 (default) decomposes RMSNorm into Pow/ReduceMean/Add/Sqrt/Reciprocal/Mul and emits
+  LayerNorm as ``LayerNormalization``; opset 23 emits ``RMSNormalization``. Opsets below 17 have
+  no ``LayerNormalization`` and are refused.
+- Parity is not optional: the ONNX model runs on ORT's CPU provider against the PyTorch model
+  in eval mode; a max |delta logit| over the tolerance is an ``ExportError`` and no file is left.
+- Node names: the dynamo exporter names nodes ``node_MatMul_15``; we rename each node after the
+  module it came from (``blocks.0.mlp.down/MatMul``, ``head/MatMul``) so that mixed-precision
+  exclusions can be written as patterns a person can read (``head/*``, ``blocks.*.mlp.down/*``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from .errors import ConfigError, ExportError
+from .fileio import atomic_path
+from .measure.accuracy import run_logits
+from .measure.sessions import SessionSpec, make_session
+
+MIN_OPSET = 17  # LayerNormalization first appears in opset 17
+DEFAULT_OPSET = 18
+INPUT_NAME = "input_ids"
+OUTPUT_NAME = "logits"
+NORM_OP_KEYS = ("LayerNormalization", "RMSNormalization", "decomposed")
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    path: Path
+    opset: int
+    max_abs_logit_diff: float
+    tolerance: float
+    norm_ops: dict[str, int] = field(default_factory=dict)
+
+    def to_dict(self, run_dir: Path | None = None) -> dict:
+        """The ``export`` section of results.json; ``path`` is relative to ``run_dir`` when given."""
+        path = Path(self.path)
+        if run_dir is not None:
+            path = Path(os.path.relpath(path.resolve(), Path(run_dir).resolve()))
+        return {
+            "path": path.as_posix(),
+            "opset": self.opset,
+            "max_abs_logit_diff": self.max_abs_logit_diff,
+            "tolerance": self.tolerance,
+            "norm_ops": dict(self.norm_ops),
+        }
+
+
+def export_onnx(model, out_path: Path, parity_inputs: np.ndarray, *, opset: int = DEFAULT_OPSET,
+                tolerance: float = 1e-4) -> ExportResult:
+    """Export ``model`` (a ``CausalLM``) to ``out_path`` and prove the file computes the same logits.
+
+    ``parity_inputs``: int64 token ids ``[n, seq]`` with ``seq <= model.cfg.context`` (use
+    evaluation or calibration windows). The export uses a different example shape, so the parity
+    run also checks that the batch and sequence axes really are dynamic.
+
+    Writes atomically: the file appears only after the checker and the parity check passed; on
+    any failure no file is left at ``out_path`` (a file already there is left as it was). The
+    model is exported in eval mode and put back in the mode it was in.
+    """
+    if opset < MIN_OPSET:
+        raise ConfigError(f"opset {opset} is too old: LayerNormalization needs opset >= {MIN_OPSET} (use 18 or 23)")
+    if not tolerance > 0:
+        raise ConfigError(f"parity tolerance must be > 0, got {tolerance}")
+    context = model.cfg.context
+    if context < 2:
+        raise ConfigError(f"context {context} is too short to export with a dynamic sequence axis (need >= 2)")
+    parity_inputs = _check_token_inputs(parity_inputs, context, model.cfg.vocab_size)
+
+    was_training = model.training
+    model.eval()
+    try:
+        return _export_checked(model, Path(out_path), parity_inputs, opset, tolerance)
+    finally:
+        model.train(was_training)
+
+
+def _export_checked(model, out_path: Path, parity_inputs: np.ndarray, opset: int, tolerance: float) -> ExportResult:
+    import torch
+
+    context = model.cfg.context
+    device = next(model.parameters()).device
+    # Batch 2 and the full context: torch.export specializes axes of size 0 or 1.
+    example = torch.zeros((2, context), dtype=torch.int64, device=device)
+    # A tuple, not a dict keyed by name: torch.export matches dict keys to forward()'s argument names.
+    dynamic_shapes = ({0: torch.export.Dim("batch"), 1: torch.export.Dim("seq", max=context)},)
+
+    with atomic_path(out_path, suffix=".onnx") as tmp:
+        with _quiet_exporter() as chatter:
+            try:
+                torch.onnx.export(
+                    model, (example,), str(tmp), dynamo=True, external_data=False, opset_version=opset,
+                    input_names=[INPUT_NAME], output_names=[OUTPUT_NAME], dynamic_shapes=dynamic_shapes,
+                    verbose=False,
+                )
+            except Exception as exc:  # the exporter raises many types; the user needs the message
+                tail = chatter.getvalue().strip().splitlines()[-5:]
+                raise ExportError(f"torch.onnx.export failed at opset {opset}: {exc}"
+                                  + (f" (exporter said: {' | '.join(tail)})" if tail else "")) from exc
+
+        onnx_model = onnx.load(str(tmp))
+        _rename_nodes_by_module(onnx_model)
+        try:
+            onnx.checker.check_model(onnx_model)
+        except onnx.checker.ValidationError as exc:
+            raise ExportError(f"exported ONNX model fails onnx.checker: {exc}") from exc
+        onnx.save(onnx_model, str(tmp))
+
+        with torch.no_grad():
+            expected = model(torch.from_numpy(parity_inputs).to(device)).float().cpu().numpy()
+        try:
+            # One thread: a few parity windows gain nothing from more, and idle ORT workers spin.
+            got = np.concatenate(list(run_logits(make_session(tmp, SessionSpec(threads=1)), parity_inputs)))
+        except Exception as exc:
+            raise ExportError(f"ONNX Runtime cannot run the exported model (opset {opset}): {exc}") from exc
+        if got.shape != expected.shape:
+            raise ExportError(f"ONNX logits have shape {got.shape}, PyTorch {expected.shape}")
+        diff = float(np.max(np.abs(got.astype(np.float64) - expected.astype(np.float64))))
+        if not diff <= tolerance:  # also catches NaN
+            raise ExportError(
+                f"ONNX export does not match PyTorch: max |delta logit| = {diff:.3g} > tolerance {tolerance:g} "
+                f"(opset {opset}); no file written"
+            )
+        norm_ops = count_norm_ops(onnx_model)
+    return ExportResult(path=out_path, opset=opset, max_abs_logit_diff=diff, tolerance=tolerance, norm_ops=norm_ops)
+
+
+def _check_token_inputs(inputs: np.ndarray, context: int, vocab_size: int) -> np.ndarray:
+    inputs = np.asarray(inputs)
+    if inputs.ndim != 2 or inputs.shape[0] < 1 or inputs.shape[1] < 1:
+        raise ConfigError(f"parity inputs must be token ids of shape [n, seq] with n, seq >= 1, got {inputs.shape}")
+    if not np.issubdtype(inputs.dtype, np.integer):
+        raise ConfigError(f"parity inputs must be integer token ids, got dtype {inputs.dtype}")
+    if inputs.shape[1] > context:
+        raise ConfigError(f"parity inputs are {inputs.shape[1]} tokens long but the model's context is {context}")
+    if inputs.min() < 0 or inputs.max() >= vocab_size:
+        raise ConfigError(f"parity inputs hold token ids outside [0, {vocab_size})")
+    return np.ascontiguousarray(inputs, dtype=np.int64)
+
+
+@contextlib.contextmanager
+def _quiet_exporter() -> Iterator[io.StringIO]:
+    """Swallow the exporter's progress lines (stdout), its warnings and torch's logger chatter.
+
+    What it printed is kept and put into the error message if the export fails.
+    """
+    buf = io.StringIO()
+    loggers = [logging.getLogger(name) for name in ("torch.onnx", "torch.export", "torch._dynamo", "onnxscript")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(buf):
+            warnings.simplefilter("ignore")
+            yield buf
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def _rename_nodes_by_module(model: onnx.ModelProto) -> None:
+    """Name each node ``<module path>/<OpType>[_k]`` from the exporter's ``name_scopes`` metadata.
+
+    Nodes without that metadata keep their name. Names stay unique within the graph.
+    """
+    import ast
+
+    taken: dict[str, int] = {}
+    for node in model.graph.node:
+        scopes = next((p.value for p in node.metadata_props if p.key == "pkg.torch.onnx.name_scopes"), None)
+        if scopes is None:
+            continue
+        try:
+            parts = ast.literal_eval(scopes)
+        except (ValueError, SyntaxError):
+            continue
+        # parts = ['', 'blocks.0', 'blocks.0.attn.q', '<fx node>']: the module is the one before last.
+        module = parts[-2] if len(parts) >= 2 else ""
+        if not module or module.startswith("_"):  # root module, or an exporter-internal scope
+            module = "model"
+        base = f"{module}/{node.op_type}"
+        k = taken.get(base, 0)
+        taken[base] = k + 1
+        node.name = base if k == 0 else f"{base}_{k}"
+    # A renamed node could collide with an untouched original name; make every name unique.
+    seen: set[str] = set()
+    for node in model.graph.node:
+        name, k = node.name, 0
+        while node.name in seen:
+            k += 1
+            node.name = f"{name}__{k}"
+        seen.add(node.name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Counting the norms in a graph
+
+
+def count_norm_ops(onnx_model_or_path) -> dict[str, int]:
+    """Count the normalizations of a graph: native ``LayerNormalization`` / ``RMSNormalization``
+    nodes (any domain, so ORT's fused ``SimplifiedLayerNormalization`` is not counted as native
+    RMSNormalization) and ``decomposed`` norms recognized from their op pattern.
+
+    A decomposed norm is found from its variance chain: ``ReduceMean(t*t)`` (t squared by
+    ``Pow(t, 2)`` or ``Mul(t, t)``) -> ``Add(eps)`` -> ``Sqrt`` -> ``Reciprocal`` then ``Mul``, or
+    ``Div``. ``t`` is ``x`` for RMSNorm and ``Sub(x, ReduceMean(x))`` for LayerNorm; both count as
+    one decomposed norm. Pure op counts cannot tell a norm from other arithmetic, hence the chain.
+    """
+    model = onnx_model_or_path if isinstance(onnx_model_or_path, onnx.ModelProto) else onnx.load(str(onnx_model_or_path))
+    graph = model.graph
+    counts = {key: 0 for key in NORM_OP_KEYS}
+    for node in graph.node:
+        if node.op_type in ("LayerNormalization", "RMSNormalization") and node.domain in ("", "ai.onnx"):
+            counts[node.op_type] += 1
+    counts["decomposed"] = len(find_decomposed_norms(graph))
+    return counts
+
+
+def find_decomposed_norms(graph: onnx.GraphProto) -> list[dict]:
+    """The decomposed norms of ``graph``: ``{"kind": "rms"|"layer", "nodes": [names of the chain]}``."""
+    producer = {out: node for node in graph.node for out in node.output}
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    constants = _constant_values(graph)
+
+    def only_consumer(tensor: str, op_types: tuple[str, ...]) -> onnx.NodeProto | None:
+        users = [n for n in consumers.get(tensor, []) if n.op_type in op_types]
+        return users[0] if len(users) == 1 else None
+
+    found = []
+    for mean_sq in graph.node:
+        if mean_sq.op_type != "ReduceMean" or not mean_sq.input:
+            continue
+        square = producer.get(mean_sq.input[0])
+        base = _squared_tensor(square, constants)
+        if base is None:
+            continue
+        add = only_consumer(mean_sq.output[0], ("Add",))
+        if add is None or not any(name in constants for name in add.input):
+            continue  # the epsilon must be a constant
+        sqrt = only_consumer(add.output[0], ("Sqrt",))
+        if sqrt is None:
+            continue
+        chain = [square, mean_sq, add, sqrt]
+        recip = only_consumer(sqrt.output[0], ("Reciprocal",))
+        if recip is not None:
+            scale = only_consumer(recip.output[0], ("Mul",))
+            if scale is None or base not in scale.input:
+                continue
+            chain += [recip, scale]
+        else:
+            div = only_consumer(sqrt.output[0], ("Div",))
+            if div is None or div.input[0] != base:
+                continue
+            chain.append(div)
+        centered = producer.get(base)
+        kind = "rms"
+        if centered is not None and centered.op_type == "Sub":
+            mean = producer.get(centered.input[1])
+            if mean is not None and mean.op_type == "ReduceMean" and mean.input[0] == centered.input[0]:
+                kind = "layer"
+                chain = [mean, centered] + chain
+        found.append({"kind": kind, "nodes": [n.name for n in chain]})
+    return found
+
+
+def _squared_tensor(node: onnx.NodeProto | None, constants: dict[str, np.ndarray]) -> str | None:
+    """The tensor ``t`` when ``node`` computes ``t**2`` (``Pow(t, 2)`` or ``Mul(t, t)``)."""
+    if node is None:
+        return None
+    if node.op_type == "Pow" and len(node.input) == 2:
+        exponent = constants.get(node.input[1])
+        if exponent is not None and exponent.size == 1 and float(exponent.reshape(-1)[0]) == 2.0:
+            return node.input[0]
+    if node.op_type == "Mul" and len(node.input) == 2 and node.input[0] == node.input[1]:
+        return node.input[0]
+    return None
+
+
+def _constant_values(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
+    """Initializers and ``Constant`` node outputs that are small enough to matter (scalars, eps)."""
+    from onnx import numpy_helper
+
+    values = {}
+    for init in graph.initializer:
+        if np.prod(init.dims, dtype=np.int64) <= 16:
+            values[init.name] = numpy_helper.to_array(init)
+        else:
+            values[init.name] = np.empty(0)  # a constant all the same; its value is not needed
+    for node in graph.node:
+        if node.op_type == "Constant":
+            for attr in node.attribute:
+                if attr.name == "value":
+                    values[node.output[0]] = numpy_helper.to_array(attr.t)
+                elif attr.name in ("value_float", "value_int"):
+                    values[node.output[0]] = np.asarray(attr.f if attr.name == "value_float" else attr.i)
+    return values

@@ -1,0 +1,261 @@
+"""ONNX Runtime backend: turn a ``Recipe`` into an INT8 model file, then check it.
+
+Steps: ``quant_pre_process`` (ORT's shape inference + graph optimization, as ORT recommends) into
+a temporary directory; pick the nodes to quantize from that graph; ``quantize_static`` (QDQ) or
+``quantize_dynamic``; ``sanity_check``; copy the model to ``out_path`` atomically.
+
+A model that quantizes but fails the sanity check is still written (so the damage can be
+measured) and comes back with ``status = "broken: <first problem>"``; a quantizer that refuses
+because a calibrated range is not finite also gives ``broken`` (and no file). Any other
+exception from ONNX Runtime is a ``QuantizeError``: the caller decides whether to go on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import io
+import logging
+import os
+import shutil
+import tempfile
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from ..calibration import get_calibration_method
+from ..calibration.ranges import collect_ranges, method_details
+from ..errors import ConfigError, QuantizeError
+from ..fileio import atomic_path
+from .recipes import Recipe
+from .sanity import sanity_check
+
+DEFAULT_CALIB_BATCH = 4
+
+
+@dataclass
+class QuantizeResult:
+    recipe: str
+    path: Path | None
+    settings: dict
+    status: str                  # "ok" or "broken: <reason>"
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def to_dict(self, run_dir: Path | None = None) -> dict:
+        """A ``recipes[]`` entry of results.json without the accuracy (measure adds that)."""
+        path = None
+        if self.path is not None:
+            path = Path(self.path)
+            if run_dir is not None:
+                path = Path(os.path.relpath(path.resolve(), Path(run_dir).resolve()))
+            path = path.as_posix()
+        return {"name": self.recipe, "path": path, "settings": dict(self.settings),
+                "status": self.status, "problems": list(self.problems)}
+
+
+def quantize(fp32_path: Path, recipe: Recipe, calib_inputs: np.ndarray | None, out_path: Path, *,
+             vnni: bool, probe_inputs: np.ndarray, calib_batch_size: int = DEFAULT_CALIB_BATCH,
+             progress: bool = False) -> QuantizeResult:
+    """Quantize the FP32 model at ``fp32_path`` with ``recipe`` into ``out_path``.
+
+    ``calib_inputs``: int64 windows [n, seq] from the calibration split (static recipes only;
+    see ``calibration.calibration_windows``). ``vnni`` resolves ``reduce_range="auto"``.
+    ``probe_inputs``: windows the sanity check runs (any split; only finiteness is checked).
+    """
+    fp32_path, out_path = Path(fp32_path), Path(out_path)
+    if not fp32_path.is_file():
+        raise ConfigError(f"FP32 model not found: {fp32_path} (export the model first)")
+    if recipe.mode == "static" and (calib_inputs is None or len(calib_inputs) == 0):
+        raise ConfigError(f"recipe {recipe.name} is static and needs calibration windows (got none)")
+    settings = recipe.settings(vnni)
+
+    with tempfile.TemporaryDirectory(prefix="quantnorm-quant-") as tmp_dir:
+        tmp = Path(tmp_dir)
+        pre_path = tmp / "preprocessed.onnx"
+        settings["preprocess"] = _preprocess(fp32_path, pre_path)
+        graph = onnx.load(str(pre_path)).graph
+
+        excluded = resolve_exclusions(graph, recipe.excluded)
+        to_quantize = weight_matmuls(graph) if recipe.op_scope == "matmul" else []
+        if recipe.op_scope == "matmul":
+            to_quantize = [n for n in to_quantize if n not in set(excluded)]
+            if not to_quantize:
+                raise ConfigError(
+                    f"recipe {recipe.name} has nothing to quantize in {fp32_path.name}: no MatMul with a "
+                    "weight initializer is left" + (" after the exclusions" if excluded else "")
+                )
+        settings["excluded_nodes_resolved"] = excluded
+        if to_quantize:
+            settings["quantized_nodes"] = to_quantize
+
+        q_path = tmp / "quantized.onnx"
+        problems: list[str] = []
+        try:
+            problems += _run_quantizer(pre_path, q_path, recipe, settings, calib_inputs, to_quantize, excluded,
+                                       calib_batch_size, progress)
+        except ValueError as exc:
+            if not _is_non_finite_range(exc):
+                raise QuantizeError(f"ONNX Runtime failed to quantize with recipe {recipe.name}: {exc}") from exc
+            problems.append(f"calibration failed: {exc} (a calibrated tensor holds inf; see PITFALLS.md 1)")
+            return QuantizeResult(recipe.name, None, settings, f"broken: {problems[0]}", problems)
+        except (ConfigError, QuantizeError):
+            raise
+        except Exception as exc:
+            raise QuantizeError(f"ONNX Runtime failed to quantize with recipe {recipe.name}: {exc}") from exc
+
+        # The sanity problems name the damage (an inf scale), the warnings only hint at it: first.
+        problems = sanity_check(q_path, probe_inputs) + problems
+        with atomic_path(out_path, suffix=".onnx") as final_tmp:
+            shutil.copyfile(q_path, final_tmp)
+    status = "ok" if not problems else f"broken: {problems[0]}"
+    return QuantizeResult(recipe.name, out_path, settings, status, problems)
+
+
+def weight_matmuls(graph: onnx.GraphProto) -> list[str]:
+    """Names of the MatMul nodes whose second input is a weight initializer.
+
+    These are the Linear layers and the LM head; ``q @ k^T`` and ``probs @ v`` multiply two
+    activations and are left out, so attention scores are never calibrated. (Initializers only,
+    as ORT's own ``MatMulConstBOnly`` test; ``quant_pre_process`` folds Constant nodes into them.)
+    """
+    weights = {init.name for init in graph.initializer}
+    return [n.name for n in graph.node if n.op_type == "MatMul" and len(n.input) == 2 and n.input[1] in weights]
+
+
+def resolve_exclusions(graph: onnx.GraphProto, patterns: tuple[str, ...]) -> list[str]:
+    """Node names matched by ``patterns`` (exact names or fnmatch patterns), in graph order.
+
+    A pattern that matches nothing is a ``ConfigError``: a typo must not silently quantize the
+    layer the user meant to keep in FP32.
+    """
+    names = [n.name for n in graph.node]
+    matched: list[str] = []
+    for pattern in patterns:
+        hits = [name for name in names if name == pattern or fnmatch.fnmatchcase(name, pattern)]
+        if not hits:
+            examples = ", ".join(n.name for n in graph.node if n.op_type == "MatMul")[:300]
+            raise ConfigError(f"exclusion {pattern!r} matches no node of the model (MatMul nodes: {examples})")
+        matched += [h for h in hits if h not in matched]
+    return [name for name in names if name in set(matched)]
+
+
+def _preprocess(src: Path, dst: Path) -> str:
+    """ORT's quant_pre_process without its symbolic shape inference; returns what it did.
+
+    Symbolic shape inference fails on the dynamo exporter's graphs ("Incomplete symbolic shape
+    inference", ORT 1.31) and, when it fails, saves ``sym_shape_infer_temp.onnx`` plus a
+    uuid-named ``.data`` file into the current directory. ONNX's own shape inference and ORT's
+    optimizer are enough for these graphs (every weight MatMul gets its shapes), so we skip it.
+    """
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    with _quiet():
+        try:
+            quant_pre_process(str(src), str(dst), skip_symbolic_shape=True)
+        except Exception as exc:
+            raise QuantizeError(f"ONNX Runtime's quant_pre_process failed on {src.name}: {exc}") from exc
+    return "onnx shape inference + ORT basic optimization (symbolic shape inference skipped)"
+
+
+def _run_quantizer(pre_path: Path, q_path: Path, recipe: Recipe, settings: dict, calib_inputs,
+                   to_quantize: list[str], excluded: list[str], calib_batch_size: int, progress: bool) -> list[str]:
+    """Calibrate and call quantize_static, or call quantize_dynamic; returns the RuntimeWarnings
+    raised meanwhile (numpy's "invalid value encountered in divide" is how an inf range shows)."""
+    from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
+    from onnxruntime.quantization.calibrate import save_tensors_data
+
+    reduce_range = settings["reduce_range"]
+    op_types = None if recipe.op_scope == "all" else ["MatMul"]  # None: ORT's full default list
+    extra = {"WeightSymmetric": True, "MatMulConstBOnly": recipe.op_scope == "matmul"}
+    log: list[str] = []
+    with _quiet(log), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if recipe.mode == "static":
+            extra["ActivationSymmetric"] = recipe.symmetric_activations
+            settings["calibration_details"] = {
+                "samples": len(calib_inputs), "window": int(np.asarray(calib_inputs).shape[1]),
+                **method_details(recipe.calibration, recipe.percentile),
+            }
+            # Our calibration (see calibration/ranges.py), handed over through ORT's cache file.
+            ranges = collect_ranges(pre_path, recipe.calibration, calib_inputs,
+                                    op_types=recipe.op_types(), percentile=recipe.percentile,
+                                    batch_size=calib_batch_size, progress=progress)
+            cache = q_path.with_suffix(".calibration.json")
+            save_tensors_data(ranges, cache)
+            quantize_static(
+                str(pre_path), str(q_path), None,
+                quant_format=QuantFormat.QDQ,
+                op_types_to_quantize=op_types,
+                per_channel=recipe.per_channel,
+                reduce_range=reduce_range,
+                activation_type=QuantType.QInt8 if recipe.symmetric_activations else QuantType.QUInt8,
+                weight_type=QuantType.QInt8,
+                nodes_to_quantize=to_quantize or None,
+                nodes_to_exclude=excluded or None,
+                calibrate_method=get_calibration_method(recipe.calibration),
+                extra_options=extra,
+                calibration_cache_path=str(cache),
+            )
+        else:
+            quantize_dynamic(
+                str(pre_path), str(q_path),
+                op_types_to_quantize=op_types,
+                per_channel=recipe.per_channel,
+                reduce_range=reduce_range,
+                weight_type=QuantType.QInt8,
+                nodes_to_quantize=to_quantize or None,
+                nodes_to_exclude=excluded or None,
+                extra_options=extra,
+            )
+    if log:
+        settings["quantizer_log"] = log
+    problems = []
+    for w in caught:
+        if issubclass(w.category, RuntimeWarning):
+            text = f"quantizer warning: {w.message}"
+            if text not in problems:
+                problems.append(text)
+    return problems
+
+
+def _is_non_finite_range(exc: ValueError) -> bool:
+    """ORT's words when a calibrated range holds inf ("supplied range of [-inf, inf] is not finite"):
+    the model is broken by what it computes, not by a bug, so it is a broken recipe, not an error."""
+    text = str(exc).lower()
+    return "not finite" in text or "range of [" in text and ("inf" in text or "nan" in text)
+
+
+class _LogCollector(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message not in self.messages:
+            self.messages.append(message)
+
+
+@contextlib.contextmanager
+def _quiet(log: list[str] | None = None):
+    """ORT's calibrators print progress lines to stdout and its quantizer logs warnings to the
+    root logger (e.g. "Axis 1 is out-of-range for weight ..." for per-channel norm weights).
+    Keep the CLI's output clean; the log warnings are kept in ``log`` for the settings record."""
+    root = logging.getLogger()
+    collector = _LogCollector()
+    saved = root.handlers[:]
+    root.handlers = [collector]
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            yield
+    finally:
+        root.handlers = saved
+        if log is not None:
+            log.extend(m for m in collector.messages if m not in log)

@@ -1,0 +1,132 @@
+"""Checks that a quantized model is not silently broken.
+
+ONNX Runtime's static quantizer can write a model whose scale is ``inf`` (a calibrated tensor
+held -inf) and only print a RuntimeWarning (PITFALLS.md 1); the model still runs and returns
+finite logits that are noise. So a quantized model is checked before anyone measures it:
+
+- every quantization scale (the scale input of QuantizeLinear / DequantizeLinear, and the
+  ``*_scale`` initializers of dynamic models) is finite and > 0;
+- every zero point lies in its integer type's range (and is finite);
+- the model loads and runs on ORT's CPU provider on the probe inputs with finite logits.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from ..measure.accuracy import run_logits
+from ..measure.sessions import SessionSpec, make_session
+
+QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
+MAX_LISTED = 5  # problems of one kind listed by name before the rest are counted
+
+
+def sanity_check(model_path: Path, probe_inputs: np.ndarray) -> list[str]:
+    """Problems of the model at ``model_path``, worst first; an empty list means sane."""
+    try:
+        model = onnx.load(str(model_path))
+    except Exception as exc:  # noqa: BLE001 - a file that does not load is a finding, not a crash
+        return [f"cannot read the ONNX file {model_path}: {exc}"]
+    problems = check_quant_params(model)
+    problems += check_runs(model_path, probe_inputs)
+    return problems
+
+
+def check_quant_params(model: onnx.ModelProto) -> list[str]:
+    """Non-finite or non-positive scales and out-of-range zero points, by tensor name."""
+    consts = _constant_tensors(model.graph)
+    scales: dict[str, str] = {}      # scale tensor -> a node that uses it
+    zero_points: dict[str, str] = {}
+    for node in model.graph.node:
+        if node.op_type in QDQ_OPS:
+            if len(node.input) > 1:
+                scales.setdefault(node.input[1], node.name)
+            if len(node.input) > 2 and node.input[2]:
+                zero_points.setdefault(node.input[2], node.name)
+        elif node.op_type in ("MatMulInteger", "ConvInteger"):
+            for name in node.input[2:4]:
+                if name:
+                    zero_points.setdefault(name, node.name)
+    for name in consts:  # dynamic (QOperator) models multiply by <weight>_scale after MatMulInteger
+        if name.endswith("_scale") and np.issubdtype(consts[name].dtype, np.floating):
+            scales.setdefault(name, "(initializer)")
+
+    bad_scales, bad_zps = [], []
+    for name, node in scales.items():
+        value = consts.get(name)
+        if value is None:
+            continue  # computed at run time (DynamicQuantizeLinear): nothing to check offline
+        value = value.astype(np.float64)
+        if not np.all(np.isfinite(value)):
+            bad_scales.append(f"{name} (node {node}) = {_describe(value)}: not finite")
+        elif not np.all(value > 0):
+            bad_scales.append(f"{name} (node {node}) = {_describe(value)}: not > 0")
+    for name, node in zero_points.items():
+        value = consts.get(name)
+        if value is None:
+            continue
+        if np.issubdtype(value.dtype, np.integer):
+            info = np.iinfo(value.dtype)
+            if value.size and (value.min() < info.min or value.max() > info.max):
+                bad_zps.append(f"{name} (node {node}) outside [{info.min}, {info.max}]")
+        elif np.issubdtype(value.dtype, np.floating) and not np.all(np.isfinite(value.astype(np.float64))):
+            bad_zps.append(f"{name} (node {node}) = {_describe(value)}: not finite")
+
+    problems = []
+    if bad_scales:
+        problems.append(f"{len(bad_scales)} quantization scale(s) broken: " + _listing(bad_scales))
+    if bad_zps:
+        problems.append(f"{len(bad_zps)} zero point(s) broken: " + _listing(bad_zps))
+    return problems
+
+
+def check_runs(model_path: Path, probe_inputs: np.ndarray) -> list[str]:
+    """Load and run the model on the CPU provider; the logits must exist and be finite."""
+    try:
+        session = make_session(model_path, SessionSpec(threads=1))  # a few probe windows; ORT_ENABLE_ALL as deployed
+    except Exception as exc:  # noqa: BLE001 - ORT raises several types; all mean "does not load"
+        return [f"ONNX Runtime cannot load the quantized model: {_first_line(exc)}"]
+    try:
+        logits = np.concatenate(list(run_logits(session, probe_inputs)))
+    except Exception as exc:  # noqa: BLE001 - likewise "does not run"
+        return [f"ONNX Runtime cannot run the quantized model: {_first_line(exc)}"]
+    probe = np.asarray(probe_inputs)
+    if logits.ndim != 3 or logits.shape[:2] != probe.shape:
+        return [f"logits have shape {logits.shape}, expected [{probe.shape[0]}, {probe.shape[1]}, vocab]"]
+    n_bad = int(np.count_nonzero(~np.isfinite(logits)))
+    if n_bad:
+        kinds = [k for k, f in (("NaN", np.isnan), ("inf", np.isinf)) if f(logits).any()]
+        return [f"{n_bad} of {logits.size} logits are {'/'.join(kinds)} on the probe inputs"]
+    return []
+
+
+def _constant_tensors(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
+    values = {init.name: numpy_helper.to_array(init) for init in graph.initializer}
+    for node in graph.node:
+        if node.op_type == "Constant":
+            for attr in node.attribute:
+                if attr.name == "value":
+                    values[node.output[0]] = numpy_helper.to_array(attr.t)
+    return values
+
+
+def _describe(value: np.ndarray) -> str:
+    flat = value.reshape(-1)
+    if flat.size == 1:
+        return f"{flat[0]:g}"
+    bad = flat[~np.isfinite(flat) | (flat <= 0)] if np.issubdtype(flat.dtype, np.floating) else flat
+    return f"[{flat.size} values, e.g. {bad[0] if bad.size else flat[0]:g}]"
+
+
+def _listing(items: list[str]) -> str:
+    text = "; ".join(items[:MAX_LISTED])
+    return text + (f"; and {len(items) - MAX_LISTED} more" if len(items) > MAX_LISTED else "")
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -1,0 +1,283 @@
+"""Recipes, the ORT backend, the sanity check, and the -inf mask trap (PITFALLS.md 1)."""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+from torch import nn
+
+from quantnorm.calibration import calibration_windows
+from quantnorm.data import evaluation_windows, load_corpus, make_splits, sample_train_batch
+from quantnorm.errors import ConfigError, QuantizeError
+from onnx_helpers import onnx_logits
+from quantnorm.export import export_onnx
+from quantnorm.models import CausalLM, ModelConfig
+from quantnorm.quantize import (
+    DEFAULT_RECIPES,
+    RECIPES,
+    Recipe,
+    get_recipe,
+    quantize,
+    sanity_check,
+    with_exclusions,
+)
+
+CONTEXT = 16
+RNG = np.random.default_rng(0)
+CALIB = RNG.integers(0, 257, size=(8, CONTEXT))
+PROBE = RNG.integers(0, 257, size=(2, CONTEXT))
+
+
+def zoo_onnx(tmp_path_factory, placement: str, norm: str, n_layers: int, opset: int) -> Path:
+    """A random-init zoo model as ONNX, exported once per session (shared with test_export.py)."""
+    path = tmp_path_factory.getbasetemp() / "onnx-cache" / f"{placement}-{norm}-L{n_layers}-op{opset}.onnx"
+    if not path.exists():
+        torch.manual_seed(0)
+        model = CausalLM(ModelConfig(placement=placement, norm=norm, n_layers=n_layers, d_model=32, n_heads=2,
+                                     context=CONTEXT))
+        export_onnx(model, path, np.random.default_rng(0).integers(0, 257, size=(3, 12)), opset=opset)
+    return path
+
+
+def qdq_weight_matmuls(path: Path) -> tuple[set[str], set[str]]:
+    """(MatMuls fed by a DequantizeLinear, all MatMuls) of a QDQ model."""
+    graph = onnx.load(str(path)).graph
+    dq_outputs = {o for n in graph.node if n.op_type == "DequantizeLinear" for o in n.output}
+    matmuls = [n for n in graph.node if n.op_type == "MatMul"]
+    return {n.name for n in matmuls if any(i in dq_outputs for i in n.input)}, {n.name for n in matmuls}
+
+
+# --- recipes -------------------------------------------------------------------------------------
+
+
+def test_recipe_table_and_defaults():
+    assert set(DEFAULT_RECIPES) <= set(RECIPES)
+    assert {RECIPES[n].calibration for n in DEFAULT_RECIPES} >= {"minmax", "entropy", "percentile", None}
+    assert {RECIPES[n].op_scope for n in DEFAULT_RECIPES} == {"matmul", "all"}
+    assert "dynamic" in DEFAULT_RECIPES
+    for name, recipe in RECIPES.items():
+        assert recipe.name == name and recipe.reduce_range == "auto"
+    with pytest.raises(ConfigError, match="static-minmax-matmul"):
+        get_recipe("static-minmax")
+
+
+def test_recipe_settings_resolve_reduce_range():
+    recipe = get_recipe("static-minmax-matmul")
+    no_vnni, vnni = recipe.settings(vnni=False), recipe.settings(vnni=True)
+    assert no_vnni["reduce_range"] is True and vnni["reduce_range"] is False
+    assert vnni == {**no_vnni, "reduce_range": False}
+    assert vnni["format"] == "QDQ" and vnni["op_types"] == ["MatMul"] and vnni["calibration"] == "minmax"
+    assert vnni["per_channel"] is True and vnni["excluded_nodes"] == []
+    assert get_recipe("static-percentile-matmul").settings(True)["percentile"] == 99.999
+    assert "Softmax" in get_recipe("static-minmax-all").settings(True)["op_types"]
+    symact = get_recipe("static-minmax-matmul-symact").settings(True)
+    assert symact["activation_type"] == "QInt8" and symact["symmetric_activations"] is True
+    assert get_recipe("dynamic").settings(True)["calibration"] is None
+
+
+def test_recipe_validation():
+    with pytest.raises(ConfigError, match="calibration"):
+        Recipe("x", "static", "kl", True, "matmul", False, "auto")
+    with pytest.raises(ConfigError, match="dynamic"):
+        Recipe("x", "dynamic", "minmax", True, "matmul", False, "auto")
+    with pytest.raises(ConfigError, match="op_scope"):
+        Recipe("x", "static", "minmax", True, "everything", False, "auto")
+    with pytest.raises(ConfigError, match="reduce_range"):
+        Recipe("x", "static", "minmax", True, "matmul", False, "yes")
+    with pytest.raises(ConfigError, match="file name"):
+        Recipe("a/b", "static", "minmax", True, "matmul", False, "auto")
+
+
+def test_with_exclusions_names_the_variant():
+    base = get_recipe("static-minmax-matmul")
+    mixed = with_exclusions(base, ["head/*"])
+    assert mixed.excluded == ("head/*",) and mixed.name.startswith("static-minmax-matmul-mixed-")
+    assert mixed.settings(True)["excluded_nodes"] == ["head/*"]
+    assert with_exclusions(base, "head/*").name == mixed.name  # same patterns, same name
+    assert with_exclusions(base, ["blocks.0*"]).name != mixed.name
+    assert with_exclusions(base, ["head/*"], name="keep-head").name == "keep-head"
+    with pytest.raises(ConfigError):
+        with_exclusions(base, [])
+
+
+def qdq_model(path: Path, scale: float) -> Path:
+    """input_ids [b, s] -> Cast -> Unsqueeze -> Mul(w[257]) -> Q/DQ(scale) -> logits [b, s, 257]."""
+    node = helper.make_node
+    inits = [
+        numpy_helper.from_array(np.linspace(-1, 1, 257, dtype=np.float32) / 256, "w"),
+        numpy_helper.from_array(np.array([2], dtype=np.int64), "axis"),
+        numpy_helper.from_array(np.array(scale, dtype=np.float32), "s"),
+        numpy_helper.from_array(np.array(128, dtype=np.uint8), "zp"),
+    ]
+    graph = helper.make_graph(
+        [node("Cast", ["input_ids"], ["f"], to=TensorProto.FLOAT), node("Unsqueeze", ["f", "axis"], ["u"]),
+         node("Mul", ["u", "w"], ["m"]), node("QuantizeLinear", ["m", "s", "zp"], ["q"], name="q"),
+         node("DequantizeLinear", ["q", "s", "zp"], ["logits"], name="dq")],
+        "g", [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["b", "s"])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["b", "s", 257])], inits,
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10), str(path))
+    return path
+
+
+def test_sanity_check_known_answers(tmp_path):
+    assert sanity_check(qdq_model(tmp_path / "ok.onnx", 0.01), PROBE) == []
+    problems = sanity_check(qdq_model(tmp_path / "inf.onnx", float("inf")), PROBE)
+    assert "scale" in problems[0] and "not finite" in problems[0]
+    assert any("NaN" in p for p in problems), problems  # (q - zp) * inf = NaN at q == zp
+    zero = sanity_check(qdq_model(tmp_path / "zero.onnx", 0.0), PROBE)
+    assert "not > 0" in zero[0]
+    garbage = tmp_path / "garbage.onnx"
+    garbage.write_bytes(b"not a model")
+    assert "cannot read" in sanity_check(garbage, PROBE)[0]
+
+
+# --- the zoo quantizes, and to the expected structure ---------------------------------------------
+
+
+def test_every_recipe_quantizes_pre_rms_ok(tmp_path_factory, tmp_path):
+    fp32 = zoo_onnx(tmp_path_factory, "pre", "rms", 4, 18)
+    for name, recipe in RECIPES.items():
+        out = tmp_path / f"model.int8.{name}.onnx"
+        result = quantize(fp32, recipe, CALIB, out, vnni=False, probe_inputs=PROBE)
+        assert result.status == "ok", (name, result.problems)
+        assert result.path == out and out.is_file()
+        assert result.settings["reduce_range"] is True
+        if recipe.mode == "static" and recipe.op_scope == "matmul":
+            quantized, matmuls = qdq_weight_matmuls(out)
+            # 6 weight MatMuls per block and the head; q@k^T and probs@v (2 per block) stay FP32.
+            assert len(quantized) == 4 * 6 + 1 and len(matmuls - quantized) == 4 * 2, name
+            assert "head/MatMul" in quantized and "blocks.0.attn/MatMul" not in quantized
+        elif recipe.mode == "dynamic":
+            ops = [n.op_type for n in onnx.load(str(out)).graph.node]
+            assert ops.count("MatMulInteger") == 25 and ops.count("MatMul") == 8
+        else:  # "all": the attention MatMuls, the adds and the norms' Muls are quantized too
+            quantized, matmuls = qdq_weight_matmuls(out)
+            assert quantized == matmuls
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"model.int8.{n}.onnx" for n in RECIPES)
+
+
+@pytest.mark.parametrize("placement, norm, n_layers, opset", [("pre", "layer", 4, 18), ("residual", "rms", 2, 23)])
+def test_zoo_recipe_families_ok(tmp_path_factory, tmp_path, placement, norm, n_layers, opset):
+    fp32 = zoo_onnx(tmp_path_factory, placement, norm, n_layers, opset)
+    for name in ("static-minmax-matmul", "static-minmax-all", "dynamic"):
+        result = quantize(fp32, get_recipe(name), CALIB, tmp_path / f"{name}.onnx", vnni=True, probe_inputs=PROBE)
+        assert result.status == "ok", (placement, norm, name, result.problems)
+        assert result.settings["reduce_range"] is False
+
+
+def test_exclusions_keep_nodes_in_fp32(tmp_path_factory, tmp_path):
+    fp32 = zoo_onnx(tmp_path_factory, "pre", "rms", 4, 18)
+    recipe = with_exclusions(get_recipe("static-minmax-matmul"), ["head/*", "blocks.0.mlp.*"])
+    result = quantize(fp32, recipe, CALIB, tmp_path / "mixed.onnx", vnni=True, probe_inputs=PROBE)
+    assert result.status == "ok"
+    assert result.settings["excluded_nodes_resolved"][-1] == "head/MatMul"
+    quantized, _ = qdq_weight_matmuls(result.path)
+    assert len(quantized) == 25 - 3
+    assert not {"head/MatMul", "blocks.0.mlp.up/MatMul", "blocks.0.mlp.down/MatMul"} & quantized
+    with pytest.raises(ConfigError, match="matches no node"):
+        quantize(fp32, with_exclusions(recipe, ["lm_head*"]), CALIB, tmp_path / "x.onnx", vnni=True,
+                 probe_inputs=PROBE)
+
+
+def test_argument_and_ort_errors(tmp_path_factory, tmp_path):
+    fp32 = zoo_onnx(tmp_path_factory, "pre", "rms", 4, 18)
+    with pytest.raises(ConfigError, match="not found"):
+        quantize(tmp_path / "none.onnx", get_recipe("dynamic"), None, tmp_path / "o.onnx", vnni=True,
+                 probe_inputs=PROBE)
+    with pytest.raises(ConfigError, match="calibration windows"):
+        quantize(fp32, get_recipe("static-minmax-matmul"), None, tmp_path / "o.onnx", vnni=True, probe_inputs=PROBE)
+    garbage = tmp_path / "garbage.onnx"
+    garbage.write_bytes(b"not a model")
+    with pytest.raises(QuantizeError):
+        quantize(garbage, get_recipe("dynamic"), None, tmp_path / "o.onnx", vnni=True, probe_inputs=PROBE)
+    assert not (tmp_path / "o.onnx").exists()
+
+
+# --- the -inf mask, built on purpose (PITFALLS.md 1) -----------------------------------------------
+
+
+class InfMaskedAttention(nn.Module):
+    """One attention layer with the usual masked_fill(-inf) before Softmax: the trap."""
+
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.cfg = types.SimpleNamespace(context=CONTEXT, vocab_size=257)  # what export_onnx reads
+        self.emb = nn.Embedding(257, d)
+        self.q, self.k, self.v = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+        self.head = nn.Linear(d, 257)
+        self.register_buffer("future", torch.triu(torch.ones(CONTEXT, CONTEXT, dtype=torch.bool), 1))
+
+    def forward(self, input_ids):
+        x = self.emb(input_ids)
+        t = input_ids.shape[1]
+        scores = (self.q(x) @ self.k(x).transpose(-2, -1)) * 0.25
+        scores = scores.masked_fill(self.future[:t, :t], float("-inf"))
+        return self.head(torch.softmax(scores, dim=-1) @ self.v(x))
+
+
+def test_inf_mask_is_reported_broken_not_crashed(tmp_path):
+    torch.manual_seed(0)
+    fp32 = export_onnx(InfMaskedAttention(), tmp_path / "inf.onnx", PROBE).path
+
+    minmax_all = get_recipe("static-minmax-all")
+    result = quantize(fp32, minmax_all, CALIB, tmp_path / "minmax-all.onnx", vnni=True, probe_inputs=PROBE)
+    assert result.status.startswith("broken: ") and "not finite" in result.status
+    assert any("invalid value encountered in divide" in p for p in result.problems), result.problems
+    assert result.path is not None and result.path.is_file()  # kept, so the damage can be measured
+    # The damage is real: the FP32 and INT8 models disagree although every logit is finite.
+    fp, q = onnx_logits(fp32, CALIB), onnx_logits(result.path, CALIB)
+    assert np.isfinite(q).all() and (fp.argmax(-1) == q.argmax(-1)).mean() < 0.5
+
+    entropy_all = Recipe("static-entropy-all", "static", "entropy", True, "all", False, "auto")
+    result = quantize(fp32, entropy_all, CALIB, tmp_path / "entropy-all.onnx", vnni=True, probe_inputs=PROBE)
+    assert result.status.startswith("broken: calibration failed") and "not finite" in result.status
+    assert result.path is None and not (tmp_path / "entropy-all.onnx").exists()
+
+    # The fix: weight MatMuls only; the scores never get a quantizer.
+    result = quantize(fp32, get_recipe("static-minmax-matmul"), CALIB, tmp_path / "mm.onnx", vnni=True,
+                      probe_inputs=PROBE)
+    assert result.status == "ok", result.problems
+
+
+# --- accuracy on a briefly trained model ----------------------------------------------------------
+
+
+def test_static_minmax_matmul_keeps_top1_on_a_trained_model(tmp_path):
+    corpus = load_corpus().array()
+    window = CONTEXT
+    splits = make_splits(len(corpus), window)
+    torch.manual_seed(0)
+    rng = np.random.default_rng(0)
+    model = CausalLM(ModelConfig(placement="pre", norm="rms", n_layers=1, d_model=32, n_heads=2, context=window))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a d32 model gains nothing from more; the 2 shared cores stay free
+    try:
+        for _ in range(250):
+            x, y = sample_train_batch(corpus, splits.train, window, 16, rng)
+            logits = model(torch.from_numpy(x))
+            loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), torch.from_numpy(y).reshape(-1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    finally:
+        torch.set_num_threads(threads)
+    assert loss.item() < 3.2  # below the byte unigram entropy (3.26 nats): it uses context
+
+    eval_x, _ = evaluation_windows(corpus, splits.evaluation, window)
+    eval_x = eval_x[:32]
+    fp32 = export_onnx(model, tmp_path / "trained.onnx", eval_x[:4]).path
+    calib = calibration_windows(corpus, splits.calibration, window, 32)
+    result = quantize(fp32, get_recipe("static-minmax-matmul"), calib, tmp_path / "int8.onnx", vnni=True,
+                      probe_inputs=eval_x[:2])
+    assert result.status == "ok"
+    ref, q = onnx_logits(fp32, eval_x), onnx_logits(result.path, eval_x)
+    agreement = float((ref.argmax(-1) == q.argmax(-1)).mean())
+    assert agreement > 0.9, agreement  # 0.988 seen (train loss 2.79)
