@@ -25,13 +25,13 @@ def _default_train():
     return TrainConfig()
 
 
-def training_options(func):
+def training_options(required: bool):
     """The flags that define a trained model (shared by ``train`` and ``evaluate``)."""
     t = _default_train()
     options = [
-        click.option("--placement", type=click.Choice(list(PLACEMENTS)), required=True,
+        click.option("--placement", type=click.Choice(list(PLACEMENTS)), required=required,
                      help="Where the norm sits: post, pre, peri, deepnorm (DeepNet) or residual (ResiDual)."),
-        click.option("--norm", type=click.Choice(list(NORMS)), required=True,
+        click.option("--norm", type=click.Choice(list(NORMS)), required=required,
                      help="Which norm: layer (LayerNorm) or rms (RMSNorm)."),
         click.option("--layers", type=int, default=DEFAULT_MODEL.n_layers, show_default=True, help="Number of blocks."),
         click.option("--d-model", type=int, default=DEFAULT_MODEL.d_model, show_default=True, help="Hidden size."),
@@ -49,9 +49,13 @@ def training_options(func):
         click.option("--corpus", type=str, default=BUILTIN_PYDOC, show_default=True,
                      help="Training text: a file, a directory of files, or builtin:pydoc (CPython's docs)."),
     ]
-    for option in reversed(options):
-        func = option(func)
-    return func
+
+    def decorate(func):
+        for option in reversed(options):
+            func = option(func)
+        return func
+
+    return decorate
 
 
 def build_run_config(placement, norm, layers, d_model, heads, context, steps, batch_size, lr, warmup, seed, corpus):
@@ -86,7 +90,7 @@ def cli(ctx: click.Context, debug: bool) -> None:
 
 
 @cli.command()
-@training_options
+@training_options(required=True)
 @click.option("--out", type=click.Path(path_type=Path), default=None,
               help="Run directory to write (default: runs/<placement>-<norm>-...).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
@@ -107,6 +111,167 @@ def train(out, quiet, **flags):
         click.echo(f"{out}: {result.steps} steps, train loss {result.final_train_loss:.3f} nats, "
                    f"eval {result.eval_bits_per_byte:.3f} bits/byte, {result.tokens_per_s:,.0f} tokens/s, "
                    f"{result.wall_s:.0f} s")
+
+
+def _csv(value: str | None) -> list[str] | None:
+    return None if value is None else [v.strip() for v in value.split(",") if v.strip()]
+
+
+def _int_csv(value: str, flag: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in _csv(value))
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {value!r}", param_hint=flag) from None
+
+
+def _command_line() -> str:
+    import shlex
+
+    return "quantnorm " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+
+
+@cli.command()
+@training_options(required=False)
+@click.option("--checkpoint", type=click.Path(path_type=Path), default=None,
+              help="Evaluate this trained run directory instead of training one (no training flags then).")
+@click.option("--out", type=click.Path(path_type=Path), default=None,
+              help="Run directory (default: runs/<placement>-<norm>-...). Reused when it holds a checkpoint of the same config.")
+@click.option("--recipes", default=None,
+              help="Comma-separated INT8 recipes (see `quantnorm recipes`). [default: the default set]")
+@click.option("--providers", default=None,
+              help="Comma-separated execution providers for latency: cpu, cuda, tensorrt. "
+                   "[default: all this onnxruntime lists; unusable ones are reported as not measured]")
+@click.option("--calib-samples", type=int, default=64, show_default=True,
+              help="Calibration windows (taken evenly from the calibration range only).")
+@click.option("--opset", type=int, default=18, show_default=True,
+              help="ONNX opset (18: RMSNorm decomposed; 23: native RMSNormalization).")
+@click.option("--opt-level", default="all", show_default=True,
+              help="ONNX Runtime graph optimization for accuracy and latency: disable, basic, extended, all.")
+@click.option("--threads", type=int, default=None, help="Intra-op threads for ONNX Runtime. [default: ORT's]")
+@click.option("--batches", default="1,8", show_default=True, help="Latency batch sizes (sequence = context).")
+@click.option("--iters", type=int, default=30, show_default=True, help="Timed runs per latency cell (after warm-up).")
+@click.option("--no-outliers", is_flag=True, help="Skip the activation probe and per-tensor SQNR.")
+@click.option("--quiet", is_flag=True, help="No progress bars.")
+def evaluate(checkpoint, out, recipes, providers, calib_samples, opset, opt_level, threads, batches, iters,
+             no_outliers, quiet, **flags):
+    """Train (or reuse) a model, export it, quantize it with each recipe, measure accuracy and
+    latency, and write results.json and report.md into the run directory.
+
+    Example: quantnorm evaluate --placement pre --norm rms
+    """
+    from .evaluate import EvaluateConfig, ensure_trained, evaluate as run_evaluate
+    from .data import prepare_data
+    from .quantize import DEFAULT_RECIPES
+    from .runs import open_run_dir
+
+    cfg = EvaluateConfig(
+        recipes=tuple(_csv(recipes)) if recipes else DEFAULT_RECIPES,
+        providers=tuple(_csv(providers)) if providers else None,
+        calib_samples=calib_samples, opset=opset, graph_optimization_level=opt_level, threads=threads,
+        latency_batches=_int_csv(batches, "--batches"), latency_iters=iters, outliers=not no_outliers,
+        progress=not quiet,
+    )
+    if checkpoint is not None:
+        run_dir = open_run_dir(checkpoint)
+    else:
+        if flags["placement"] is None or flags["norm"] is None:
+            raise click.UsageError("give --placement and --norm (to train a model), or --checkpoint RUN_DIR")
+        run = build_run_config(**flags)
+        out = out or default_run_dir(run)
+        run_dir = ensure_trained(run, out, prepare_data(run.data, run.model.context), progress=not quiet)
+    results = run_evaluate(run_dir, cfg, command=_command_line())
+    click.echo(summary_lines(results, run_dir.path))
+
+
+def summary_lines(results: dict, run_dir: Path) -> str:
+    lines = [f"{run_dir}: results.json and report.md written"]
+    for r in results["recipes"]:
+        a = r.get("accuracy")
+        if a:
+            lines.append(f"  {r['name']:<34} PPL ratio {a['ppl_ratio']:.4f}  KL mean {a['kld_mean']:.2e}  "
+                         f"top-1 {100 * a['top1_agreement']:.2f}%")
+        else:
+            lines.append(f"  {r['name']:<34} {r['status']}")
+    return "\n".join(lines)
+
+
+@cli.command()
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.option("--opset", type=int, default=18, show_default=True, help="ONNX opset (18 or later).")
+def export(run_dir, opset):
+    """Export a trained run to RUN_DIR/model.fp32.onnx with a parity check against PyTorch."""
+    from .data import evaluation_windows, prepare_data
+    from .export import export_onnx
+    from .runs import FP32_ONNX_FILE, open_run_dir
+    from .train import load_model
+
+    run = open_run_dir(run_dir)
+    model, cfg = load_model(run)
+    data = prepare_data(cfg.data, cfg.model.context)
+    inputs, _ = evaluation_windows(data.tokens, data.splits.evaluation, data.window)
+    result = export_onnx(model, run.file(FP32_ONNX_FILE), inputs[:4], opset=opset)
+    click.echo(f"{result.path}: opset {result.opset}, max |delta logit| {result.max_abs_logit_diff:.2e}, "
+               f"norm ops {result.norm_ops}")
+
+
+@cli.command()
+@click.argument("models", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("--providers", default=None, help="Comma-separated: cpu, cuda, tensorrt. [default: all listed]")
+@click.option("--batches", default="1,8", show_default=True, help="Batch sizes.")
+@click.option("--seq", type=int, default=128, show_default=True, help="Sequence length.")
+@click.option("--iters", type=int, default=30, show_default=True, help="Timed runs per cell.")
+@click.option("--warmup", type=int, default=5, show_default=True, help="Untimed warm-up runs per cell.")
+@click.option("--threads", type=int, default=None, help="Intra-op threads. [default: ORT's]")
+@click.option("--opt-level", default="all", show_default=True, help="Graph optimization: disable, basic, extended, all.")
+@click.option("--json", "json_out", type=click.Path(path_type=Path), default=None, help="Also write the rows as JSON.")
+def bench(models, providers, batches, seq, iters, warmup, threads, opt_level, json_out):
+    """Latency of ONNX models (p50/p90/p99, tokens/s) per execution provider and batch size."""
+    import onnxruntime as ort
+
+    from .fileio import write_json_atomic
+    from .measure.latency import bench_grid
+    from .measure.sessions import PROVIDERS, resolve_providers
+
+    if not models:
+        raise click.UsageError("give at least one .onnx file")
+    for path in models:
+        if not path.is_file():
+            raise click.BadParameter(f"{path} is not a file", param_hint="MODELS")
+    names = resolve_providers(_csv(providers)) if providers else \
+        [p for p in PROVIDERS.values() if p in ort.get_available_providers()]
+    variants = {path.name: path for path in models}
+    rows = bench_grid(variants, names, list(_int_csv(batches, "--batches")), seq, threads=threads,
+                      graph_optimization_level=opt_level, warmup=warmup, iters=iters, progress=True)
+    click.echo(f"{'model':<40} {'provider':<10} {'batch':>5} {'p50 ms':>9} {'p90 ms':>9} {'p99 ms':>9} {'tokens/s':>11}")
+    for r in rows:
+        short = r.provider.replace("ExecutionProvider", "")
+        if r.measured:
+            click.echo(f"{r.variant:<40} {short:<10} {r.batch:>5} {r.p50_ms:>9.2f} {r.p90_ms:>9.2f} {r.p99_ms:>9.2f} "
+                       f"{r.tokens_per_s:>11,.0f}")
+        else:
+            click.echo(f"{r.variant:<40} {short:<10} {r.batch:>5} {r.status}")
+    if json_out:
+        write_json_atomic(json_out, [r.to_dict() for r in rows])
+
+
+@cli.command()
+@click.argument("run_dir", type=click.Path(path_type=Path))
+def report(run_dir):
+    """Regenerate RUN_DIR/report.md and its plots from RUN_DIR/results.json."""
+    from .report import write_report
+
+    click.echo(str(write_report(run_dir)))
+
+
+@cli.command()
+def recipes():
+    """List the INT8 recipes and which ones evaluate runs by default."""
+    from .quantize import DEFAULT_RECIPES, RECIPES
+
+    for name, recipe in RECIPES.items():
+        mark = "*" if name in DEFAULT_RECIPES else " "
+        click.echo(f"{mark} {name:<36} {recipe.describe() if hasattr(recipe, 'describe') else ''}")
+    click.echo("(* = in the default set)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,6 +23,7 @@ from . import __version__
 from .data import DataConfig, PreparedData, evaluation_windows, prepare_data, sample_train_batch
 from .errors import ConfigError, RunDirError
 from .fileio import atomic_path, write_json_atomic
+from .measure.accuracy import torch_perplexity
 from .models import CausalLM, ModelConfig
 from .runs import CHECKPOINT_FILE, CONFIG_FILE, TRAIN_LOG_FILE, TRAIN_SUMMARY_FILE, RunDir, check_out_dir, config_hash
 
@@ -134,19 +135,10 @@ def count_spikes(grad_norms: list[float]) -> int:
     return spikes
 
 
-@torch.no_grad()
-def eval_bits_per_byte(model: CausalLM, data: PreparedData, batch_size: int = 32) -> float:
+def eval_bits_per_byte(model: CausalLM, data: PreparedData) -> float:
     """Bits per byte on the evaluation range, by the protocol of FORMULAS.md (scored_from 0)."""
     inputs, targets = evaluation_windows(data.tokens, data.splits.evaluation, data.window)
-    model.eval()
-    total_nll, count = 0.0, 0
-    for i in range(0, len(inputs), batch_size):
-        x = torch.from_numpy(inputs[i:i + batch_size])
-        y = torch.from_numpy(targets[i:i + batch_size])
-        logits = model(x).double()
-        total_nll += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum"))
-        count += y.numel()
-    return total_nll / count / math.log(2)
+    return torch_perplexity(model, inputs, targets, batch_size=32).bits_per_byte
 
 
 def train(run: RunConfig, out_dir: Path, *, progress: bool = True, data: PreparedData | None = None) -> TrainResult:

@@ -1,0 +1,206 @@
+"""The main job: train (or reuse) -> export -> quantize -> measure -> results.json -> report.md.
+
+Each stage is its own module; this one only wires them and assembles results.json (the contract
+in shared RESULTS.md). A recipe that produces a broken model is recorded as broken, not skipped.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Iterator
+
+import onnxruntime as ort
+from tqdm import tqdm
+
+from . import __version__
+from .calibration import calibration_windows
+from .data import PreparedData, evaluation_windows, prepare_data
+from .errors import ConfigError, QuantizeError
+from .export import export_onnx
+from .fileio import write_json_atomic
+from .hardware import cpu_has_vnni, hardware_info
+from .measure.accuracy import compare
+from .measure.latency import bench_grid
+from .measure.sessions import PROVIDERS, SessionSpec, make_session, resolve_providers
+from .quantize import DEFAULT_RECIPES, get_recipe, quantize
+from .runs import FP32_ONNX_FILE, PLOTS_DIR, RESULTS_FILE, TRAIN_SUMMARY_FILE, RunDir, check_out_dir, int8_onnx_file
+from .train import RunConfig, load_model, train
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class EvaluateConfig:
+    """What to deploy and measure; the CLI builds it from flags."""
+
+    recipes: tuple[str, ...] = DEFAULT_RECIPES
+    providers: tuple[str, ...] | None = None   # None: every provider this onnxruntime lists
+    calib_samples: int = 64
+    opset: int = 18
+    graph_optimization_level: str = "ORT_ENABLE_ALL"
+    threads: int | None = None
+    latency_batches: tuple[int, ...] = (1, 8)
+    latency_iters: int = 30
+    latency_warmup: int = 5
+    eval_batch_size: int = 16
+    parity_windows: int = 4
+    probe_windows: int = 32
+    outliers: bool = True
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.recipes:
+            raise ConfigError("no recipes given: pass --recipes with at least one name")
+        for name in self.recipes:
+            get_recipe(name)  # unknown name -> ConfigError listing the choices
+        if self.providers is not None:
+            object.__setattr__(self, "providers", tuple(resolve_providers(list(self.providers))))
+        if self.calib_samples < 1:
+            raise ConfigError(f"--calib-samples must be >= 1, got {self.calib_samples}")
+        if not self.latency_batches or min(self.latency_batches) < 1:
+            raise ConfigError(f"latency batches must be >= 1, got {self.latency_batches}")
+        if self.latency_iters < 1:
+            raise ConfigError(f"latency iterations must be >= 1, got {self.latency_iters}")
+        SessionSpec(graph_optimization_level=self.graph_optimization_level, threads=self.threads)
+
+    def provider_list(self) -> list[str]:
+        if self.providers is not None:
+            return list(self.providers)
+        listed = set(ort.get_available_providers())
+        return [p for p in PROVIDERS.values() if p in listed]
+
+
+@contextmanager
+def timed(seconds: dict[str, float], stage: str) -> Iterator[None]:
+    """Record a stage's wall time (results.json keeps them, so users see where the minutes go)."""
+    start = time.perf_counter()
+    yield
+    seconds[stage] = round(time.perf_counter() - start, 2)
+
+
+def ensure_trained(run: RunConfig, out_dir: Path, data: PreparedData, progress: bool) -> RunDir:
+    """Reuse the run directory's checkpoint when its config hash matches, else train it."""
+    run_dir = RunDir(check_out_dir(out_dir))
+    if run_dir.stored_hash() == run.hash(data.corpus.sha256):
+        return run_dir
+    train(run, out_dir, progress=progress, data=data)
+    return run_dir
+
+
+def evaluate(run_dir: RunDir, cfg: EvaluateConfig, *, command: str) -> dict:
+    """Export, quantize with every recipe, measure; write results.json and return it."""
+    from .report import write_report
+
+    stage_seconds: dict[str, float] = {}
+    model, run = load_model(run_dir)
+    train_summary = run_dir.read_json(TRAIN_SUMMARY_FILE)
+    if train_summary.get("diverged"):
+        raise QuantizeError(
+            f"{run_dir.path}: training diverged at step {train_summary.get('diverged_at')}; there is no model to "
+            f"deploy (retrain with warm-up or a lower --lr)"
+        )
+    data = prepare_data(run.data, run.model.context)
+    window = data.window
+    eval_inputs, eval_targets = evaluation_windows(data.tokens, data.splits.evaluation, window)
+    calib_inputs = calibration_windows(data.tokens, data.splits.calibration, window, cfg.calib_samples)
+    vnni = cpu_has_vnni()
+    spec = SessionSpec(graph_optimization_level=cfg.graph_optimization_level, threads=cfg.threads)
+
+    shutil.rmtree(run_dir.file(PLOTS_DIR), ignore_errors=True)  # plots of an earlier evaluation would be stale
+    with timed(stage_seconds, "export"):
+        fp32_path = run_dir.file(FP32_ONNX_FILE)
+        exported = export_onnx(model, fp32_path, eval_inputs[: cfg.parity_windows], opset=cfg.opset)
+    fp32_session = make_session(fp32_path, spec)
+
+    recipes_out: list[dict] = []
+    int8_paths: dict[str, Path] = {}
+    bar = tqdm(cfg.recipes, desc="quantize+accuracy", unit="recipe", disable=not cfg.progress, leave=False)
+    for name in bar:
+        recipe = get_recipe(name)
+        bar.set_postfix_str(name)
+        with timed(stage_seconds, f"quantize:{name}"):
+            q = quantize(fp32_path, recipe, calib_inputs, run_dir.file(int8_onnx_file(name)), vnni=vnni,
+                         probe_inputs=eval_inputs[:2])
+        entry: dict = {"name": name, "status": q.status, "settings": q.settings, "session": spec.to_dict()}
+        if q.status == "ok" and q.path is not None:
+            entry["path"] = q.path.name
+            entry["size_bytes"] = q.path.stat().st_size
+            with timed(stage_seconds, f"accuracy:{name}"):
+                acc = compare(fp32_session, make_session(q.path, spec), eval_inputs, eval_targets,
+                              batch_size=cfg.eval_batch_size)
+            entry["accuracy"] = acc.to_dict()
+            int8_paths[name] = q.path
+        else:
+            entry["problems"] = q.problems
+        recipes_out.append(entry)
+    bar.close()
+    if len(cfg.recipes) == 1 and not int8_paths:
+        raise QuantizeError(f"recipe {cfg.recipes[0]} produced a broken model: {recipes_out[0]['status']}")
+
+    with timed(stage_seconds, "latency"):
+        rows = bench_grid({"fp32": fp32_path, **int8_paths}, cfg.provider_list(), list(cfg.latency_batches), window,
+                          threads=cfg.threads, graph_optimization_level=cfg.graph_optimization_level,
+                          warmup=cfg.latency_warmup, iters=cfg.latency_iters, progress=cfg.progress)
+
+    results = {
+        "schema_version": SCHEMA_VERSION,
+        "quantnorm_version": __version__,
+        "command": command,
+        "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "hardware": hardware_info(cfg.threads),
+        "model": {**run.model.to_dict(), "n_params": model.n_params(), "source": "trained",
+                  "run_dir": str(run_dir.path)},
+        "data": {**data.describe(), "n_eval_windows": int(len(eval_inputs)), "n_calib_windows": int(len(calib_inputs))},
+        "train": {**train_summary, "config": run.to_dict()["train"]},
+        "export": exported.to_dict(run_dir.path),
+        "recipes": recipes_out,
+        "latency": [r.to_dict() for r in rows],
+        "file_sizes_bytes": {"fp32": fp32_path.stat().st_size,
+                             **{k: p.stat().st_size for k, p in int8_paths.items()}},
+    }
+    if cfg.outliers:
+        with timed(stage_seconds, "outliers"):
+            results.update(measure_outliers(model, run_dir, fp32_path, int8_paths, eval_inputs[: cfg.probe_windows]))
+    results["stage_seconds"] = stage_seconds
+    write_json_atomic(run_dir.file(RESULTS_FILE), results)
+    write_report(run_dir.path, results)
+    return results
+
+
+def measure_outliers(model, run_dir: RunDir, fp32_path: Path, int8_paths: dict[str, Path], inputs) -> dict:
+    """The ``outliers`` and ``sqnr`` sections, and the activation heat map of the worst layer.
+
+    SQNR is collected for static (QDQ) recipes; its correlation with outlier figures is taken over
+    the inputs of weight MatMuls (attention probabilities are mostly exact zeros from the causal
+    mask, so their max/median ratios are meaningless and would swamp the correlation).
+    """
+    from .measure.outliers import heatmap_for_layer, largest_ratio_layer, probe
+    from .measure.sqnr import activation_sqnr, matmul_input_modules, onnx_tensor_stats, sqnr_summary
+    from .plots import plot_activation_heatmap
+
+    report = probe(model, inputs).to_dict()
+    matmul_inputs = matmul_input_modules(fp32_path, model)
+    sqnr_inputs = inputs[:8]
+    sqnr: dict[str, list[dict]] = {}
+    summaries: dict[str, dict] = {}
+    for name, path in int8_paths.items():
+        if get_recipe(name).mode != "static":
+            continue
+        rows = activation_sqnr(fp32_path, path, sqnr_inputs)
+        stats = onnx_tensor_stats(fp32_path, [r["tensor"] for r in rows], sqnr_inputs)
+        for row in rows:
+            figures = stats.get(row["tensor"], {})
+            row.update(modules=matmul_inputs.get(row["tensor"], []),
+                       **{k: figures.get(k) for k in ("ratio", "kurtosis", "inf_norm")})
+        sqnr[name] = rows
+        summaries[name] = sqnr_summary(rows, stats, tensors=matmul_inputs)
+    layer = largest_ratio_layer(report["residual"])
+    plot_activation_heatmap(heatmap_for_layer(model, inputs[:1], layer), run_dir.file(PLOTS_DIR) / "heatmap.png",
+                            f"|a| of the residual stream at layer {layer} (first evaluation window)")
+    report["heatmap_layer"] = layer
+    return {"outliers": report, "sqnr": sqnr, "sqnr_summary": summaries}

@@ -1,0 +1,98 @@
+"""End to end on the smallest real pipeline: train -> export -> quantize -> measure -> report."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from quantnorm.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--layers", "1", "--d-model", "32", "--heads", "2", "--context", "32", "--batch-size", "8", "--steps", "40"]
+FAST = ["--batches", "1", "--iters", "2", "--calib-samples", "8", "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def evaluated(tmp_path_factory):
+    out = tmp_path_factory.mktemp("e2e") / "run"
+    code = main(["evaluate", "--placement", "pre", "--norm", "rms", *TINY, *FAST, "--out", str(out),
+                 "--recipes", "static-minmax-matmul,dynamic", "--providers", "cpu,cuda"])
+    assert code == 0
+    return out
+
+
+def test_results_follow_the_contract(evaluated):
+    results = json.loads((evaluated / "results.json").read_text())
+    for key in ("schema_version", "quantnorm_version", "command", "created", "hardware", "model", "data",
+                "train", "export", "recipes", "latency", "outliers", "sqnr"):
+        assert key in results, key
+    assert results["schema_version"] == 1
+    d = results["data"]
+    assert d["calibration"][1] <= d["evaluation"][0] and d["bos"] is True and d["window"] == 32
+    assert {r["name"] for r in results["recipes"]} == {"static-minmax-matmul", "dynamic"}
+    for r in results["recipes"]:
+        acc = r["accuracy"]
+        assert set(acc) >= {"ppl_fp32", "ppl_int8", "ppl_ratio", "kld_mean", "kld_p99", "kld_max", "top1_agreement"}
+        assert acc["kld_mean"] >= 0 and 0 <= acc["top1_agreement"] <= 1
+        assert (evaluated / r["path"]).is_file()
+        assert r["session"]["graph_optimization_level"] == "ORT_ENABLE_ALL"
+    cpu = [row for row in results["latency"] if row["provider"] == "CPUExecutionProvider"]
+    assert {row["variant"] for row in cpu} == {"fp32", "static-minmax-matmul", "dynamic"}
+    assert all(row["status"] == "measured" and row["p50_ms"] > 0 for row in cpu)
+    cuda = [row for row in results["latency"] if row["provider"] == "CUDAExecutionProvider"]
+    assert cuda and all(row["status"].startswith("not measured") and "p50_ms" not in row for row in cuda)
+    assert len(results["outliers"]["residual"]) == 2  # embed + 1 block
+    assert results["sqnr"]["static-minmax-matmul"]
+
+
+def test_report_and_plots(evaluated, capsys):
+    report = (evaluated / "report.md").read_text()
+    assert "## INT8 recipes" in report and "not measured" in report and "static-minmax-matmul" in report
+    for line in report.splitlines():
+        if line.startswith("!["):
+            assert (evaluated / line.split("](")[1].rstrip(")")).is_file()
+    (evaluated / "report.md").unlink()
+    assert main(["report", str(evaluated)]) == 0
+    assert (evaluated / "report.md").read_text() == report
+
+
+def test_accuracy_recomputes_independently(evaluated):
+    """tools/recompute_accuracy.py follows FORMULAS.md without quantnorm; it must agree within 0.5%."""
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "recompute_accuracy.py"),
+                           str(evaluated / "results.json")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_evaluate_reuses_the_checkpoint(evaluated):
+    before = (evaluated / "model.safetensors").stat().st_mtime_ns
+    assert main(["evaluate", "--checkpoint", str(evaluated), *FAST, "--recipes", "dynamic", "--providers", "cpu",
+                 "--no-outliers"]) == 0
+    assert (evaluated / "model.safetensors").stat().st_mtime_ns == before
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--recipes", "nonsense"], "unknown recipe"),
+    (["--providers", "tpu"], "unknown execution provider"),
+    (["--calib-samples", "0"], "calib-samples"),
+    (["--calib-samples", "100000"], "calibration"),
+])
+def test_evaluate_bad_input(evaluated, capsys, args, message):
+    assert main(["evaluate", "--checkpoint", str(evaluated), "--quiet", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+def test_checkpoint_must_be_a_run_dir(tmp_path, capsys):
+    assert main(["evaluate", "--checkpoint", str(tmp_path)]) == 2
+    assert "not a trained run directory" in capsys.readouterr().err
+
+
+def test_bench_rejects_corrupt_onnx(evaluated, tmp_path, capsys):
+    good = (evaluated / "model.fp32.onnx").read_bytes()
+    bad = tmp_path / "truncated.onnx"
+    bad.write_bytes(good[: len(good) // 2])
+    assert main(["bench", str(bad), "--providers", "cpu", "--iters", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "truncated.onnx" in err and len(err.splitlines()) == 1
