@@ -154,6 +154,10 @@ def test_every_recipe_quantizes_pre_rms_ok(tmp_path_factory, tmp_path):
             # 6 weight MatMuls per block and the head; q@k^T and probs@v (2 per block) stay FP32.
             assert len(quantized) == 4 * 6 + 1 and len(matmuls - quantized) == 4 * 2, name
             assert "head/MatMul" in quantized and "blocks.0.attn/MatMul" not in quantized
+            # MatMul outputs stay float: in particular the logits are never squeezed into 8 bits.
+            graph = onnx.load(str(out)).graph
+            assert not [n for n in graph.node if n.op_type == "QuantizeLinear" and "logits" in n.input[0]], name
+            assert [n.op_type for n in graph.node if "logits" in n.output] == ["MatMul"], name
         elif recipe.mode == "dynamic":
             ops = [n.op_type for n in onnx.load(str(out)).graph.node]
             assert ops.count("MatMulInteger") == 25 and ops.count("MatMul") == 8
