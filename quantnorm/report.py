@@ -188,11 +188,12 @@ def outlier_section(results: dict) -> list[str]:
         L.append("Mean attention on BOS per layer (queries after position 0): "
                  + ", ".join(f"{v:.2f}" for v in o["bos_attention"]) + ".")
     for recipe, summary in results.get("sqnr_summary", {}).items():
+        feeds = {r["tensor"]: ", ".join(r.get("modules", [])) for r in results.get("sqnr", {}).get(recipe, [])}
         L += ["", f"### Per-tensor SQNR, `{recipe}`", "",
               f"Spearman rank correlation with SQNR: ratio {_fmt(summary.get('spearman_ratio_sqnr'), '.2f')}, "
               f"kurtosis {_fmt(summary.get('spearman_kurtosis_sqnr'), '.2f')} (negative: bigger outliers, lower SQNR).", ""]
-        L += _table(["worst tensor", "SQNR dB", "max/median", "kurtosis", "inf-norm"], [
-            [f"`{w['tensor']}`", _fmt(w.get("sqnr_db"), ".1f"), _fmt(w.get("ratio"), ".1f"), _fmt(w.get("kurtosis"), ".1f"),
+        L += _table(["worst tensor", "feeds", "SQNR dB", "max/median", "kurtosis", "inf-norm"], [
+            [f"`{w['tensor']}`", feeds.get(w["tensor"], ""), _fmt(w.get("sqnr_db"), ".1f"), _fmt(w.get("ratio"), ".1f"), _fmt(w.get("kurtosis"), ".1f"),
              _fmt(w.get("inf_norm"), ".3g")] for w in summary.get("worst", [])])
     return L
 
