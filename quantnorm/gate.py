@@ -1,0 +1,708 @@
+"""The deployment gate: a policy (thresholds) applied to results.json files -> pass / fail.
+
+Exit codes (``quantnorm gate``): 0 every run passes, 1 a run fails a check, 2 the gate could not
+judge (missing, unreadable or corrupt input, another ``schema_version``, a bad policy).
+
+It fails closed. A number the policy needs that is absent, not a finite number, or was not
+measured (``latency[].status = "not measured: ..."``, a recipe whose status is ``broken: ...``)
+is a failing check whose reason says what was missing; it never passes.
+
+Which recipes must pass:
+
+- ``recipes = []`` (the default): a run passes when *at least one* recipe passes every check
+  (the deployable one; you ship the best recipe). The other recipes' failures are shown but do not
+  block (JUnit reports them as skipped).
+- ``recipes = ["a", "b"]``: each listed recipe must be present and pass every check; recipes not
+  listed are not gated.
+
+Latency ratio = INT8 p50 / FP32 p50 on the same provider, batch and sequence length, one check per
+(provider, batch). It is checked on the ``require_provider`` providers when any are given, else on
+every provider where the FP32 model and the recipe were both measured (and fails if there is none).
+
+Policy file (TOML), either in a ``[gate]`` table or as top-level keys::
+
+    [gate]
+    max_ppl_ratio = 1.01        # accuracy.ppl_ratio      <= this
+    max_kld = 0.01              # accuracy.kld_mean       <= this
+    max_kld_p99 = 0.05          # accuracy.kld_p99        <= this   (optional)
+    min_top1 = 0.98             # accuracy.top1_agreement >= this
+    max_latency_ratio = 1.0     # INT8 p50 / FP32 p50     <= this   (optional)
+    require_provider = ["cpu"]  # providers that must have measured latency rows
+    recipes = []                # [] = the best recipe must pass; a list = each listed must pass
+
+Library use::
+
+    from quantnorm.gate import Policy, run_gate
+    report = run_gate(["runs/pre-rms"], Policy(max_ppl_ratio=1.02))
+    print(report.markdown()); raise SystemExit(report.exit_code)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import xml.etree.ElementTree as ET
+from collections.abc import Iterable
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError, QuantnormError
+from .fileio import write_text_atomic
+from .runs import CONFIG_FILE, RESULTS_FILE, TRAIN_SUMMARY_FILE
+
+SUPPORTED_SCHEMA = 1
+FP32_VARIANT = "fp32"
+MEASURED = "measured"
+
+EXIT_PASS, EXIT_FAIL, EXIT_ERROR = 0, 1, 2
+
+
+class GateError(QuantnormError):
+    """The gate cannot judge: a result is missing, unreadable, corrupt or of another schema."""
+
+
+class PolicyError(ConfigError):
+    """The gate policy (file or flags) has an unknown key, a wrong type or an invalid value."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Policy
+
+_FLOAT_KEYS = ("max_ppl_ratio", "max_kld", "max_kld_p99", "min_top1", "max_latency_ratio")
+_LIST_KEYS = ("require_provider", "recipes")
+
+
+def _short_provider(provider: str) -> str:
+    return provider.replace("ExecutionProvider", "")
+
+
+def normalize_provider_name(name: str) -> str:
+    """``cpu``/``cuda``/``tensorrt`` or an ORT provider name -> the ORT name (PolicyError if unknown)."""
+    from .measure.sessions import normalize_provider  # imports onnxruntime: only when a provider is named
+
+    try:
+        return normalize_provider(name)
+    except ConfigError as exc:
+        raise PolicyError(f"require_provider: {exc}") from None
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Thresholds of the gate. ``None`` disables an optional check (kld p99, latency ratio)."""
+
+    max_ppl_ratio: float | None = 1.01
+    max_kld: float | None = 0.01
+    max_kld_p99: float | None = None
+    min_top1: float | None = 0.98
+    max_latency_ratio: float | None = None
+    require_provider: tuple[str, ...] = ()
+    recipes: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for key in _FLOAT_KEYS:
+            value = getattr(self, key)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise PolicyError(f"policy key {key!r} must be a number (float), got {type(value).__name__}")
+            if not math.isfinite(value):
+                raise PolicyError(f"policy key {key!r} must be a finite number, got {value}")
+            object.__setattr__(self, key, float(value))
+        for key in ("max_ppl_ratio", "max_latency_ratio"):
+            value = getattr(self, key)
+            if value is not None and value <= 0:
+                raise PolicyError(f"policy key {key!r} must be > 0, got {value}")
+        for key in ("max_kld", "max_kld_p99"):
+            value = getattr(self, key)
+            if value is not None and value < 0:
+                raise PolicyError(f"policy key {key!r} must be >= 0, got {value}")
+        if self.min_top1 is not None and not 0.0 <= self.min_top1 <= 1.0:
+            raise PolicyError(f"policy key 'min_top1' must be in [0, 1] (a fraction, not %), got {self.min_top1}")
+        for key in _LIST_KEYS:
+            value = getattr(self, key)
+            if isinstance(value, str) or not isinstance(value, (list, tuple)) or \
+                    not all(isinstance(v, str) and v.strip() for v in value):
+                raise PolicyError(f"policy key {key!r} must be a list of non-empty strings, got {value!r}")
+            object.__setattr__(self, key, tuple(dict.fromkeys(v.strip() for v in value)))
+        if self.require_provider:
+            object.__setattr__(self, "require_provider",
+                               tuple(dict.fromkeys(normalize_provider_name(p) for p in self.require_provider)))
+
+    @property
+    def mode(self) -> str:
+        return "listed" if self.recipes else "best"
+
+    def override(self, **changes: Any) -> Policy:
+        """A copy with the given keys replaced; ``None`` values (flags not given) are ignored."""
+        changes = {k: v for k, v in changes.items() if v is not None}
+        unknown = set(changes) - {f.name for f in fields(self)}
+        if unknown:
+            raise PolicyError(f"unknown policy key(s): {', '.join(sorted(unknown))}")
+        return replace(self, **changes)
+
+    def describe(self) -> str:
+        parts = []
+        if self.max_ppl_ratio is not None:
+            parts.append(f"PPL ratio <= {self.max_ppl_ratio:g}")
+        if self.max_kld is not None:
+            parts.append(f"KL mean <= {self.max_kld:g} nats")
+        if self.max_kld_p99 is not None:
+            parts.append(f"KL p99 <= {self.max_kld_p99:g} nats")
+        if self.min_top1 is not None:
+            parts.append(f"top-1 agreement >= {self.min_top1:g}")
+        if self.max_latency_ratio is not None:
+            parts.append(f"INT8/FP32 p50 latency <= {self.max_latency_ratio:g}")
+        if self.require_provider:
+            parts.append("measured on " + ", ".join(_short_provider(p) for p in self.require_provider))
+        parts.append("recipes that must pass: " + (", ".join(self.recipes) if self.recipes else
+                                                   "at least one (the best)"))
+        return "; ".join(parts)
+
+
+_TOML_TYPES = {**{k: ("number (float)", (int, float)) for k in _FLOAT_KEYS},
+               **{k: ("list of strings", (list,)) for k in _LIST_KEYS}}
+
+
+def policy_from_mapping(data: dict, source: str = "policy") -> Policy:
+    """Build a Policy from a parsed TOML document (a ``[gate]`` table or top-level keys)."""
+    if "gate" in data:
+        extra = sorted(k for k in data if k != "gate")
+        if extra:
+            raise PolicyError(f"{source}: unknown top-level key {extra[0]!r} (with a [gate] table, every key "
+                              f"goes inside it)")
+        table, where = data["gate"], "[gate]"
+        if not isinstance(table, dict):
+            raise PolicyError(f"{source}: key 'gate' must be a table ([gate]), got {type(table).__name__}")
+    else:
+        table, where = data, "the top level"
+    known = {f.name for f in fields(Policy)}
+    for key, value in table.items():
+        if key not in known:
+            raise PolicyError(f"{source}: unknown key {key!r} in {where}; known keys: {', '.join(sorted(known))}")
+        expected, types = _TOML_TYPES[key]
+        if isinstance(value, bool) or not isinstance(value, types) or \
+                (key in _LIST_KEYS and not all(isinstance(v, str) for v in value)):
+            raise PolicyError(f"{source}: key {key!r} must be a {expected}, got {_toml_type(value)}")
+    try:
+        return Policy(**table)
+    except PolicyError as exc:
+        raise PolicyError(f"{source}: {exc}") from None
+
+
+def _toml_type(value: Any) -> str:
+    if isinstance(value, bool):
+        return f"boolean ({str(value).lower()})"
+    if isinstance(value, list):
+        bad = [v for v in value if not isinstance(v, str)]
+        if bad:
+            return f"a list holding {_toml_type(bad[0])}"
+        return "list"
+    if isinstance(value, dict):
+        return "table"
+    return {str: "string", int: "integer", float: "float"}.get(type(value), type(value).__name__) + f" ({value!r})"
+
+
+def load_policy(path: str | Path) -> Policy:
+    """Read a TOML policy file; a missing file, invalid TOML, unknown keys or wrong types -> PolicyError."""
+    path = Path(path)
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise PolicyError(f"policy file {path} not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PolicyError(f"policy file {path} cannot be read ({_reason(exc)})") from None
+    try:
+        import tomllib  # Python 3.11+
+    except ModuleNotFoundError:  # pragma: no cover - Python 3.10
+        try:
+            import tomli as tomllib
+        except ModuleNotFoundError:
+            raise PolicyError("reading a TOML policy needs Python 3.11+ (tomllib) or `pip install tomli`; "
+                              "or give the thresholds as flags") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise PolicyError(f"policy file {path} is not valid TOML ({exc})") from None
+    return policy_from_mapping(data, source=str(path))
+
+
+def _reason(exc: BaseException) -> str:
+    return getattr(exc, "strerror", None) or str(exc).splitlines()[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Verdicts
+
+
+@dataclass(frozen=True)
+class Check:
+    """One comparison of one number against one threshold (or one required fact)."""
+
+    recipe: str | None     # None: a run-level check, not tied to a recipe
+    name: str              # e.g. "ppl_ratio", "latency_ratio CPU b=8", "provider CUDA"
+    value: float | None    # the measured number (None when missing / not a number)
+    threshold: str         # e.g. "<= 1.01"
+    passed: bool
+    reason: str = ""       # why it failed (what was missing), or a note
+
+
+@dataclass(frozen=True)
+class RunVerdict:
+    """The checks of one results.json (one run) under one policy."""
+
+    source: str                    # the results.json path (or a label)
+    mode: str                      # "best" or "listed" (see Policy.recipes)
+    recipes: tuple[str, ...]       # the gated recipes, in order
+    checks: tuple[Check, ...]
+
+    def recipe_passed(self, recipe: str) -> bool:
+        own = [c for c in self.checks if c.recipe == recipe]
+        return bool(own) and all(c.passed for c in own)
+
+    @property
+    def run_level_ok(self) -> bool:
+        return all(c.passed for c in self.checks if c.recipe is None)
+
+    @property
+    def passing_recipes(self) -> tuple[str, ...]:
+        return tuple(r for r in self.recipes if self.recipe_passed(r))
+
+    @property
+    def passed(self) -> bool:
+        if not self.run_level_ok or not self.recipes:
+            return False
+        if self.mode == "best":
+            return bool(self.passing_recipes)
+        return all(self.recipe_passed(r) for r in self.recipes)
+
+    def blocking(self, check: Check) -> bool:
+        """Whether this check's failure makes the run fail (in "best" mode a failing recipe does not
+        block while another recipe passes every check)."""
+        if check.passed:
+            return False
+        if check.recipe is None or self.mode == "listed":
+            return True
+        return not self.passed
+
+    @property
+    def failures(self) -> tuple[Check, ...]:
+        return tuple(c for c in self.checks if self.blocking(c))
+
+
+@dataclass(frozen=True)
+class GateReport:
+    policy: Policy
+    runs: tuple[RunVerdict, ...]
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.runs) and all(r.passed for r in self.runs)
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_PASS if self.passed else EXIT_FAIL
+
+    def markdown(self) -> str:
+        return report_markdown(self)
+
+    def junit_xml(self) -> str:
+        return report_junit(self)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _describe_bad(value: Any) -> str:
+    if isinstance(value, float):
+        return f"is {value} (not a finite number)"
+    return f"is {value!r} (not a number)"
+
+
+def check_schema(results: Any, source: str = "results") -> None:
+    """GateError unless ``results`` is a results.json dict of the supported schema_version."""
+    if not isinstance(results, dict) or "schema_version" not in results:
+        raise GateError(f"{source} is not a quantnorm results.json (no schema_version)")
+    if results["schema_version"] != SUPPORTED_SCHEMA or isinstance(results["schema_version"], bool):
+        raise GateError(f"{source} has schema_version {results['schema_version']!r}; this quantnorm gates "
+                        f"schema_version {SUPPORTED_SCHEMA} (use the quantnorm version that wrote it)")
+
+
+_ACCURACY_CHECKS = (  # (policy key, accuracy key, "<=" or ">=")
+    ("max_ppl_ratio", "ppl_ratio", "<="),
+    ("max_kld", "kld_mean", "<="),
+    ("max_kld_p99", "kld_p99", "<="),
+    ("min_top1", "top1_agreement", ">="),
+)
+
+
+def _compare(value: float, op: str, threshold: float) -> bool:
+    return value <= threshold if op == "<=" else value >= threshold
+
+
+def _accuracy_checks(entry: dict, name: str, policy: Policy) -> list[Check]:
+    out: list[Check] = []
+    status = entry.get("status", "ok")
+    ok = status == "ok"
+    out.append(Check(name, "status", None, "ok", ok, "" if ok else f"recipe {status}"))
+    accuracy = entry.get("accuracy")
+    for key, metric, op in _ACCURACY_CHECKS:
+        threshold = getattr(policy, key)
+        if threshold is None:
+            continue
+        limit = f"{op} {threshold:g}"
+        if not isinstance(accuracy, dict):
+            why = f"recipe {status}, " if not ok else ""
+            out.append(Check(name, metric, None, limit, False, f"missing: {why}no accuracy section"))
+            continue
+        if metric not in accuracy:
+            out.append(Check(name, metric, None, limit, False, f"missing: accuracy.{metric} absent"))
+            continue
+        value = accuracy[metric]
+        if not _is_number(value):
+            out.append(Check(name, metric, None, limit, False, f"missing: accuracy.{metric} {_describe_bad(value)}"))
+            continue
+        passed = ok and _compare(value, op, threshold)
+        reason = "" if passed else ("recipe is not usable" if not ok else f"{value:.6g} not {limit}")
+        out.append(Check(name, metric, float(value), limit, passed, reason))
+    return out
+
+
+def _rows(latency: list, provider: str, variant: str) -> list[dict]:
+    return [r for r in latency if isinstance(r, dict) and r.get("provider") == provider and r.get("variant") == variant]
+
+
+def _provider_checks(latency: list, name: str, policy: Policy) -> list[Check]:
+    out: list[Check] = []
+    for provider in policy.require_provider:
+        short = _short_provider(provider)
+        problems: dict[str, list[str]] = {}  # reason -> rows; rows usually share one ("no CUDA device")
+        for variant in (FP32_VARIANT, name):
+            rows = _rows(latency, provider, variant)
+            if not rows:
+                problems.setdefault("no latency row", []).append(variant)
+            for r in rows:
+                status = r.get("status")
+                if status != MEASURED:
+                    why = status if isinstance(status, str) and status else "no status"
+                elif not _is_number(r.get("p50_ms")):
+                    why = f"p50_ms {_describe_bad(r.get('p50_ms'))}"
+                else:
+                    continue
+                problems.setdefault(why, []).append(f"{variant} b={r.get('batch')}")
+        reason = "; ".join(f"{why} ({', '.join(rows)})" for why, rows in problems.items())
+        out.append(Check(name, f"provider {short}", None, "measured", not problems, reason))
+    return out
+
+
+def _latency_checks(latency: list, name: str, policy: Policy) -> list[Check]:
+    threshold = policy.max_latency_ratio
+    if threshold is None:
+        return []
+    limit = f"<= {threshold:g}"
+    out: list[Check] = []
+    if policy.require_provider:
+        providers = list(policy.require_provider)
+    else:
+        providers = list(dict.fromkeys(r.get("provider") for r in latency if isinstance(r, dict)
+                                       and r.get("variant") == name and r.get("status") == MEASURED))
+    for provider in providers:
+        short = _short_provider(str(provider))
+        int8_rows = [r for r in _rows(latency, provider, name) if r.get("status") == MEASURED]
+        if not int8_rows:
+            out.append(Check(name, f"latency_ratio {short}", None, limit, False,
+                             f"missing: no measured INT8 latency on {short}"))
+            continue
+        for row in int8_rows:
+            label = f"latency_ratio {short} b={row.get('batch')}"
+            fp32 = [r for r in _rows(latency, provider, FP32_VARIANT)
+                    if r.get("batch") == row.get("batch") and r.get("seq") == row.get("seq")]
+            if not fp32 or fp32[0].get("status") != MEASURED:
+                why = fp32[0].get("status") if fp32 else "no row"
+                out.append(Check(name, label, None, limit, False, f"missing: FP32 latency {why}"))
+                continue
+            p_int8, p_fp32 = row.get("p50_ms"), fp32[0].get("p50_ms")
+            if not _is_number(p_int8) or not _is_number(p_fp32) or p_fp32 <= 0:
+                out.append(Check(name, label, None, limit, False,
+                                 f"missing: p50_ms INT8 {p_int8!r}, FP32 {p_fp32!r} (need positive numbers)"))
+                continue
+            ratio = p_int8 / p_fp32
+            passed = ratio <= threshold
+            note = "" if passed else f"{ratio:.4g} not {limit} ({p_int8:.4g} ms / {p_fp32:.4g} ms)"
+            if row.get("simulated_int8"):
+                note = (note + "; " if note else "") + "simulated INT8 (QDQ with float math)"
+            out.append(Check(name, label, ratio, limit, passed, note))
+    if not out:
+        out.append(Check(name, "latency_ratio", None, limit, False,
+                         "missing: no provider has measured FP32 and INT8 latency"))
+    return out
+
+
+def evaluate_gate(results: dict, policy: Policy, source: str = "results.json") -> RunVerdict:
+    """Apply ``policy`` to one parsed results.json. Raises GateError for another schema_version; a
+    missing or unmeasured number is a failing check, never an error and never a pass."""
+    check_schema(results, source)
+    checks: list[Check] = []
+    entries = results.get("recipes")
+    if not isinstance(entries, list):
+        entries = []
+        checks.append(Check(None, "recipes", None, "a list", False, "missing: results.json has no recipes list"))
+    by_name: dict[str, dict] = {}
+    for entry in entries:
+        if isinstance(entry, dict) and isinstance(entry.get("name"), str):
+            by_name.setdefault(entry["name"], entry)
+        else:
+            checks.append(Check(None, "recipes", None, "named entries", False,
+                                f"malformed recipe entry {str(entry)[:60]!r}"))
+    latency = results.get("latency")
+    needs_latency = bool(policy.require_provider) or policy.max_latency_ratio is not None
+    if not isinstance(latency, list):
+        latency = []
+        if needs_latency:
+            checks.append(Check(None, "latency", None, "a list", False, "missing: results.json has no latency list"))
+
+    gated = list(policy.recipes) if policy.recipes else list(by_name)
+    if not gated:
+        checks.append(Check(None, "recipes", None, ">= 1 recipe", False, "missing: results.json lists no recipe"))
+    for name in gated:
+        entry = by_name.get(name)
+        if entry is None:
+            present = ", ".join(by_name) or "none"
+            checks.append(Check(name, "present", None, "in results", False,
+                                f"missing: recipe {name!r} was not evaluated (present: {present})"))
+            continue
+        checks += _accuracy_checks(entry, name, policy)
+        checks += _provider_checks(latency, name, policy)
+        checks += _latency_checks(latency, name, policy)
+    return RunVerdict(source=source, mode=policy.mode, recipes=tuple(gated), checks=tuple(checks))
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs
+
+
+def load_results_file(path: str | Path) -> dict:
+    """Read and schema-check one results.json; anything unreadable -> GateError (one line)."""
+    path = Path(path)
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise GateError(f"{path} not found: run `quantnorm evaluate` first") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise GateError(f"{path} cannot be read ({_reason(exc)})") from None
+    try:
+        results = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise GateError(f"{path} is not valid JSON ({exc}); re-run `quantnorm evaluate`") from None
+    check_schema(results, str(path))
+    return results
+
+
+def _diverged_cell(cell: Path) -> RunVerdict | None:
+    """A sweep cell whose training diverged has no results.json by design: a failing run, not an error."""
+    try:
+        summary = json.loads((cell / TRAIN_SUMMARY_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(summary, dict) or not summary.get("diverged"):
+        return None
+    check = Check(None, "train", None, "not diverged", False,
+                  f"training diverged at step {summary.get('diverged_at')}; no model to deploy")
+    return RunVerdict(source=str(cell / RESULTS_FILE), mode="best", recipes=(), checks=(check,))
+
+
+def _manifest_cells(sweep_dir: Path) -> set[Path]:
+    """The cell directories a sweep manifest (``quantnorm sweep``'s sweep.json) names; a manifest
+    that cannot be read is an error (fail closed: it may be the only record of a failed cell)."""
+    from .sweep import MANIFEST_FILE
+
+    manifest = sweep_dir / MANIFEST_FILE
+    if not manifest.exists():
+        return set()
+    try:
+        data = json.loads(manifest.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise GateError(f"{manifest} cannot be read ({_reason(exc)})") from None
+    cells = data.get("cells") if isinstance(data, dict) else None
+    if not isinstance(cells, dict):
+        raise GateError(f"{manifest} is not a quantnorm sweep manifest (no cells)")
+    return {sweep_dir / name for name in cells if isinstance(name, str) and name and "/" not in name}
+
+
+def resolve_inputs(path: str | Path) -> tuple[list[Path], list[RunVerdict]]:
+    """A results.json, a run directory or a sweep directory -> (results files to gate, runs that
+    already failed without one). Missing input, an empty sweep or an unfinished cell -> GateError."""
+    path = Path(path)
+    if path.is_file():
+        return [path], []
+    if not path.is_dir():
+        raise GateError(f"{path} not found: give a results.json, a run directory or a sweep directory")
+    if (path / RESULTS_FILE).is_file():
+        return [path / RESULTS_FILE], []
+    if (path / RESULTS_FILE).exists():
+        raise GateError(f"{path / RESULTS_FILE} is not a file")
+    files = sorted(p for p in path.rglob(RESULTS_FILE) if p.is_file())
+    have = {p.parent for p in files}
+    failed: list[RunVerdict] = []
+    unfinished: list[str] = []
+    # cells: every run directory below (it has a config.json), and every cell the sweep's manifest
+    # names (a cell that failed before writing its config.json is still a cell without a result)
+    cells = {config.parent for config in path.rglob(CONFIG_FILE)} | _manifest_cells(path)
+    for cell in sorted(cells):
+        if cell in have or cell == path:
+            continue
+        verdict = _diverged_cell(cell)
+        if verdict is not None:
+            failed.append(verdict)
+        else:
+            unfinished.append(str(cell))
+    if unfinished:
+        more = f" (and {len(unfinished) - 1} more)" if len(unfinished) > 1 else ""
+        raise GateError(f"{unfinished[0]}{more}: run directory without {RESULTS_FILE} (unfinished or failed); "
+                        f"finish the sweep or run `quantnorm evaluate --checkpoint` on it")
+    if not files and not failed:
+        if (path / CONFIG_FILE).is_file():
+            raise GateError(f"{path / RESULTS_FILE} not found: run `quantnorm evaluate` first")
+        raise GateError(f"{path}: no {RESULTS_FILE} in it or below it (an empty sweep directory)")
+    return files, failed
+
+
+def run_gate(paths: str | Path | Iterable[str | Path], policy: Policy) -> GateReport:
+    """Gate results files, run directories and sweep directories. Every input must be readable:
+    otherwise GateError (naming every unreadable file, on one line) and no verdict."""
+    if isinstance(paths, (str, Path)):
+        paths = [paths]
+    paths = list(paths)
+    if not paths:
+        raise GateError("no input: give a results.json, a run directory or a sweep directory")
+    runs: list[RunVerdict] = []
+    errors: list[str] = []
+    for path in paths:
+        files, failed = resolve_inputs(path)
+        runs += failed
+        for file in files:
+            try:
+                runs.append(evaluate_gate(load_results_file(file), policy, source=str(file)))
+            except GateError as exc:
+                errors.append(str(exc))
+    if errors:
+        more = f" (and {len(errors) - 1} more unreadable: {'; '.join(errors[1:])})" if len(errors) > 1 else ""
+        raise GateError(errors[0] + more)
+    runs.sort(key=lambda r: r.source)
+    return GateReport(policy=policy, runs=tuple(runs))
+
+
+# ---------------------------------------------------------------------------------------------
+# Output
+
+
+def _md(text: Any) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _value(check: Check) -> str:
+    return "missing" if check.value is None and check.reason.startswith("missing") else \
+        ("–" if check.value is None else f"{check.value:.6g}")
+
+
+def _result(run: RunVerdict, check: Check) -> str:
+    if check.passed:
+        return "pass"
+    return "**FAIL**" if run.blocking(check) else "fail (not blocking)"
+
+
+def report_markdown(report: GateReport) -> str:
+    verdict = "PASS" if report.passed else "FAIL"
+    n_pass = sum(r.passed for r in report.runs)
+    lines = [f"## quantnorm gate: {verdict}", "",
+             f"Policy: {_md(report.policy.describe())}.", ""]
+    for run in report.runs:
+        lines.append(f"### `{_md(run.source)}`: {'PASS' if run.passed else 'FAIL'}")
+        if run.mode == "best":
+            passing = run.passing_recipes
+            lines.append("")
+            lines.append("Recipes passing every check: " + (", ".join(f"`{r}`" for r in passing) if passing else
+                                                          "none") + " (at least one must).")
+        lines += ["", "| recipe | check | value | threshold | result | reason |", "|---|---|---|---|---|---|"]
+        for c in run.checks:
+            lines.append(f"| {_md(c.recipe or '(run)')} | {_md(c.name)} | {_value(c)} | {_md(c.threshold)} | "
+                         f"{_result(run, c)} | {_md(c.reason)} |")
+        lines.append("")
+    lines.append(f"**Overall: {verdict}** ({n_pass} of {len(report.runs)} run(s) passed)")
+    return "\n".join(lines) + "\n"
+
+
+def error_markdown(message: str) -> str:
+    return f"## quantnorm gate: ERROR\n\n{_md(message)}\n\n**Overall: ERROR** (nothing was judged; exit code 2)\n"
+
+
+def report_junit(report: GateReport) -> str:
+    """JUnit XML: one testsuite per run, one testcase per run x recipe x check. Failing checks that
+    block are <failure>; failures of recipes that do not block ("best" mode) are <skipped>."""
+    root = ET.Element("testsuites", name="quantnorm gate")
+    totals = {"tests": 0, "failures": 0, "skipped": 0}
+    for run in report.runs:
+        suite = ET.SubElement(root, "testsuite", name=run.source)
+        counts = {"tests": 0, "failures": 0, "skipped": 0}
+        for c in run.checks:
+            case = ET.SubElement(suite, "testcase", classname=f"{run.source}:{c.recipe or '(run)'}",
+                                 name=c.name, time="0")
+            counts["tests"] += 1
+            detail = f"{c.recipe or '(run)'} {c.name}: value {_value(c)}, threshold {c.threshold}; {c.reason}"
+            if run.blocking(c):
+                counts["failures"] += 1
+                failure = ET.SubElement(case, "failure", message=c.reason or "failed", type="GateFailure")
+                failure.text = detail
+            elif not c.passed:
+                counts["skipped"] += 1
+                ET.SubElement(case, "skipped", message=f"not blocking (another recipe passes): {c.reason}")
+        for k, v in counts.items():
+            suite.set(k, str(v))
+            totals[k] += v
+        suite.set("errors", "0")
+    for k, v in totals.items():
+        root.set(k, str(v))
+    root.set("errors", "0")
+    ET.indent(root)
+    return '<?xml version="1.0" encoding="utf-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
+
+
+def error_junit(message: str) -> str:
+    root = ET.Element("testsuites", name="quantnorm gate", tests="1", failures="0", errors="1", skipped="0")
+    suite = ET.SubElement(root, "testsuite", name="quantnorm gate", tests="1", failures="0", errors="1", skipped="0")
+    case = ET.SubElement(suite, "testcase", classname="quantnorm gate", name="read inputs", time="0")
+    ET.SubElement(case, "error", message=message, type="GateError").text = message
+    ET.indent(root)
+    return '<?xml version="1.0" encoding="utf-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
+
+
+def append_summary(path: str | Path, markdown: str) -> None:
+    """Append Markdown to a file (e.g. $GITHUB_STEP_SUMMARY); an unwritable file -> GateError."""
+    try:
+        with open(path, "a", encoding="utf-8") as fh:
+            fh.write(markdown if markdown.endswith("\n") else markdown + "\n")
+    except OSError as exc:
+        raise GateError(f"cannot append the summary to {path} ({_reason(exc)})") from None
+
+
+def write_junit(path: str | Path, xml_text: str) -> None:
+    try:
+        write_text_atomic(path, xml_text)
+    except OSError as exc:
+        raise GateError(f"cannot write the JUnit report {path} ({_reason(exc)})") from None
+
+
+def write_error_outputs(message: str, summary: str | Path | None = None, junit: str | Path | None = None) -> None:
+    """On an exit-2 error, still leave an ERROR summary and an <error> JUnit report (best effort), so
+    that CI artifacts never look like a pass."""
+    if summary is not None:
+        try:
+            append_summary(summary, error_markdown(message))
+        except GateError:
+            pass
+    if junit is not None:
+        try:
+            write_junit(junit, error_junit(message))
+        except GateError:
+            pass

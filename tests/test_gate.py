@@ -1,0 +1,365 @@
+"""quantnorm gate: exit 0 pass, 1 fail, 2 error; fail closed. Synthetic results.json dicts only."""
+
+import copy
+import json
+import math
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from quantnorm.cli import main
+from quantnorm.gate import GateError, Policy, PolicyError, evaluate_gate, load_policy, run_gate
+
+CPU, CUDA = "CPUExecutionProvider", "CUDAExecutionProvider"
+
+
+def _acc(ppl_ratio=1.001, kld_mean=0.001, kld_p99=0.01, top1=0.995):
+    return {"ppl_fp32": 7.0, "ppl_int8": 7.0 * ppl_ratio, "ppl_ratio": ppl_ratio, "kld_mean": kld_mean,
+            "kld_p99": kld_p99, "kld_max": 0.1, "top1_agreement": top1}
+
+
+def _row(provider, variant, batch, p50=None, status="measured"):
+    row = {"provider": provider, "variant": variant, "batch": batch, "seq": 32, "status": status}
+    if status == "measured":
+        row.update(p50_ms=p50, p90_ms=p50 * 1.1, p99_ms=p50 * 1.2, tokens_per_s=batch * 32 / p50 * 1e3)
+    return row
+
+
+def results(**acc) -> dict:
+    """A passing results.json (schema 1): two recipes, CPU measured, CUDA not measured."""
+    return {
+        "schema_version": 1, "quantnorm_version": "0.1.0", "command": "quantnorm evaluate ...",
+        "recipes": [
+            {"name": "static-minmax-matmul", "status": "ok", "accuracy": _acc(**acc)},
+            {"name": "dynamic", "status": "ok", "accuracy": _acc(**acc)},
+        ],
+        "latency": [
+            _row(CPU, "fp32", 1, 2.0), _row(CPU, "static-minmax-matmul", 1, 1.5), _row(CPU, "dynamic", 1, 1.8),
+            _row(CUDA, "fp32", 1, status="not measured: no CUDA device"),
+            _row(CUDA, "static-minmax-matmul", 1, status="not measured: no CUDA device"),
+            _row(CUDA, "dynamic", 1, status="not measured: no CUDA device"),
+        ],
+    }
+
+
+def write(path, data) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data) if not isinstance(data, str) else data)
+    return str(path)
+
+
+def gate(argv, capsys):
+    code = main(["gate", *map(str, argv)])
+    out = capsys.readouterr()
+    return code, out.out, out.err.strip()
+
+
+def assert_one_line_error(err, *needles):
+    assert err.startswith("error: ") and len(err.splitlines()) == 1, err
+    for needle in needles:
+        assert needle in err, err
+
+
+# ---- exit 0 / 1 -----------------------------------------------------------------------------
+
+
+def test_passing_run_exits_0_with_table(tmp_path, capsys):
+    run = tmp_path / "run"
+    write(run / "results.json", results())
+    code, out, _ = gate([run], capsys)  # a run directory
+    assert code == 0
+    assert "quantnorm gate: PASS" in out and "| recipe | check | value | threshold | result |" in out
+    assert "| dynamic | ppl_ratio | 1.001 | <= 1.01 | pass |" in out
+    assert gate([run / "results.json"], capsys)[0] == 0  # the file itself
+
+
+@pytest.mark.parametrize("acc, flag, check", [
+    ({"ppl_ratio": 1.05}, [], "ppl_ratio"),
+    ({"kld_mean": 0.05}, [], "kld_mean"),
+    ({"top1": 0.9}, [], "top1_agreement"),
+    ({"kld_p99": 0.3}, ["--max-kld-p99", "0.1"], "kld_p99"),
+    ({}, ["--max-latency-ratio", "0.5"], "latency_ratio CPU b=1"),
+    ({}, ["--max-ppl-ratio", "1.0005"], "ppl_ratio"),  # a flag tightens the default
+])
+def test_each_threshold_fails_with_exit_1(tmp_path, capsys, acc, flag, check):
+    path = write(tmp_path / "results.json", results(**acc))
+    code, out, err = gate([path, *flag], capsys)
+    assert code == 1 and err == ""
+    assert "quantnorm gate: FAIL" in out and f"| {check} |" in out and "**FAIL**" in out
+
+
+def test_latency_ratio_value_and_pass(tmp_path, capsys):
+    verdict = evaluate_gate(results(), Policy(max_latency_ratio=0.8))
+    ratios = {c.recipe: c for c in verdict.checks if c.name.startswith("latency_ratio")}
+    assert ratios["static-minmax-matmul"].value == pytest.approx(0.75) and ratios["static-minmax-matmul"].passed
+    assert not ratios["dynamic"].passed  # 1.8 / 2.0 = 0.9
+    assert verdict.passed and verdict.passing_recipes == ("static-minmax-matmul",)
+
+
+def test_best_mode_one_passing_recipe_is_enough_but_listed_mode_is_strict(tmp_path, capsys):
+    data = results()
+    data["recipes"][1]["accuracy"]["ppl_ratio"] = 1.5  # dynamic fails
+    path = write(tmp_path / "results.json", data)
+    code, out, _ = gate([path], capsys)
+    assert code == 0 and "fail (not blocking)" in out and "`static-minmax-matmul`" in out
+    assert gate([path, "--recipe", "dynamic"], capsys)[0] == 1
+    assert gate([path, "--recipe", "static-minmax-matmul"], capsys)[0] == 0
+    code, out, _ = gate([path, "--recipe", "static-entropy"], capsys)  # not evaluated: never passes
+    assert code == 1 and "was not evaluated" in out
+
+
+# ---- fail closed: a missing number is a failing check ----------------------------------------
+
+
+def test_broken_recipe_never_passes(tmp_path, capsys):
+    data = results()
+    for r in data["recipes"]:
+        r["status"] = "broken: NaN scale in head/MatMul"
+        del r["accuracy"]
+    code, out, _ = gate([write(tmp_path / "results.json", data)], capsys)
+    assert code == 1 and "broken: NaN scale" in out and "missing: recipe broken" in out
+    # broken even though accuracy numbers exist
+    data = results()
+    data["recipes"][0]["status"] = "broken: saturates"
+    verdict = evaluate_gate(data, Policy(recipes=("static-minmax-matmul",)))
+    assert not verdict.passed
+
+
+@pytest.mark.parametrize("mutate, reason", [
+    (lambda d: [r["accuracy"].pop("kld_mean") for r in d["recipes"]], "accuracy.kld_mean absent"),
+    (lambda d: [r["accuracy"].__setitem__("ppl_ratio", float("nan")) for r in d["recipes"]], "not a finite"),
+    (lambda d: [r["accuracy"].__setitem__("top1_agreement", "0.99") for r in d["recipes"]], "not a number"),
+    (lambda d: [r["accuracy"].__setitem__("top1_agreement", None) for r in d["recipes"]], "not a number"),
+    (lambda d: [r.pop("accuracy") for r in d["recipes"]], "no accuracy section"),
+    (lambda d: d.pop("recipes"), "no recipes list"),
+    (lambda d: d.__setitem__("recipes", []), "lists no recipe"),
+])
+def test_missing_number_fails_exit_1(tmp_path, capsys, mutate, reason):
+    data = results()
+    mutate(data)
+    code, out, _ = gate([write(tmp_path / "results.json", data)], capsys)
+    assert code == 1 and reason in out
+
+
+def test_nan_in_json_text_fails(tmp_path, capsys):
+    text = json.dumps(results()).replace('"kld_mean": 0.001', '"kld_mean": NaN')
+    code, out, _ = gate([write(tmp_path / "results.json", text)], capsys)
+    assert code == 1 and "nan (not a finite number)" in out
+
+
+def test_required_provider_not_measured_fails(tmp_path, capsys):
+    path = write(tmp_path / "results.json", results())
+    assert gate([path, "--require-provider", "cpu"], capsys)[0] == 0
+    code, out, _ = gate([path, "--require-provider", "cpu,cuda"], capsys)
+    assert code == 1 and "| provider CUDA |" in out and "not measured: no CUDA device" in out
+    # no rows at all for a required provider also fails
+    code, out, _ = gate([path, "--require-provider", "tensorrt"], capsys)
+    assert code == 1 and "no latency row" in out
+    # the latency ratio on a required provider that was not measured is missing, not skipped
+    verdict = evaluate_gate(results(), Policy(require_provider=("cuda",), max_latency_ratio=10))
+    assert not verdict.passed
+    assert any(c.name == "latency_ratio CUDA" and c.reason.startswith("missing") for c in verdict.failures)
+
+
+# ---- exit 2: one-line errors ------------------------------------------------------------------
+
+
+def test_missing_path_exits_2(tmp_path, capsys):
+    code, out, err = gate([tmp_path / "nope"], capsys)
+    assert code == 2 and out == ""
+    assert_one_line_error(err, "nope", "not found")
+    code, _, err = gate([tmp_path / "nope.json"], capsys)
+    assert code == 2
+
+
+def test_run_dir_without_results_exits_2(tmp_path, capsys):
+    (tmp_path / "run").mkdir()
+    write(tmp_path / "run" / "config.json", {})
+    code, _, err = gate([tmp_path / "run"], capsys)
+    assert code == 2
+    assert_one_line_error(err, "results.json not found", "quantnorm evaluate")
+
+
+def test_corrupt_json_exits_2(tmp_path, capsys):
+    path = write(tmp_path / "results.json", '{"schema_version": 1, "recipes": [')
+    code, out, err = gate([path], capsys)
+    assert code == 2 and out == ""
+    assert_one_line_error(err, "not valid JSON")
+
+
+@pytest.mark.parametrize("data, needle", [
+    ({**results(), "schema_version": 2}, "schema_version 2"),
+    ({"recipes": []}, "no schema_version"),
+    ([1, 2], "no schema_version"),
+])
+def test_wrong_schema_exits_2(tmp_path, capsys, data, needle):
+    code, _, err = gate([write(tmp_path / "results.json", data)], capsys)
+    assert code == 2
+    assert_one_line_error(err, needle)
+    with pytest.raises(GateError, match="schema_version"):
+        evaluate_gate(data, Policy())
+
+
+@pytest.mark.parametrize("text, needles", [
+    ("[gate]\nmax_ppl = 1.02\n", ["unknown key 'max_ppl'", "known keys"]),
+    ("max_ppl_ratio = 1.02\nthreshold = 3\n", ["unknown key 'threshold'"]),
+    ("[gate]\nmin_top1 = 0.9\n[other]\nx = 1\n", ["unknown top-level key 'other'"]),
+    ('[gate]\nmax_kld = "0.01"\n', ["'max_kld'", "must be a number (float)", "string"]),
+    ("[gate]\nmax_kld = true\n", ["'max_kld'", "must be a number (float)", "boolean"]),
+    ('[gate]\nrequire_provider = "cpu"\n', ["'require_provider'", "must be a list of strings"]),
+    ("[gate]\nrecipes = [1, 2]\n", ["'recipes'", "must be a list of strings", "integer"]),
+    ("[gate]\nmin_top1 = 98\n", ["'min_top1'", "[0, 1]"]),
+    ('[gate]\nrequire_provider = ["tpu"]\n', ["unknown execution provider 'tpu'"]),
+    ("[gate\nmax_kld = 1\n", ["not valid TOML"]),
+])
+def test_bad_policy_exits_2(tmp_path, capsys, text, needles):
+    path = write(tmp_path / "results.json", results())
+    policy = tmp_path / "policy.toml"
+    policy.write_text(text)
+    code, out, err = gate([path, "--policy", policy], capsys)
+    assert code == 2 and out == ""
+    assert_one_line_error(err, *needles)
+
+
+def test_bad_policy_values_and_missing_policy_file(tmp_path, capsys):
+    path = write(tmp_path / "results.json", results())
+    code, _, err = gate([path, "--policy", tmp_path / "none.toml"], capsys)
+    assert code == 2
+    assert_one_line_error(err, "policy file", "not found")
+    code, _, err = gate([path, "--max-ppl-ratio", "nan"], capsys)
+    assert code == 2
+    assert_one_line_error(err, "max_ppl_ratio", "finite")
+    for bad in ({"max_kld": -1}, {"max_latency_ratio": 0}, {"recipes": "dynamic"}, {"min_top1": 1.5}):
+        with pytest.raises(PolicyError):
+            Policy(**bad)
+
+
+def test_policy_file_and_flag_override(tmp_path, capsys):
+    policy = tmp_path / "p.toml"
+    policy.write_text("[gate]\nmax_ppl_ratio = 1.0001\nrequire_provider = [\"cpu\"]\n")
+    assert load_policy(policy) == Policy(max_ppl_ratio=1.0001, require_provider=(CPU,))
+    top_level = tmp_path / "top.toml"
+    top_level.write_text("min_top1 = 0.5\nrecipes = [\"dynamic\"]\n")
+    assert load_policy(top_level) == Policy(min_top1=0.5, recipes=("dynamic",))
+    path = write(tmp_path / "results.json", results())
+    assert gate([path, "--policy", policy], capsys)[0] == 1  # 1.001 > 1.0001
+    assert gate([path, "--policy", policy, "--max-ppl-ratio", "1.01"], capsys)[0] == 0  # the flag wins
+
+
+def test_example_policy_is_valid():
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parent.parent / "examples" / "gate-policy.toml"
+    policy = load_policy(example)
+    assert policy.max_ppl_ratio == 1.01 and policy.require_provider == (CPU,)
+    assert evaluate_gate(results(), policy).passed
+
+
+# ---- sweeps -----------------------------------------------------------------------------------
+
+
+def test_sweep_dir_aggregates(tmp_path, capsys):
+    sweep = tmp_path / "sweep"
+    write(sweep / "pre-rms-seed1" / "results.json", results())
+    write(sweep / "peri-rms-seed1" / "results.json", results())
+    code, out, _ = gate([sweep], capsys)
+    assert code == 0 and out.count("### `") == 2 and "2 of 2 run(s) passed" in out
+    write(sweep / "post-layer-seed1" / "results.json", results(ppl_ratio=1.3))
+    code, out, _ = gate([sweep], capsys)
+    assert code == 1 and "2 of 3 run(s) passed" in out and "post-layer-seed1/results.json`: FAIL" in out
+    report = run_gate([sweep], Policy())
+    assert [r.passed for r in report.runs] == [True, False, True]  # sorted by path
+
+
+def test_sweep_dir_errors_and_diverged_cells(tmp_path, capsys):
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    code, _, err = gate([sweep], capsys)  # empty
+    assert code == 2
+    assert_one_line_error(err, "no results.json", "empty sweep")
+    write(sweep / "a" / "results.json", results())
+    write(sweep / "b" / "results.json", "{not json")
+    write(sweep / "c" / "results.json", {**results(), "schema_version": 7})
+    code, out, err = gate([sweep], capsys)  # any unreadable cell: no verdict at all
+    assert code == 2 and out == ""
+    assert_one_line_error(err, "b/results.json is not valid JSON", "and 1 more", "schema_version 7")
+    (sweep / "b" / "results.json").unlink()
+    (sweep / "c" / "results.json").unlink()
+    write(sweep / "b" / "config.json", {})  # an unfinished cell
+    code, _, err = gate([sweep], capsys)
+    assert code == 2
+    assert_one_line_error(err, "without results.json")
+    write(sweep / "b" / "train.json", {"diverged": True, "diverged_at": 12})  # diverged: a failing run
+    code, out, _ = gate([sweep], capsys)
+    assert code == 1 and "training diverged at step 12" in out
+    # a cell the sweep manifest names but that never wrote a config.json (failed early) is unfinished
+    write(sweep / "sweep.json", {"settings": {}, "cells": {"a": {"status": "done"}, "d": {"status": "failed"}}})
+    code, _, err = gate([sweep], capsys)
+    assert code == 2
+    assert_one_line_error(err, "d: run directory without results.json")
+    write(sweep / "sweep.json", "{corrupt")
+    code, _, err = gate([sweep], capsys)
+    assert code == 2
+    assert_one_line_error(err, "sweep.json cannot be read")
+
+
+# ---- outputs ----------------------------------------------------------------------------------
+
+
+def test_junit_xml_counts_failures(tmp_path, capsys):
+    data = results()
+    data["recipes"][1]["accuracy"].update(ppl_ratio=1.5, kld_mean=0.5)  # dynamic: 2 failing checks
+    path = write(tmp_path / "results.json", data)
+    xml_path = tmp_path / "out" / "gate.xml"
+    assert gate([path, "--recipe", "static-minmax-matmul,dynamic", "--junit", xml_path], capsys)[0] == 1
+    root = ET.parse(xml_path).getroot()
+    cases = root.findall(".//testcase")
+    assert len(cases) == 2 * 4  # 2 recipes x (status, ppl_ratio, kld_mean, top1_agreement)
+    failed = [c for c in cases if c.find("failure") is not None]
+    assert {c.get("name") for c in failed} == {"ppl_ratio", "kld_mean"} and len(failed) == 2
+    assert root.get("failures") == "2" and root.get("tests") == "8"
+    assert "1.5 not <= 1.01" in failed[0].find("failure").get("message")
+    # best mode: dynamic's failures do not block, so JUnit reports them as skipped, not failed
+    assert gate([path, "--junit", xml_path], capsys)[0] == 0
+    root = ET.parse(xml_path).getroot()
+    assert root.get("failures") == "0" and root.get("skipped") == "2"
+    assert not list(xml_path.parent.glob(".*tmp"))  # written atomically, nothing left behind
+
+
+def test_summary_appends(tmp_path, capsys):
+    path = write(tmp_path / "results.json", results())
+    summary = tmp_path / "summary.md"
+    summary.write_text("# earlier step\n")
+    code, out, _ = gate([path, "--summary", summary], capsys)
+    assert code == 0
+    assert summary.read_text() == "# earlier step\n" + out
+    gate([path, "--summary", summary, "--min-top1", "0.999"], capsys)
+    text = summary.read_text()
+    assert text.startswith("# earlier step\n") and "gate: PASS" in text and "gate: FAIL" in text
+
+
+def test_error_still_leaves_failing_artifacts(tmp_path, capsys):
+    summary, xml_path = tmp_path / "summary.md", tmp_path / "gate.xml"
+    code, _, err = gate([tmp_path / "missing", "--summary", summary, "--junit", xml_path], capsys)
+    assert code == 2
+    assert_one_line_error(err, "missing not found")
+    assert "quantnorm gate: ERROR" in summary.read_text()
+    root = ET.parse(xml_path).getroot()
+    assert root.get("errors") == "1" and root.find(".//error") is not None
+
+
+def test_library_api(tmp_path):
+    verdict = evaluate_gate(results(), Policy())
+    assert verdict.passed and not verdict.failures
+    report = run_gate(write(tmp_path / "results.json", results(top1=0.5)), Policy())
+    assert not report.passed and report.exit_code == 1
+    assert {c.name for c in report.runs[0].failures} == {"top1_agreement"}
+    assert "**Overall: FAIL**" in report.markdown()
+    ET.fromstring(report.junit_xml())
+    with pytest.raises(GateError, match="no input"):
+        run_gate([], Policy())
+    # the input dict is not modified
+    data = results()
+    snapshot = copy.deepcopy(data)
+    evaluate_gate(data, Policy(max_latency_ratio=1.0, require_provider=("cpu",)))
+    assert data == snapshot and not math.isnan(data["recipes"][0]["accuracy"]["ppl_ratio"])
