@@ -29,9 +29,11 @@ from .measure.latency import bench_grid
 from .measure.sessions import PROVIDERS, SessionSpec, make_session, resolve_providers
 from .quantize import DEFAULT_RECIPES, get_recipe, quantize
 from .runs import FP32_ONNX_FILE, PLOTS_DIR, RESULTS_FILE, TRAIN_SUMMARY_FILE, RunDir, check_out_dir, int8_onnx_file
+from .smoothquant import SmoothedModels
 from .train import RunConfig, load_model, train
 
 SCHEMA_VERSION = 1
+AUTO = "auto"  # --recipes auto: the accuracy-aware search (quantnorm.search)
 
 
 @dataclass(frozen=True)
@@ -52,12 +54,17 @@ class EvaluateConfig:
     probe_windows: int = 32
     outliers: bool = True
     progress: bool = True
+    sq_alpha: float | None = None       # overrides the alpha of SmoothQuant recipes
+    max_ppl_ratio: float = 1.01         # the search's target (--recipes auto)
+    search_pick: str = "fastest"        # the search's pick: fastest or first passing model
 
     def __post_init__(self) -> None:
         if not self.recipes:
             raise ConfigError("no recipes given: pass --recipes with at least one name")
         for name in self.recipes:
-            get_recipe(name)  # unknown name -> ConfigError listing the choices
+            if name != AUTO:
+                get_recipe(name)  # unknown name -> ConfigError listing the choices
+        self.search_config()  # validates sq_alpha, max_ppl_ratio, search_pick
         if self.providers is not None:
             object.__setattr__(self, "providers", tuple(resolve_providers(list(self.providers))))
         if self.calib_samples < 1:
@@ -67,6 +74,21 @@ class EvaluateConfig:
         if self.latency_iters < 1:
             raise ConfigError(f"latency iterations must be >= 1, got {self.latency_iters}")
         SessionSpec(graph_optimization_level=self.graph_optimization_level, threads=self.threads)
+
+    def search_config(self):
+        from .search import SearchConfig
+
+        return SearchConfig(max_ppl_ratio=self.max_ppl_ratio, pick=self.search_pick, sq_alpha=self.sq_alpha,
+                            latency_iters=min(self.latency_iters, 10))
+
+    def recipe(self, name: str):
+        """The registry recipe, with --sq-alpha applied to SmoothQuant recipes."""
+        from dataclasses import replace
+
+        recipe = get_recipe(name)
+        if self.sq_alpha is not None and recipe.smoothquant_alpha is not None:
+            recipe = replace(recipe, smoothquant_alpha=self.sq_alpha)
+        return recipe
 
     def provider_list(self) -> list[str]:
         if self.providers is not None:
@@ -116,16 +138,23 @@ def evaluate(run_dir: RunDir, cfg: EvaluateConfig, *, command: str) -> dict:
         fp32_path = run_dir.file(FP32_ONNX_FILE)
         exported = export_onnx(model, fp32_path, eval_inputs[: cfg.parity_windows], opset=cfg.opset)
     fp32_session = make_session(fp32_path, spec)
+    # SmoothQuant recipes quantize a smoothed FP32 export, made once on first use.
+    smoothed = SmoothedModels(model, calib_inputs, eval_inputs[: cfg.parity_windows], run_dir.path, opset=cfg.opset)
+    fp32_sources: dict[str, Path] = {}  # recipe -> the FP32 model it quantized, when not fp32_path
 
     recipes_out: list[dict] = []
     int8_paths: dict[str, Path] = {}
-    bar = tqdm(cfg.recipes, desc="quantize+accuracy", unit="recipe", disable=not cfg.progress, leave=False)
+    bar = tqdm([n for n in cfg.recipes if n != AUTO], desc="quantize+accuracy", unit="recipe",
+               disable=not cfg.progress, leave=False)
     for name in bar:
-        recipe = get_recipe(name)
+        recipe = cfg.recipe(name)
         bar.set_postfix_str(name)
         with timed(stage_seconds, f"quantize:{name}"):
-            q = quantize(fp32_path, recipe, calib_inputs, run_dir.file(int8_onnx_file(name)), vnni=vnni,
+            source = smoothed.fp32_for(recipe, fp32_path)
+            q = quantize(source, recipe, calib_inputs, run_dir.file(int8_onnx_file(name)), vnni=vnni,
                          probe_inputs=eval_inputs[:2])
+        if source != fp32_path:
+            fp32_sources[name] = source
         entry: dict = {"name": name, "status": q.status, "settings": q.settings, "session": spec.to_dict()}
         if q.status == "ok" and q.path is not None:
             entry["path"] = q.path.name
@@ -139,8 +168,16 @@ def evaluate(run_dir: RunDir, cfg: EvaluateConfig, *, command: str) -> dict:
             entry["problems"] = q.problems
         recipes_out.append(entry)
     bar.close()
-    if len(cfg.recipes) == 1 and not int8_paths:
+    if len(cfg.recipes) == 1 and cfg.recipes[0] != AUTO and not int8_paths:
         raise QuantizeError(f"recipe {cfg.recipes[0]} produced a broken model: {recipes_out[0]['status']}")
+    extra: dict = {}
+    if AUTO in cfg.recipes:
+        with timed(stage_seconds, "search"):
+            extra["search"] = run_search(run_dir, cfg, fp32_path, fp32_session, smoothed, calib_inputs, eval_inputs,
+                                         eval_targets, spec, vnni, recipes_out, int8_paths, fp32_sources)
+    if smoothed.exports:
+        with timed(stage_seconds, "smoothquant_latency"):
+            extra["smoothquant"] = smoothquant_section(run_dir, cfg, fp32_path, smoothed, window)
 
     with timed(stage_seconds, "latency"):
         rows = bench_grid({"fp32": fp32_path, **int8_paths}, cfg.provider_list(), list(cfg.latency_batches), window,
@@ -162,23 +199,31 @@ def evaluate(run_dir: RunDir, cfg: EvaluateConfig, *, command: str) -> dict:
         "latency": [r.to_dict() for r in rows],
         "file_sizes_bytes": {"fp32": fp32_path.stat().st_size,
                              **{k: p.stat().st_size for k, p in int8_paths.items()}},
+        **extra,
     }
     if cfg.outliers:
         with timed(stage_seconds, "outliers"):
-            results.update(measure_outliers(model, run_dir, fp32_path, int8_paths, eval_inputs[: cfg.probe_windows]))
+            results.update(measure_outliers(model, run_dir, fp32_path, int8_paths, eval_inputs[: cfg.probe_windows],
+                                            fp32_sources))
+        with timed(stage_seconds, "diagnostics"):
+            from .measure.diagnostics import diagnostics
+
+            results["diagnostics"] = diagnostics(model, eval_inputs[: cfg.probe_windows])
     results["stage_seconds"] = stage_seconds
     write_json_atomic(run_dir.file(RESULTS_FILE), results)
     write_report(run_dir.path, results)
     return results
 
 
-def measure_outliers(model, run_dir: RunDir, fp32_path: Path, int8_paths: dict[str, Path], inputs) -> dict:
+def measure_outliers(model, run_dir: RunDir, fp32_path: Path, int8_paths: dict[str, Path], inputs,
+                     fp32_sources: dict[str, Path] | None = None) -> dict:
     """The ``outliers`` and ``sqnr`` sections, and the activation heat map of the worst layer.
 
     SQNR is collected for static (QDQ) recipes; its correlation with outlier figures is taken over
     the inputs of weight MatMuls (attention probabilities are mostly exact zeros from the causal
     mask, so their max/median ratios are meaningless and would swamp the correlation).
     """
+    from .measure.latency import quant_format
     from .measure.outliers import heatmap_for_layer, largest_ratio_layer, probe
     from .measure.sqnr import activation_sqnr, matmul_input_modules, onnx_tensor_stats, sqnr_summary
     from .plots import plot_activation_heatmap
@@ -189,10 +234,12 @@ def measure_outliers(model, run_dir: RunDir, fp32_path: Path, int8_paths: dict[s
     sqnr: dict[str, list[dict]] = {}
     summaries: dict[str, dict] = {}
     for name, path in int8_paths.items():
-        if get_recipe(name).mode != "static":
+        if quant_format(path) != "qdq":  # SQNR pairs exist only in QDQ (static) models
             continue
-        rows = activation_sqnr(fp32_path, path, sqnr_inputs)
-        stats = onnx_tensor_stats(fp32_path, [r["tensor"] for r in rows], sqnr_inputs)
+        # A SmoothQuant model is compared with the smoothed FP32 model it was quantized from.
+        source = (fp32_sources or {}).get(name, fp32_path)
+        rows = activation_sqnr(source, path, sqnr_inputs)
+        stats = onnx_tensor_stats(source, [r["tensor"] for r in rows], sqnr_inputs)
         for row in rows:
             figures = stats.get(row["tensor"], {})
             row.update(modules=matmul_inputs.get(row["tensor"], []),
@@ -204,3 +251,52 @@ def measure_outliers(model, run_dir: RunDir, fp32_path: Path, int8_paths: dict[s
                             f"|a| of the residual stream at layer {layer} (first evaluation window)")
     report["heatmap_layer"] = layer
     return {"outliers": report, "sqnr": sqnr, "sqnr_summary": summaries}
+
+
+def smoothquant_section(run_dir: RunDir, cfg: EvaluateConfig, fp32_path: Path, smoothed: SmoothedModels,
+                        seq: int) -> dict:
+    """``results["smoothquant"]``: the plan (folded / explicit MatMuls, per-placement statement),
+    the parity figures, and what the explicit Muls cost the FP32 model at batch 8 on the CPU."""
+    from .measure.sessions import CPU
+    from .smoothquant import fp32_latency_cost
+
+    export = next(iter(smoothed.exports.values()))  # one alpha per evaluate run
+    section = export.to_dict(run_dir.path)
+    cost = fp32_latency_cost(fp32_path, export.path,
+                             SessionSpec(provider=CPU, graph_optimization_level=cfg.graph_optimization_level,
+                                         threads=cfg.threads),
+                             seq=seq, iters=cfg.latency_iters, warmup=cfg.latency_warmup)
+    section["fp32_latency"] = cost
+    section["fp32_latency_ratio"] = cost.get("fp32_latency_ratio")
+    return section
+
+
+def run_search(run_dir: RunDir, cfg: EvaluateConfig, fp32_path: Path, fp32_session, smoothed: SmoothedModels,
+               calib_inputs, eval_inputs, eval_targets, spec: SessionSpec, vnni: bool, recipes_out: list[dict],
+               int8_paths: dict[str, Path], fp32_sources: dict[str, Path]) -> dict:
+    """``--recipes auto``: search, keep the chosen model (or, when none passes, the best one) as the
+    recipe entry ``auto:<recipe>`` measured on the whole evaluation range; return ``results["search"]``."""
+    from .search import keep_trial_model, search_recipes
+
+    work_dir = run_dir.file("search")
+    shutil.rmtree(work_dir, ignore_errors=True)
+    try:
+        result = search_recipes(fp32_path, work_dir, calib_inputs, eval_inputs, eval_targets,
+                                cfg=cfg.search_config(), spec=spec, vnni=vnni,
+                                fp32_for=lambda recipe: smoothed.fp32_for(recipe, fp32_path))
+        keep = result.chosen or result.best
+        if keep is not None:
+            name = f"{AUTO}:{keep.name}"
+            path = keep_trial_model(keep, run_dir.file(int8_onnx_file(AUTO)))
+            acc = compare(fp32_session, make_session(path, spec), eval_inputs, eval_targets,
+                          batch_size=cfg.eval_batch_size)
+            recipes_out.append({"name": name, "status": "ok", "settings": keep.settings, "session": spec.to_dict(),
+                                "path": path.name, "size_bytes": path.stat().st_size, "accuracy": acc.to_dict(),
+                                "search_passed": keep.passed})
+            int8_paths[name] = path
+            source = smoothed.fp32_for(cfg.search_config().resolve(keep.recipe), fp32_path)
+            if source != fp32_path:
+                fp32_sources[name] = source
+    finally:
+        shutil.rmtree(work_dir, ignore_errors=True)
+    return result.to_dict()

@@ -27,9 +27,10 @@ def atomic_path(target: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
     fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=suffix + ".tmp", dir=target.parent)
     os.close(fd)
     tmp = Path(tmp_name)
-    os.chmod(tmp, 0o666 & ~_current_umask())  # mkstemp makes 0600; give the file normal permissions
     try:
         yield tmp
+        # mkstemp makes 0600 (and some writers recreate the file): give it normal permissions.
+        os.chmod(tmp, 0o666 & ~_current_umask())
         os.replace(tmp, target)
     finally:
         if tmp.exists():

@@ -128,6 +128,12 @@ def render(results: dict, plots: dict[str, str]) -> str:
     L += latency_section(results)
     if "outliers" in results:
         L += outlier_section(results)
+    if "smoothquant" in results:
+        L += smoothquant_section(results["smoothquant"])
+    if "search" in results:
+        L += search_section(results["search"])
+    if "diagnostics" in results:
+        L += diagnostics_section(results["diagnostics"])
     warn = warnings_for(results)
     if warn:
         L += ["", "## Warnings", ""] + [f"- {w}" for w in warn]
@@ -198,6 +204,49 @@ def outlier_section(results: dict) -> list[str]:
     return L
 
 
+def smoothquant_section(sq: dict) -> list[str]:
+    L = ["", f"## SmoothQuant (alpha {sq.get('alpha')})", "", sq.get("statement", ""), ""]
+    L += _table(["MatMuls", "kind", "reads", "why", "max/median channel ratio before → after"], [
+        [", ".join(g["matmuls"]), g["kind"], g.get("source") or "–", g.get("reason", ""),
+         f"{_fmt(g.get('channel_ratio_before'), '.1f')} → {_fmt(g.get('channel_ratio_after'), '.1f')}"]
+        for g in sq.get("groups", [])])
+    ratio = sq.get("fp32_latency_ratio")
+    L += ["", f"Folded: {len(sq.get('folded', []))} MatMuls (no runtime cost); explicit per-channel scale: "
+              f"{len(sq.get('explicit_scale', []))} (a Mul each). Smoothed FP32 vs original FP32 p50 on the CPU: "
+              f"{_fmt(ratio, '.3f', 'x')}. Max |Δlogit| of the smoothed ONNX model vs the original: "
+              f"{_fmt(sq.get('onnx_vs_original_max_abs_logit_diff'), '.1e')}."]
+    return L
+
+
+def search_section(search: dict) -> list[str]:
+    chosen = search.get("chosen")
+    verdict = (f"picked `{chosen['name']}` ({search['pick']})" if chosen else
+               "no recipe met the target; the best trial is reported")
+    L = ["", "## Accuracy-aware search", "",
+         f"Target PPL ratio <= {search['target_max_ppl_ratio']} (tuner: {search.get('tuner')}; metric "
+         f"{search.get('metric')}; trials on {search['eval_windows']} evaluation windows; stopped by "
+         f"{search['stopped_by']}): {verdict}.", ""]
+    L += _table(["#", "trial", "phase", "PPL ratio", "KL mean", "top-1", "p50 ms", "passed"], [
+        [t["index"], f"`{t['name']}`", t["phase"], _fmt(t.get("ppl_ratio"), ".4f"), _fmt(t.get("kld_mean"), ".2e"),
+         _fmt(None if t.get("top1_agreement") is None else 100 * t["top1_agreement"], ".2f", "%"),
+         _fmt(t.get("latency_p50_ms"), ".2f"), "yes" if t.get("passed") else "no"]
+        for t in search.get("trials", [])])
+    return L
+
+
+def diagnostics_section(d: dict) -> list[str]:
+    L = ["", "## Diagnostics", "",
+         "Perturbation sensitivity: Gaussian noise of the given size relative to each parameter's RMS, "
+         "added to every parameter; relative change of the logits on evaluation windows (Liu et al. 2020).", ""]
+    L += _table(["relative noise", "relative logit change", "std"], [
+        [f"{r['relative_noise']:g}", _fmt(r["relative_logit_change"], ".4g"), _fmt(r["std"], ".2g")]
+        for r in d.get("perturbation", [])])
+    if d.get("block_cosine"):
+        L += ["", "Cosine similarity of each block's output with its input (per token, mean): "
+              + ", ".join(f"{v:.3f}" for v in d["block_cosine"]) + "."]
+    return L
+
+
 def make_plots(run_dir: Path, results: dict) -> dict[str, str]:
     """Render the report's plots into run_dir/plots; returns {title: relative path}."""
     from . import plots
@@ -226,6 +275,10 @@ def make_plots(run_dir: Path, results: dict) -> dict[str, str]:
 def write_report(run_dir: str | Path, results: dict | None = None) -> Path:
     run_dir = Path(run_dir)
     results = results if results is not None else load_results(run_dir)
+    if str(results.get("model", {}).get("source", "")).startswith("hf:"):  # a Hugging Face checkpoint
+        from .hf.report import write_hf_report
+
+        return write_hf_report(run_dir, results)
     plots = make_plots(run_dir, results)
     target = run_dir / REPORT_FILE
     write_text_atomic(target, render(results, plots))

@@ -31,6 +31,9 @@ class Recipe:
     reduce_range: str | bool  # 7-bit weights; "auto" = on when the CPU lacks VNNI (PITFALLS.md 2)
     percentile: float = 99.999   # percentile calibration only
     excluded: tuple[str, ...] = ()  # node names or fnmatch patterns kept in FP32 (mixed precision)
+    # SmoothQuant migration strength; None = no smoothing. A recipe with an alpha quantizes the
+    # smoothed FP32 model (quantnorm.smoothquant.export_smoothed), not the plain export.
+    smoothquant_alpha: float | None = None
 
     def __post_init__(self) -> None:
         # The name goes into file names (model.int8.<name>.onnx) and results.json.
@@ -57,6 +60,8 @@ class Recipe:
             raise ConfigError(f"recipe {self.name}: percentile must be in (0, 100], got {self.percentile}")
         if isinstance(self.excluded, str) or not all(isinstance(p, str) and p for p in self.excluded):
             raise ConfigError(f"recipe {self.name}: excluded must be a tuple of non-empty node names or patterns")
+        if self.smoothquant_alpha is not None and not 0.0 <= self.smoothquant_alpha <= 1.0:
+            raise ConfigError(f"recipe {self.name}: smoothquant_alpha must be in [0, 1], got {self.smoothquant_alpha}")
 
     def resolved_reduce_range(self, vnni: bool) -> bool:
         """7-bit weights unless the CPU has VNNI (u8s8 kernels without VNNI can saturate)."""
@@ -93,6 +98,8 @@ class Recipe:
         }
         if self.calibration == "percentile":
             out["percentile"] = self.percentile
+        if self.smoothquant_alpha is not None:
+            out["smoothquant_alpha"] = self.smoothquant_alpha
         return out
 
 
@@ -116,6 +123,8 @@ _RECIPE_LIST = [
     _static("static-minmax-matmul-symact", "minmax", symmetric_activations=True),
     # Weights INT8 offline, activations quantized per batch at run time (MatMulInteger).
     Recipe("dynamic", "dynamic", None, True, "matmul", False, "auto"),
+    # The baseline on the SmoothQuant-smoothed FP32 model (outliers moved into the weights).
+    _static("smoothquant", "minmax", smoothquant_alpha=0.5),
 ]
 RECIPES: dict[str, Recipe] = {r.name: r for r in _RECIPE_LIST}
 

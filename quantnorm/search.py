@@ -1,0 +1,474 @@
+"""Accuracy-aware recipe search (``--recipes auto``), driven by neural-compressor's tuner.
+
+neural-compressor 3.x has no ONNX adaptor (PITFALLS.md 7), but its framework-free tuning engine
+``neural_compressor.common.base_tuning`` works with numpy 2: a ``BaseConfig`` subclass
+registered with ``register_config`` whose ``expand()`` is our recipe space, ``init_tuning``
+(config loader + monitor), a ``TuningConfig`` with ``tolerable_loss`` and ``max_trials``, and an
+``EvaluationFuncWrapper`` around our accuracy function. The quantizing is ours (ONNX Runtime).
+
+The metric and the target. INC's tuner wants a metric where higher is better and calls a trial
+good when ``metric >= baseline * (1 - tolerable_loss)``. We use
+
+    metric = 1 / ppl_ratio          (ppl_ratio = PPL(int8) / PPL(fp32), on the trial windows)
+    baseline = 1                    (the FP32 model against itself: ppl_ratio = 1 by definition)
+    tolerable_loss = 1 - 1 / max_ppl_ratio
+
+so a trial passes exactly when ``ppl_ratio <= max_ppl_ratio`` (1.01 -> tolerable_loss 0.0099;
+10 -> 0.9; an impossible 0.5 -> -1, i.e. "better than FP32 by 2x"). A broken model scores 0.
+
+Trial accuracy is measured on a subset of the evaluation windows (``eval_windows``, evenly
+spaced over the evaluation range, against the ORIGINAL FP32 model); the model the search picks
+is measured again on the whole evaluation range by ``evaluate``.
+
+Steps:
+1. Recipes: the registry's weight-MatMul recipes, static and dynamic, plus ``smoothquant``
+   (``default_space``), in registry order. With ``pick="first"`` INC's ``need_stop`` ends the
+   search at the first passing recipe. With ``pick="fastest"`` only its ``max_trials`` half
+   applies: the fastest passing model cannot be known before every candidate was timed.
+2. Per-tensor fallback, only when no recipe passed: keep the k worst-SQNR weight-MatMul inputs of
+   the best recipe in FP32 (SQNR from ``measure.sqnr.activation_sqnr`` on the best static trial;
+   k counts input tensors, so q/k/v, which share one input, go together), k = 1, 2, 4, ... and
+   finally all but one tensor; a second INC loop over ``exclude_worst`` stops at the first pass.
+3. Pick: the fastest passing trial by CPU p50 latency at batch 8 (few iterations), or the first.
+``max_trials`` bounds both loops together. Every trial is recorded, passing or not.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import shutil
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import List  # noqa: UP035 - INC's TuningParam asserts a typing._GenericAlias
+
+import numpy as np
+import onnx
+
+from .errors import ConfigError, QuantnormError
+from .quantize import RECIPES, Recipe, get_recipe, quantize, with_exclusions
+
+PICKS = ("fastest", "first")
+FRAMEWORK = "quantnorm_onnxruntime"   # our name in INC's config registry
+ALGO = "quantnorm_recipe"
+DEFAULT_MAX_PPL_RATIO = 1.01
+
+
+def default_space() -> tuple[str, ...]:
+    """The registry's recipes that quantize only weight MatMuls (static or dynamic, SmoothQuant
+    included), in registry order: ``static-minmax-matmul`` first, the baseline."""
+    return tuple(name for name, r in RECIPES.items() if r.op_scope == "matmul" and not r.excluded)
+
+
+# ---------------------------------------------------------------------------------------------
+# The config class INC expands into trials
+
+
+def _register_config_class():
+    from neural_compressor.common.base_config import BaseConfig, register_config
+    from neural_compressor.common.tuning_param import TuningParam
+    from neural_compressor.common.utils import DEFAULT_WHITE_LIST
+
+    @register_config(framework_name=FRAMEWORK, algo_name=ALGO)
+    class RecipeSpaceConfig(BaseConfig):
+        """One point of our space: a registry recipe, and how many worst-SQNR MatMul inputs stay
+        FP32. Given lists, ``expand()`` yields their product (INC's own expansion)."""
+
+        name = ALGO
+        # TuningParam with explicit types: INC reads a plain name's type from the __init__
+        # annotation, which `from __future__ import annotations` turns into a string.
+        params_list = [TuningParam("recipe", tunable_type=List[str]),  # noqa: UP006
+                       TuningParam("exclude_worst", tunable_type=List[int])]  # noqa: UP006
+
+        def __init__(self, recipe="static-minmax-matmul", exclude_worst=0, white_list=DEFAULT_WHITE_LIST):
+            super().__init__(white_list=white_list)
+            self.recipe = recipe
+            self.exclude_worst = exclude_worst
+            self._post_init()
+
+        @classmethod
+        def register_supported_configs(cls) -> None:
+            cls.supported_configs = []
+
+        @classmethod
+        def get_config_set_for_tuning(cls):
+            return cls(recipe=list(default_space()))
+
+    return RecipeSpaceConfig
+
+
+_CONFIG_CLASS = None
+
+
+def recipe_space_config(recipe, exclude_worst=0):
+    """An INC ``RecipeSpaceConfig`` (the class is registered on first use: importing INC costs
+    about a second, which commands that never search should not pay)."""
+    global _CONFIG_CLASS
+    if _CONFIG_CLASS is None:
+        _CONFIG_CLASS = _register_config_class()
+    return _CONFIG_CLASS(recipe=recipe, exclude_worst=exclude_worst)
+
+
+@contextmanager
+def _quiet_inc() -> Iterator[None]:
+    """INC logs a table per trial at INFO; we record the trials ourselves."""
+    log = logging.getLogger("neural_compressor")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+# ---------------------------------------------------------------------------------------------
+# Configuration and results
+
+
+@dataclass(frozen=True)
+class SearchConfig:
+    max_ppl_ratio: float = DEFAULT_MAX_PPL_RATIO
+    pick: str = "fastest"                     # "fastest" or "first"
+    max_trials: int | None = None             # None: the whole space and the whole fallback
+    space: tuple[str, ...] | None = None      # recipe names; None: default_space()
+    sq_alpha: float | None = None             # overrides the alpha of SmoothQuant recipes
+    eval_windows: int | None = 64             # trial accuracy on this many evaluation windows (None: all)
+    fallback: bool = True
+    sqnr_windows: int = 8
+    latency_batch: int = 8
+    latency_warmup: int = 2
+    latency_iters: int = 10
+
+    def __post_init__(self) -> None:
+        if not (self.max_ppl_ratio > 0 and math.isfinite(self.max_ppl_ratio)):
+            raise ConfigError(f"--max-ppl-ratio must be a finite number > 0, got {self.max_ppl_ratio}")
+        if self.pick not in PICKS:
+            raise ConfigError(f"search pick must be one of {', '.join(PICKS)}, got {self.pick!r}")
+        if self.max_trials is not None and self.max_trials < 1:
+            raise ConfigError(f"max_trials must be >= 1, got {self.max_trials}")
+        for name in self.recipes():
+            r = get_recipe(name)
+            if r.op_scope != "matmul":
+                raise ConfigError(f"recipe {name} quantizes more than weight MatMuls; the search covers matmul scope only")
+        if self.sq_alpha is not None and not 0.0 <= self.sq_alpha <= 1.0:
+            raise ConfigError(f"--sq-alpha must be in [0, 1], got {self.sq_alpha}")
+        if self.eval_windows is not None and self.eval_windows < 1:
+            raise ConfigError(f"eval_windows must be >= 1, got {self.eval_windows}")
+        if self.sqnr_windows < 1 or self.latency_batch < 1 or self.latency_iters < 1 or self.latency_warmup < 0:
+            raise ConfigError("sqnr_windows, latency_batch and latency_iters must be >= 1, latency_warmup >= 0")
+
+    def recipes(self) -> tuple[str, ...]:
+        return default_space() if self.space is None else tuple(self.space)
+
+    @property
+    def tolerable_loss(self) -> float:
+        """INC's tolerable relative loss of ``1/ppl_ratio`` (module docstring)."""
+        return 1.0 - 1.0 / self.max_ppl_ratio
+
+    def resolve(self, name: str) -> Recipe:
+        recipe = get_recipe(name)
+        if self.sq_alpha is not None and recipe.smoothquant_alpha is not None:
+            recipe = replace(recipe, smoothquant_alpha=self.sq_alpha)
+        return recipe
+
+
+@dataclass(frozen=True)
+class Trial:
+    index: int                          # 1-based over both phases
+    phase: str                          # "recipe" or "fallback"
+    recipe: str                         # the registry recipe
+    name: str                           # the recipe actually run (fallback: with its exclusions)
+    status: str                         # "ok", "broken: ...", "error: ..."
+    settings: dict = field(default_factory=dict)
+    exclude_worst: int = 0              # FP32-kept input tensors (fallback)
+    excluded_nodes: tuple[str, ...] = ()
+    ppl_ratio: float | None = None
+    kld_mean: float | None = None
+    top1_agreement: float | None = None
+    latency_p50_ms: float | None = None
+    metric: float = 0.0                 # 1 / ppl_ratio: what INC's tuner saw (0: no usable model)
+    passed: bool = False
+    path: Path | None = None
+
+    def to_dict(self) -> dict:
+        return {
+            "index": self.index, "phase": self.phase, "recipe": self.recipe, "name": self.name,
+            "status": self.status, "exclude_worst": self.exclude_worst, "excluded_nodes": list(self.excluded_nodes),
+            "ppl_ratio": self.ppl_ratio, "kld_mean": self.kld_mean, "top1_agreement": self.top1_agreement,
+            "latency_p50_ms": self.latency_p50_ms, "metric": self.metric, "passed": self.passed,
+            "settings": self.settings,
+        }
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    target_max_ppl_ratio: float
+    tolerable_loss: float
+    pick: str
+    max_trials: int | None
+    eval_windows: int
+    trials: tuple[Trial, ...]
+    chosen: Trial | None                # the picked passing trial; None when none passed
+    best: Trial | None                  # highest metric of all trials (what to show when none passed)
+    stopped_by: str                     # "target", "max_trials", "space exhausted"
+    worst_tensors: tuple[dict, ...] = ()  # the SQNR ranking the fallback used
+    skipped: tuple[str, ...] = ()
+
+    @property
+    def status(self) -> str:
+        return "passed" if self.chosen is not None else "no passing model"
+
+    def to_dict(self) -> dict:
+        return {
+            "status": self.status,
+            "target_max_ppl_ratio": self.target_max_ppl_ratio,
+            "metric": "1/ppl_ratio (higher is better; FP32 baseline 1)",
+            "tolerable_loss": self.tolerable_loss,
+            "pick": self.pick, "max_trials": self.max_trials, "eval_windows": self.eval_windows,
+            "stopped_by": self.stopped_by,
+            "chosen": None if self.chosen is None else self.chosen.to_dict(),
+            "best": None if self.best is None else self.best.to_dict(),
+            "trials": [t.to_dict() for t in self.trials],
+            "worst_tensors": list(self.worst_tensors),
+            "skipped": list(self.skipped),
+            "tuner": "neural_compressor.common.base_tuning",
+        }
+
+
+# ---------------------------------------------------------------------------------------------
+# The search
+
+
+def eval_subset(n: int, k: int | None) -> np.ndarray:
+    """Indices of ``k`` windows evenly spaced over ``n`` (all of them when k is None or >= n)."""
+    if k is None or k >= n:
+        return np.arange(n)
+    return np.unique(np.linspace(0, n - 1, k).round().astype(np.int64))
+
+
+class _Runner:
+    """Quantize, measure and record one trial."""
+
+    def __init__(self, fp32_path, work_dir, calib_inputs, eval_inputs, eval_targets, cfg, spec, vnni,
+                 fp32_for, latency_fn):
+        from .measure.sessions import make_session
+
+        self.fp32_path, self.work_dir, self.cfg, self.spec, self.vnni = fp32_path, work_dir, cfg, spec, vnni
+        self.calib_inputs, self.eval_inputs, self.eval_targets = calib_inputs, eval_inputs, eval_targets
+        self.fp32_for, self.latency_fn = fp32_for, latency_fn
+        self.fp32_session = make_session(fp32_path, spec)
+        self.trials: list[Trial] = []
+
+    def run(self, recipe: Recipe, phase: str, base: str, k: int = 0, nodes: tuple[str, ...] = ()) -> Trial:
+        from .measure.accuracy import compare
+        from .measure.sessions import make_session
+
+        index = len(self.trials) + 1
+        common = dict(index=index, phase=phase, recipe=base, name=recipe.name, exclude_worst=k, excluded_nodes=nodes)
+        try:
+            source = self.fp32_for(recipe)
+            q = quantize(source, recipe, self.calib_inputs, self.work_dir / f"trial{index:02d}.{recipe.name}.onnx",
+                         vnni=self.vnni, probe_inputs=self.eval_inputs[:2])
+            if not q.ok or q.path is None:
+                trial = Trial(**common, status=q.status, settings=q.settings)
+            else:
+                acc = compare(self.fp32_session, make_session(q.path, self.spec), self.eval_inputs, self.eval_targets)
+                latency = self.latency_fn(q.path, recipe.name)
+                metric = 1.0 / acc.ppl_ratio if acc.ppl_ratio > 0 else 0.0
+                trial = Trial(**common, status="ok", settings=q.settings, ppl_ratio=acc.ppl_ratio,
+                              kld_mean=acc.kld_mean, top1_agreement=acc.top1_agreement, latency_p50_ms=latency,
+                              metric=metric, passed=acc.ppl_ratio <= self.cfg.max_ppl_ratio, path=q.path)
+        except QuantnormError as exc:  # quantize, measure, export (smoothing) or config
+            # One recipe failing is a finding of the search, not the end of it.
+            trial = Trial(**common, status=f"error: {exc}")
+        self.trials.append(trial)
+        return trial
+
+
+def _bench_latency(spec, seq: int, cfg: SearchConfig) -> Callable[[Path, str], float | None]:
+    from .measure.latency import bench_model
+
+    def latency(path: Path, variant: str) -> float | None:
+        row = bench_model(path, variant=variant, spec=spec, batch=cfg.latency_batch, seq=seq,
+                          warmup=cfg.latency_warmup, iters=cfg.latency_iters, record_placement=False)
+        return row.p50_ms if row.measured else None
+
+    return latency
+
+
+def search_recipes(fp32_path: Path, work_dir: Path, calib_inputs: np.ndarray, eval_inputs: np.ndarray,
+                   eval_targets: np.ndarray, *, cfg: SearchConfig, spec, vnni: bool,
+                   fp32_for: Callable[[Recipe], Path] | None = None,
+                   latency_fn: Callable[[Path, str], float | None] | None = None) -> SearchResult:
+    """Search the recipe space for a model with ``ppl_ratio <= cfg.max_ppl_ratio`` (module doc).
+
+    ``fp32_for(recipe)``: the FP32 model a recipe quantizes (the smoothed export for SmoothQuant
+    recipes); without it SmoothQuant recipes are skipped. Accuracy is always against
+    ``fp32_path``, the original model. Trial models are written to ``work_dir`` and left there
+    (``Trial.path``); the caller keeps the one it wants. ``latency_fn(path, name)`` -> p50 ms
+    (default: ``bench_model`` at ``cfg.latency_batch``); tests inject a fake one.
+    """
+    from neural_compressor.common.base_tuning import EvaluationFuncWrapper, TuningConfig, init_tuning
+
+    fp32_path, work_dir = Path(fp32_path), Path(work_dir)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    space = list(cfg.recipes())
+    skipped: list[str] = []
+    if fp32_for is None:
+        skipped = [n for n in space if get_recipe(n).smoothquant_alpha is not None]
+        space = [n for n in space if n not in skipped]
+        fp32_for = lambda recipe: fp32_path  # noqa: E731
+    if not space:
+        raise ConfigError("the search space is empty (SmoothQuant recipes need the torch model to smooth)")
+    pick = eval_subset(len(eval_inputs), cfg.eval_windows)
+    inputs, targets = np.asarray(eval_inputs)[pick], np.asarray(eval_targets)[pick]
+    if latency_fn is None:
+        latency_fn = _bench_latency(spec, int(inputs.shape[1]), cfg)
+    runner = _Runner(fp32_path, work_dir, calib_inputs, inputs, targets, cfg, spec, vnni, fp32_for, latency_fn)
+    budget = cfg.max_trials if cfg.max_trials is not None else 10**6
+
+    with _quiet_inc():
+        # Phase 1: the recipes. INC expands the config into one trial per recipe and owns the order
+        # (its SequentialSampler), the budget and the stop rule.
+        by_config: dict[int, Trial] = {}
+
+        def evaluate(config) -> float:
+            trial = runner.run(cfg.resolve(config.recipe), "recipe", config.recipe)
+            by_config[id(config)] = trial
+            return trial.metric
+
+        stopped_by, monitor = _tune(recipe_space_config(recipe=space), budget, cfg, EvaluationFuncWrapper(evaluate),
+                                    TuningConfig, init_tuning)
+        phase1 = list(runner.trials)
+        worst: list[dict] = []
+        if cfg.fallback and not any(t.passed for t in phase1) and len(runner.trials) < budget:
+            base_trial = by_config.get(id(monitor.get_best_quant_config())) if monitor.tuning_history else None
+            if base_trial is not None and base_trial.status == "ok":
+                worst = _worst_tensors(phase1, fp32_for, cfg, inputs)
+                stopped_by = _fallback(runner, base_trial, worst, budget - len(runner.trials), cfg,
+                                       TuningConfig, init_tuning, EvaluationFuncWrapper) or stopped_by
+
+    trials = tuple(runner.trials)
+    passing = [t for t in trials if t.passed]
+    chosen = None
+    if passing:
+        chosen = passing[0] if cfg.pick == "first" else min(
+            passing, key=lambda t: (t.latency_p50_ms if t.latency_p50_ms is not None else math.inf, t.index))
+    ok = [t for t in trials if t.status == "ok"]
+    best = max(ok, key=lambda t: (t.metric, -t.index)) if ok else None
+    return SearchResult(
+        target_max_ppl_ratio=cfg.max_ppl_ratio, tolerable_loss=cfg.tolerable_loss, pick=cfg.pick,
+        max_trials=cfg.max_trials, eval_windows=int(len(inputs)), trials=trials, chosen=chosen, best=best,
+        stopped_by=stopped_by, worst_tensors=tuple(worst), skipped=tuple(skipped),
+    )
+
+
+def _tune(config_set, budget: int, cfg: SearchConfig, evaluator, TuningConfig, init_tuning,
+          stop_at_first_pass: bool | None = None):
+    """One INC tuning loop; returns (why it stopped, INC's monitor).
+
+    INC's ``need_stop`` is "max_trials reached or the last trial met the target"; we honour the
+    first half always and the second when stopping at the first pass (``pick="first"``).
+    """
+    tuning_config = TuningConfig(config_set=config_set, tolerable_loss=cfg.tolerable_loss, max_trials=budget)
+    loader, _tuning_logger, monitor = init_tuning(tuning_config)  # caps max_trials at the space size
+    monitor.set_baseline(1.0)  # 1/ppl_ratio of the FP32 model against itself
+    first = cfg.pick == "first" if stop_at_first_pass is None else stop_at_first_pass
+    space_size = len(loader.config_set)
+    for index, config in enumerate(loader, 1):
+        metric = evaluator.evaluate(config)
+        monitor.add_trial_result(index, metric, config)
+        if not monitor.need_stop():
+            continue
+        if first and metric >= monitor.baseline * (1 - tuning_config.tolerable_loss):
+            return "target", monitor
+        if monitor.trial_cnt >= tuning_config.max_trials:
+            return ("max_trials" if budget < space_size else "space exhausted"), monitor
+    return "space exhausted", monitor
+
+
+def _worst_tensors(trials: list[Trial], fp32_for, cfg: SearchConfig, inputs: np.ndarray) -> list[dict]:
+    """Weight-MatMul input tensors of the best static (QDQ) trial, worst SQNR first, each with the
+    MatMul nodes it feeds (node names as the quantizer resolves exclusions)."""
+    from .measure.sqnr import activation_sqnr
+
+    static = [t for t in trials if t.status == "ok" and t.settings.get("mode") == "static" and t.path is not None]
+    if not static:
+        return []
+    ref = max(static, key=lambda t: (t.metric, -t.index))
+    rows = activation_sqnr(fp32_for(cfg.resolve(ref.recipe)), ref.path, inputs[: cfg.sqnr_windows])
+    consumers = _dequantized_matmuls(ref.path)
+    ranked = []
+    for row in rows:
+        db = row["sqnr_db"] if row["sqnr_db"] is not None else row["sqnr_local_db"]
+        nodes = consumers.get(row["tensor"], [])
+        if nodes:
+            ranked.append({"tensor": row["tensor"], "sqnr_db": db, "matmuls": nodes, "from_trial": ref.index})
+    # None (no noise at all) sorts last: nothing to gain from keeping an exact tensor in FP32.
+    ranked.sort(key=lambda r: math.inf if r["sqnr_db"] is None else r["sqnr_db"])
+    return ranked
+
+
+def _dequantized_matmuls(int8_path: Path) -> dict[str, list[str]]:
+    """{activation tensor: MatMul nodes that read its QuantizeLinear -> DequantizeLinear copy}."""
+    graph = onnx.load(str(int8_path)).graph
+    users: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            users.setdefault(name, []).append(node)
+    out: dict[str, list[str]] = {}
+    for q in graph.node:
+        if q.op_type != "QuantizeLinear":
+            continue
+        tensor = q.input[0].removesuffix("_QuantizeLinear_Input")
+        for dq in users.get(q.output[0], []):
+            if dq.op_type != "DequantizeLinear":
+                continue
+            for mm in users.get(dq.output[0], []):
+                if mm.op_type == "MatMul" and mm.input[0] == dq.output[0] and mm.name not in out.get(tensor, []):
+                    out.setdefault(tensor, []).append(mm.name)
+    return out
+
+
+def fallback_ks(n: int) -> list[int]:
+    """1, 2, 4, ... below n, then n - 1: keeping all n in FP32 would leave no INT8 model."""
+    ks, k = [], 1
+    while k < n:
+        ks.append(k)
+        k *= 2
+    if n > 1 and ks[-1] != n - 1:
+        ks.append(n - 1)
+    return ks
+
+
+def _fallback(runner: _Runner, base: Trial, worst: list[dict], budget: int, cfg: SearchConfig,
+              TuningConfig, init_tuning, EvaluationFuncWrapper) -> str | None:
+    ks = fallback_ks(len(worst))
+    if not ks or budget < 1:
+        return None
+    base_recipe = cfg.resolve(base.recipe)
+
+    def evaluate(config) -> float:
+        k = int(config.exclude_worst)
+        nodes = tuple(dict.fromkeys(n for row in worst[:k] for n in row["matmuls"]))
+        recipe = with_exclusions(base_recipe, nodes, name=f"{base.recipe}-fp32worst{k}")
+        return runner.run(recipe, "fallback", base.recipe, k, nodes).metric
+
+    # The fallback always stops at its first pass: more FP32 tensors only cost speed.
+    stopped_by, _ = _tune(recipe_space_config(recipe=base.recipe, exclude_worst=ks), budget, cfg,
+                          EvaluationFuncWrapper(evaluate), TuningConfig, init_tuning, stop_at_first_pass=True)
+    return stopped_by
+
+
+def keep_trial_model(trial: Trial, dest: Path) -> Path:
+    """Copy a trial's model to ``dest`` (evaluate keeps the chosen one, then drops the work dir)."""
+    if trial.path is None:
+        raise ConfigError(f"trial {trial.index} ({trial.name}) has no model file")
+    from .fileio import atomic_path
+
+    dest = Path(dest)
+    with atomic_path(dest, suffix=".onnx") as tmp:
+        shutil.copyfile(trial.path, tmp)
+    return dest

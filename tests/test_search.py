@@ -1,0 +1,167 @@
+"""The accuracy-aware search: INC drives the trials, it stops where asked, honours the target,
+falls back to FP32 tensors when nothing passes, and picks the fastest passing model."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from quantnorm.errors import ConfigError
+from quantnorm.export import export_onnx
+from quantnorm.measure.sessions import SessionSpec
+from quantnorm.models import CausalLM, ModelConfig
+from quantnorm.search import SearchConfig, default_space, fallback_ks, recipe_space_config, search_recipes
+from quantnorm.smoothquant import SmoothedModels
+
+CONTEXT = 16
+RNG = np.random.default_rng(1)
+CALIB = RNG.integers(0, 256, size=(8, CONTEXT))
+EVAL = RNG.integers(0, 256, size=(6, CONTEXT))
+CALIB[:, 0] = EVAL[:, 0] = 256  # BOS
+TARGETS = RNG.integers(0, 256, size=(6, CONTEXT))
+SPEC = SessionSpec(threads=1)
+THREE = ("static-minmax-matmul", "dynamic", "smoothquant")
+
+
+@pytest.fixture(scope="module")
+def lm(tmp_path_factory):
+    """A tiny pre/rms model, its FP32 export, and the SmoothQuant exports made on demand."""
+    root = tmp_path_factory.mktemp("search")
+    torch.manual_seed(0)
+    model = CausalLM(ModelConfig(placement="pre", norm="rms", n_layers=1, d_model=32, n_heads=2, context=CONTEXT))
+    fp32 = root / "model.fp32.onnx"
+    export_onnx(model, fp32, EVAL[:2])
+    smoothed = SmoothedModels(model, CALIB, EVAL[:2], root)
+    return root, fp32, smoothed
+
+
+def run(lm, tmp_path, cfg: SearchConfig, latency=None):
+    root, fp32, smoothed = lm
+    return search_recipes(fp32, tmp_path / "work", CALIB, EVAL, TARGETS, cfg=cfg, spec=SPEC, vnni=False,
+                          fp32_for=lambda r: smoothed.fp32_for(r, fp32),
+                          latency_fn=latency or (lambda path, name: 1.0))
+
+
+def test_target_mapping_to_inc_tolerable_loss():
+    cfg = SearchConfig(max_ppl_ratio=1.01)
+    assert cfg.tolerable_loss == pytest.approx(1 - 1 / 1.01)
+    for ratio in (0.9, 1.0, 1.005, 1.0099, 1.0101, 1.2):  # INC's rule on 1/ratio == "ratio <= target"
+        assert (1 / ratio >= 1.0 * (1 - cfg.tolerable_loss)) == (ratio <= 1.01)
+
+
+def test_inc_expands_the_recipe_space():
+    configs = recipe_space_config(recipe=list(THREE)).expand()
+    assert [c.recipe for c in configs] == list(THREE)
+    configs = recipe_space_config(recipe="dynamic", exclude_worst=[1, 2, 4]).expand()
+    assert [(c.recipe, c.exclude_worst) for c in configs] == [("dynamic", 1), ("dynamic", 2), ("dynamic", 4)]
+    space = default_space()
+    assert space[0] == "static-minmax-matmul" and "smoothquant" in space and "dynamic" in space
+    assert "static-minmax-all" not in space
+
+
+def test_fallback_ks():
+    assert fallback_ks(1) == []
+    assert fallback_ks(5) == [1, 2, 4]          # 1 block: qkv, proj, up, down, head inputs
+    assert fallback_ks(9) == [1, 2, 4, 8]
+    assert fallback_ks(13) == [1, 2, 4, 8, 12]  # never all: that would be the FP32 model
+
+
+def test_config_errors():
+    with pytest.raises(ConfigError):
+        SearchConfig(pick="slowest")
+    with pytest.raises(ConfigError):
+        SearchConfig(max_ppl_ratio=0)
+    with pytest.raises(ConfigError):
+        SearchConfig(space=("static-minmax-all",))
+    with pytest.raises(ConfigError):
+        SearchConfig(max_trials=0)
+
+
+def test_generous_target_passes_on_the_first_trial_with_pick_first(lm, tmp_path):
+    result = run(lm, tmp_path, SearchConfig(max_ppl_ratio=10.0, pick="first", space=THREE))
+    assert len(result.trials) == 1 and result.stopped_by == "target"
+    assert result.status == "passed" and result.chosen.index == 1 and result.chosen.recipe == THREE[0]
+    t = result.trials[0]
+    assert t.status == "ok" and t.passed and t.metric == pytest.approx(1 / t.ppl_ratio)
+    assert 0.9 < t.ppl_ratio < 1.1 and 0 <= t.top1_agreement <= 1
+
+
+def test_search_stops_at_max_trials(lm, tmp_path):
+    result = run(lm, tmp_path, SearchConfig(max_ppl_ratio=0.5, space=THREE + ("static-entropy-matmul",), max_trials=2))
+    assert [t.recipe for t in result.trials] == list(THREE[:2])  # no fallback: the budget is spent
+    assert result.stopped_by == "max_trials" and result.status == "no passing model" and result.chosen is None
+    assert result.best is not None
+    json.dumps(result.to_dict())
+
+
+def test_impossible_target_falls_back_then_records_no_passing_model(lm, tmp_path):
+    result = run(lm, tmp_path, SearchConfig(max_ppl_ratio=0.5, space=("static-minmax-matmul",)))
+    assert result.status == "no passing model" and result.chosen is None
+    assert [t.phase for t in result.trials] == ["recipe", "fallback", "fallback", "fallback"]
+    worst = result.worst_tensors
+    assert len(worst) == 5  # inputs of q/k/v (one tensor), proj, up, down, head
+    dbs = [w["sqnr_db"] for w in worst]
+    assert dbs == sorted(dbs)
+    assert sorted(n for w in worst for n in w["matmuls"]) == sorted(
+        f"{m}/MatMul" for m in ("blocks.0.attn.q", "blocks.0.attn.k", "blocks.0.attn.v", "blocks.0.attn.proj",
+                                "blocks.0.mlp.up", "blocks.0.mlp.down", "head"))
+    previous: set[str] = set()
+    for trial, k in zip(result.trials[1:], (1, 2, 4), strict=True):
+        assert trial.exclude_worst == k and trial.status == "ok"
+        nodes = set(trial.excluded_nodes)
+        assert nodes == {n for w in worst[:k] for n in w["matmuls"]} and previous < nodes
+        previous = nodes
+        # the excluded MatMuls really stayed FP32: no DequantizeLinear feeds them
+        graph = onnx.load(str(trial.path)).graph
+        dq = {o for n in graph.node if n.op_type == "DequantizeLinear" for o in n.output}
+        quantized = {n.name for n in graph.node if n.op_type == "MatMul" and any(i in dq for i in n.input)}
+        assert not (quantized & nodes) and quantized
+    json.dumps(result.to_dict())
+
+
+def test_pick_fastest_takes_the_fastest_passing_model(lm, tmp_path):
+    fake_ms = {"static-minmax-matmul": 5.0, "dynamic": 3.0, "smoothquant": 1.0}
+    result = run(lm, tmp_path, SearchConfig(max_ppl_ratio=10.0, pick="fastest", space=THREE),
+                 latency=lambda path, name: fake_ms[name])
+    assert len(result.trials) == 3 and all(t.passed for t in result.trials)  # all timed before picking
+    assert result.chosen.recipe == "smoothquant" and result.chosen.latency_p50_ms == 1.0
+    assert result.trials[2].settings["smoothquant_alpha"] == 0.5
+    # the same trials with pick="first" would have stopped at the first one
+    assert run(lm, tmp_path, SearchConfig(max_ppl_ratio=10.0, pick="first", space=THREE),
+               latency=lambda path, name: fake_ms[name]).chosen.recipe == "static-minmax-matmul"
+
+
+def test_evaluate_wiring_keeps_the_chosen_model_as_auto_entry(lm, tmp_path):
+    """evaluate's --recipes auto and SmoothQuant sections, without training a model."""
+    from quantnorm.evaluate import AUTO, EvaluateConfig, run_search, smoothquant_section
+    from quantnorm.measure.sessions import make_session
+    from quantnorm.runs import RunDir
+
+    root, fp32, smoothed = lm
+    cfg = EvaluateConfig(recipes=(AUTO, "smoothquant"), max_ppl_ratio=10.0, search_pick="first", threads=1,
+                         latency_iters=2, latency_warmup=1, progress=False)
+    with pytest.raises(ConfigError):
+        EvaluateConfig(recipes=(AUTO,), search_pick="slowest")
+    with pytest.raises(ConfigError):
+        EvaluateConfig(recipes=("smoothquant",), sq_alpha=2.0)
+    assert EvaluateConfig(recipes=("smoothquant",), sq_alpha=0.75).recipe("smoothquant").smoothquant_alpha == 0.75
+
+    run_dir = RunDir(tmp_path)
+    recipes_out, int8_paths, sources = [], {}, {}
+    search = run_search(run_dir, cfg, fp32, make_session(fp32, SPEC), smoothed, CALIB, EVAL, TARGETS, SPEC, False,
+                        recipes_out, int8_paths, sources)
+    assert search["status"] == "passed" and search["chosen"]["index"] == 1 and len(search["trials"]) == 1
+    (entry,) = recipes_out
+    assert entry["name"] == "auto:static-minmax-matmul" and entry["search_passed"] is True
+    assert entry["accuracy"]["n_scored"] == EVAL.size  # re-measured on the whole evaluation range
+    assert (tmp_path / entry["path"]).is_file() and not (tmp_path / "search").exists()
+    assert int8_paths == {"auto:static-minmax-matmul": tmp_path / "model.int8.auto.onnx"}
+
+    section = smoothquant_section(RunDir(root), cfg, fp32, smoothed, CONTEXT)
+    assert section["folded"] and section["explicit_scale"] and section["fp32_latency"]["batch"] == 8
+    assert section["fp32_latency_ratio"] > 0 and "statement" in section
+    json.dumps(search), json.dumps(section)
