@@ -134,10 +134,22 @@ def _command_line() -> str:
 @training_options(required=False)
 @click.option("--checkpoint", type=click.Path(path_type=Path), default=None,
               help="Evaluate this trained run directory instead of training one (no training flags then).")
+@click.option("--model", type=click.Path(path_type=Path), default=None,
+              help="Evaluate a local Hugging Face checkpoint directory (config.json, safetensors, tokenizer; needs "
+                   "quantnorm[hf]); --context is then the window in tokens and --corpus the text.")
+@click.option("--allow-pickle", is_flag=True,
+              help="With --model: allow loading pickled pytorch_model.bin weights (unpickling can run code).")
 @click.option("--out", type=click.Path(path_type=Path), default=None,
               help="Run directory (default: runs/<placement>-<norm>-...). Reused when it holds a checkpoint of the same config.")
 @click.option("--recipes", default=None,
-              help="Comma-separated INT8 recipes (see `quantnorm recipes`). [default: the default set]")
+              help="Comma-separated INT8 recipes (see `quantnorm recipes`), or `auto` for the accuracy-aware "
+                   "search (may be combined with names). [default: the default set]")
+@click.option("--sq-alpha", type=float, default=None,
+              help="SmoothQuant migration strength alpha in [0, 1] for the smoothquant recipe. [default: 0.5]")
+@click.option("--max-ppl-ratio", type=float, default=1.01, show_default=True,
+              help="--recipes auto: the target INT8/FP32 perplexity ratio the search must reach.")
+@click.option("--search-pick", type=click.Choice(["fastest", "first"]), default="fastest", show_default=True,
+              help="--recipes auto: keep the fastest passing model (CPU p50, batch 8) or the first one found.")
 @click.option("--providers", default=None,
               help="Comma-separated execution providers for latency: cpu, cuda, tensorrt. "
                    "[default: all this onnxruntime lists; unusable ones are reported as not measured]")
@@ -152,8 +164,8 @@ def _command_line() -> str:
 @click.option("--iters", type=int, default=30, show_default=True, help="Timed runs per latency cell (after warm-up).")
 @click.option("--no-outliers", is_flag=True, help="Skip the activation probe and per-tensor SQNR.")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
-def evaluate(checkpoint, out, recipes, providers, calib_samples, opset, opt_level, threads, batches, iters,
-             no_outliers, quiet, **flags):
+def evaluate(checkpoint, out, recipes, sq_alpha, max_ppl_ratio, search_pick, providers, calib_samples, opset,
+             opt_level, threads, batches, iters, no_outliers, quiet, **flags):
     """Train (or reuse) a model, export it, quantize it with each recipe, measure accuracy and
     latency, and write results.json and report.md into the run directory.
 
@@ -164,13 +176,20 @@ def evaluate(checkpoint, out, recipes, providers, calib_samples, opset, opt_leve
     from .quantize import DEFAULT_RECIPES
     from .runs import open_run_dir
 
+    model_path, allow_pickle = flags.pop("model", None), flags.pop("allow_pickle", False)
     cfg = EvaluateConfig(
         recipes=tuple(_csv(recipes)) if recipes else DEFAULT_RECIPES,
         providers=tuple(_csv(providers)) if providers else None,
         calib_samples=calib_samples, opset=opset, graph_optimization_level=opt_level, threads=threads,
         latency_batches=_int_csv(batches, "--batches"), latency_iters=iters, outliers=not no_outliers,
-        progress=not quiet,
+        progress=not quiet, sq_alpha=sq_alpha, max_ppl_ratio=max_ppl_ratio, search_pick=search_pick,
     )
+    if model_path is not None:  # a local Hugging Face checkpoint (quantnorm.hf)
+        from .hf.evaluate import evaluate_from_cli
+
+        click.echo(evaluate_from_cli(model_path, cfg, flags, checkpoint=checkpoint, out=out, allow_pickle=allow_pickle,
+                                     recipes_given=recipes is not None, command=_command_line()))
+        return
     if checkpoint is not None:
         run_dir = open_run_dir(checkpoint)
     else:
@@ -272,6 +291,140 @@ def recipes():
         mark = "*" if name in DEFAULT_RECIPES else " "
         click.echo(f"{mark} {name:<36} {recipe.describe() if hasattr(recipe, 'describe') else ''}")
     click.echo("(* = in the default set)")
+
+
+@cli.command()
+@click.argument("inputs", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("--policy", type=click.Path(path_type=Path), default=None,
+              help="TOML policy file ([gate] table; see examples/gate-policy.toml). Flags override it.")
+@click.option("--max-ppl-ratio", type=float, default=None, help="Max INT8/FP32 perplexity ratio. [default: 1.01]")
+@click.option("--max-kld", type=float, default=None, help="Max mean KL(FP32 || INT8) in nats. [default: 0.01]")
+@click.option("--max-kld-p99", type=float, default=None, help="Max 99th-percentile KL in nats. [default: off]")
+@click.option("--min-top1", type=float, default=None, help="Min top-1 agreement, a fraction. [default: 0.98]")
+@click.option("--max-latency-ratio", type=float, default=None,
+              help="Max INT8 p50 / FP32 p50 latency (same provider and batch). [default: off]")
+@click.option("--require-provider", multiple=True,
+              help="Provider that must have measured latency (cpu, cuda, tensorrt); repeat or comma-separate.")
+@click.option("--recipe", "recipes", multiple=True,
+              help="Recipe that must pass; repeat or comma-separate. [default: at least one recipe must pass]")
+@click.option("--summary", type=click.Path(path_type=Path), default=None,
+              help="Also append the Markdown verdict to this file (e.g. \"$GITHUB_STEP_SUMMARY\").")
+@click.option("--junit", type=click.Path(path_type=Path), default=None,
+              help="Write JUnit XML here (one testcase per run x recipe x check).")
+@click.pass_context
+def gate(ctx, inputs, policy, require_provider, recipes, summary, junit, **thresholds):
+    """Gate deployment on INPUTS (results.json files, run directories or sweep directories).
+
+    Prints a Markdown verdict table. Exit code 0: every run passes; 1: a check fails (a missing or
+    unmeasured number fails); 2: an input or the policy cannot be read.
+
+    Example: quantnorm gate runs/pre-rms --policy examples/gate-policy.toml --junit gate.xml
+    """
+    from .gate import Policy, append_summary, load_policy, run_gate, write_error_outputs, write_junit
+
+    try:
+        pol = load_policy(policy) if policy is not None else Policy()
+        pol = pol.override(**thresholds,
+                           require_provider=tuple(_csv(",".join(require_provider)) or ()) or None,
+                           recipes=tuple(_csv(",".join(recipes)) or ()) or None)
+        result = run_gate(inputs, pol)
+    except QuantnormError as exc:  # fail closed in the CI artifacts too; main() prints it, exit 2
+        write_error_outputs(str(exc), summary=summary, junit=junit)
+        raise
+    text = result.markdown()
+    click.echo(text, nl=False)
+    if summary is not None:
+        append_summary(summary, text)
+    if junit is not None:
+        write_junit(junit, result.junit_xml())
+    if not result.passed:
+        ctx.exit(1)
+
+
+@cli.command()
+@click.option("--placements", default=",".join(PLACEMENTS), show_default=True,
+              help="Comma-separated placements (axis).")
+@click.option("--norms", default=",".join(NORMS), show_default=True, help="Comma-separated norms (axis).")
+@click.option("--seeds", type=int, default=3, show_default=True, help="Number of seeds per setting (seeds 0..N-1).")
+@click.option("--warmups", default=None,
+              help="Comma-separated warm-up steps (axis), e.g. 0,30. [default: the rule of `quantnorm train`]")
+@click.option("--depths", default=str(DEFAULT_MODEL.n_layers), show_default=True,
+              help="Comma-separated numbers of blocks (axis).")
+@click.option("--d-model", type=int, default=DEFAULT_MODEL.d_model, show_default=True, help="Hidden size.")
+@click.option("--heads", type=int, default=DEFAULT_MODEL.n_heads, show_default=True, help="Attention heads.")
+@click.option("--context", type=int, default=DEFAULT_MODEL.context, show_default=True, help="Context length in bytes.")
+@click.option("--steps", type=int, default=_default_train().steps, show_default=True, help="Training steps.")
+@click.option("--batch-size", type=int, default=_default_train().batch_size, show_default=True, help="Windows per step.")
+@click.option("--lr", type=float, default=_default_train().lr, show_default=True, help="Peak learning rate (AdamW).")
+@click.option("--corpus", type=str, default=BUILTIN_PYDOC, show_default=True,
+              help="Training text: a file, a directory of files, or builtin:pydoc.")
+@click.option("--recipes", default=None, help="Comma-separated INT8 recipes. [default: evaluate's default set]")
+@click.option("--sq-alpha", type=float, default=None, help="SmoothQuant alpha for the smoothquant recipe.")
+@click.option("--providers", default=None, help="Comma-separated latency providers: cpu, cuda, tensorrt. "
+                                               "[default: all this onnxruntime lists]")
+@click.option("--calib-samples", type=int, default=64, show_default=True, help="Calibration windows.")
+@click.option("--opset", type=int, default=18, show_default=True, help="ONNX opset.")
+@click.option("--opt-level", default="all", show_default=True, help="ONNX Runtime graph optimization level.")
+@click.option("--threads", type=int, default=None,
+              help="Threads per cell (torch and ONNX Runtime). [default: the cores divided by --jobs]")
+@click.option("--batches", default="1,8", show_default=True, help="Latency batch sizes.")
+@click.option("--iters", type=int, default=30, show_default=True, help="Timed runs per latency cell.")
+@click.option("--no-outliers", is_flag=True, help="Skip the activation probe (the residual-growth and outlier "
+                                                  "findings need it).")
+@click.option("--out", type=click.Path(path_type=Path), required=True,
+              help="Sweep directory: one run directory per cell, sweep.json, report.md. Run again to resume.")
+@click.option("--jobs", type=int, default=None,
+              help="Cells at a time. [default: local: max(1, cores // 2); ray: as many as the cluster schedules]")
+@click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
+              help="local: subprocesses on this machine; ray: Ray tasks (pip install 'quantnorm[ray]').")
+@click.option("--ray-address", default=None,
+              help="Ray cluster address (e.g. ray://head:10001 or auto). [default: start a local Ray instance]")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+@click.pass_context
+def sweep(ctx, placements, norms, seeds, warmups, depths, d_model, heads, context, steps, batch_size, lr, corpus, recipes,
+          sq_alpha, providers, calib_samples, opset, opt_level, threads, batches, iters, no_outliers, out, jobs,
+          executor, ray_address, quiet):
+    """Train and evaluate every placement x norm (x warm-up x depth) x seed, each cell in its own
+    process; resumable (finished cells are skipped); then write OUT/report.md with intervals,
+    a ranking and findings. Exit code 1 when a cell failed (the others still run).
+
+    Example: quantnorm sweep --placements post,pre,peri --norms layer,rms --seeds 3 --warmups 0,30 --out sweeps/a
+    """
+    from .sweep import SweepConfig, run_sweep
+
+    if executor != "ray" and ray_address:
+        raise click.UsageError("--ray-address needs --executor ray")
+    cfg = SweepConfig(
+        placements=tuple(_csv(placements)), norms=tuple(_csv(norms)), seeds=seeds,
+        warmups=_int_csv(warmups, "--warmups") if warmups is not None else None,
+        depths=_int_csv(depths, "--depths"), d_model=d_model, heads=heads, context=context, steps=steps,
+        batch_size=batch_size, lr=lr, corpus=corpus,
+        recipes=tuple(_csv(recipes)) if recipes is not None else None,
+        providers=tuple(_csv(providers)) if providers is not None else None,
+        calib_samples=calib_samples, opset=opset, opt_level=opt_level, threads=threads,
+        batches=_int_csv(batches, "--batches"), iters=iters, outliers=not no_outliers, sq_alpha=sq_alpha,
+    )
+    outcome = run_sweep(cfg, out, jobs=jobs, executor=executor, ray_address=ray_address, progress=not quiet,
+                        command=_command_line(), echo=click.echo)
+    counts = ", ".join(f"{v} {k}" for k, v in outcome.counts().items())
+    click.echo(f"{outcome.out_dir}: {len(outcome.cells)} cells ({counts})")
+    if outcome.report is not None:
+        click.echo(f"report: {outcome.report}")
+    for failed in outcome.failed:
+        last = failed.log_tail[-1] if failed.log_tail else "no output"
+        click.echo(f"failed: {failed.cell.name} (exit code {failed.rc}): {last} "
+                   f"[{outcome.out_dir / failed.cell.name / 'evaluate.log'}]", err=True)
+    if outcome.failed:
+        ctx.exit(1)
+
+
+@cli.command()
+@click.argument("sweep_dir", type=click.Path(path_type=Path))
+def compare(sweep_dir):
+    """Regenerate SWEEP_DIR/report.md (and plots) from its cells' results.json."""
+    from .compare import write_comparison
+
+    click.echo(str(write_comparison(sweep_dir)))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -135,3 +135,72 @@ def plot_recipe_tradeoff(recipes: list[dict], latency_rows: list[dict], out_png:
     ax_lat.set_xlabel(f"p50 latency vs FP32 (CPU, batch {batch})")
     fig.suptitle(title)
     return _save(fig, out_png)
+
+
+def plot_interval_series(labels: list[str], series: dict[str, list[tuple]], out_png: Path, title: str, ylabel: str,
+                         reference: float | None = None) -> Path:
+    """Per setting (x), one marker per series with its interval as an error bar.
+
+    ``series`` maps a name to one ``(mean, lo, hi)`` per label; None values are left out (a
+    mean without an interval is drawn without a bar). ``reference`` draws a horizontal line.
+    """
+    if not labels:
+        raise ValueError("no settings to plot")
+    fig = Figure(figsize=(max(6.0, 0.55 * len(labels) + 2), 4.5))
+    ax = fig.add_subplot()
+    x = np.arange(len(labels), dtype=float)
+    k = max(1, len(series))
+    width = 0.7 / k
+    for i, (name, points) in enumerate(series.items()):
+        xs = x - 0.35 + width * (i + 0.5)
+        mean = np.array([np.nan if p[0] is None else p[0] for p in points], dtype=float)
+        lo = np.array([np.nan if p[1] is None else p[1] for p in points], dtype=float)
+        hi = np.array([np.nan if p[2] is None else p[2] for p in points], dtype=float)
+        err = np.vstack([np.where(np.isnan(lo), 0.0, mean - lo), np.where(np.isnan(hi), 0.0, hi - mean)])
+        err = np.where(np.isnan(err), 0.0, err)
+        ax.errorbar(xs, mean, yerr=err, fmt="o", capsize=3, label=name, markersize=4)
+    if reference is not None:
+        ax.axhline(reference, color="black", linewidth=0.8)
+    ax.set_xticks(x, labels, rotation=45, ha="right", fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, axis="y", alpha=0.3)
+    if len(series) > 1:
+        ax.legend(fontsize=7, loc="best")
+    return _save(fig, out_png)
+
+
+def plot_layer_series(series: dict[str, tuple[list[str], list[tuple]]], out_png: Path, title: str, ylabel: str,
+                      log: bool = True, styles: dict[str, dict] | None = None) -> Path:
+    """One line per setting over layers (``(layer labels, [(mean, lo, hi), ...])``) with error bars.
+
+    ``styles`` optionally gives matplotlib line keywords per series (e.g. colour by placement,
+    line style by norm)."""
+    if not series:
+        raise ValueError("no series to plot")
+    fig = Figure(figsize=(7, 4.5))
+    ax = fig.add_subplot()
+    all_layers: list[str] = []
+    for layers, _ in series.values():
+        for lab in layers:
+            if lab not in all_layers:
+                all_layers.append(lab)
+    pos = {lab: i for i, lab in enumerate(all_layers)}
+    for name, (layers, points) in series.items():
+        xs = np.array([pos[lab] for lab in layers], dtype=float)
+        mean = np.array([np.nan if p[0] is None else p[0] for p in points], dtype=float)
+        lo = np.array([np.nan if p[1] is None else p[1] for p in points], dtype=float)
+        hi = np.array([np.nan if p[2] is None else p[2] for p in points], dtype=float)
+        err = np.vstack([np.where(np.isnan(lo), 0.0, mean - lo), np.where(np.isnan(hi), 0.0, hi - mean)])
+        err = np.where(np.isnan(err), 0.0, err)
+        style = {"marker": "o", "linestyle": "-", **((styles or {}).get(name) or {})}
+        ax.errorbar(xs, mean, yerr=err, capsize=3, label=name, markersize=3, linewidth=1, **style)
+    if log:
+        ax.set_yscale("log")
+    ax.set_xticks(np.arange(len(all_layers)), all_layers)
+    ax.set_xlabel("residual stream after layer")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, loc="best", ncol=2)
+    return _save(fig, out_png)

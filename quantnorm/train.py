@@ -155,6 +155,9 @@ def train(run: RunConfig, out_dir: Path, *, progress: bool = True, data: Prepare
     tokens = data.tokens
 
     out_dir.mkdir(parents=True, exist_ok=True)
+    # train.json marks a finished run: remove an earlier run's before anything else, so a run
+    # killed midway never looks finished under the new config.
+    (out_dir / TRAIN_SUMMARY_FILE).unlink(missing_ok=True)
     config = {**run.to_dict(), "config_hash": run.hash(data.corpus.sha256), "n_params": model.n_params(),
               "data_ranges": data.describe(), "quantnorm_version": __version__}
     write_json_atomic(out_dir / CONFIG_FILE, config)

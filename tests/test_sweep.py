@@ -1,0 +1,269 @@
+"""`quantnorm sweep`: a tiny real sweep killed with SIGKILL mid-run and resumed (the DoD), skipping
+of finished cells, failure and divergence bookkeeping, bad input, and the Ray executor.
+
+Real cells are the smallest model on a 40 kB corpus (about 15 s each on 2 busy cores); the
+bookkeeping tests replace the cell process with a stub that writes a synthetic results.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_compare import make_results
+
+from quantnorm import sweep as sweep_mod
+from quantnorm.cli import main
+from quantnorm.report import load_results
+from quantnorm.sweep import MANIFEST_FILE, Cell, SweepConfig, cell_status, run_sweep
+
+TINY = ["--norms", "rms", "--seeds", "1", "--depths", "1", "--d-model", "32", "--heads", "2", "--context", "32",
+        "--steps", "8", "--batch-size", "8", "--batches", "1", "--iters", "2", "--calib-samples", "8",
+        "--recipes", "dynamic", "--providers", "cpu", "--no-outliers", "--jobs", "1"]
+CELLS = ["pre-rms-L1-w2-seed0", "peri-rms-L1-w2-seed0"]
+
+
+@pytest.fixture(scope="module")
+def small_corpus(tmp_path_factory) -> Path:
+    import pydoc_data.topics
+
+    path = tmp_path_factory.mktemp("corpus") / "small.txt"
+    path.write_bytes("".join(pydoc_data.topics.topics.values()).encode("utf-8")[:40_000])
+    return path
+
+
+def _sweep_args(out: Path, corpus: Path, placements: str = "pre,peri") -> list[str]:
+    return ["sweep", "--placements", placements, *TINY, "--corpus", str(corpus), "--out", str(out), "--quiet"]
+
+
+def _temporaries(root: Path) -> list[Path]:
+    return [p for p in root.rglob(".*.tmp")]
+
+
+@pytest.fixture(scope="module")
+def killed_and_resumed(tmp_path_factory, small_corpus):
+    """Start a real 2-cell sweep in its own process group, SIGKILL the group once the first cell
+    has finished and the second is training, then run the same command again (in-process)."""
+    out = tmp_path_factory.mktemp("sweep") / "s"
+    first, second = (out / c for c in CELLS)
+    proc = subprocess.Popen([sys.executable, "-m", "quantnorm.cli", *_sweep_args(out, small_corpus)],
+                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 150
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            if cell_status(first) == "done" and (second / "config.json").exists():
+                break
+            time.sleep(0.1)
+        state = {"first_done": cell_status(first) == "done", "second_started": (second / "config.json").exists(),
+                 "still_running": proc.poll() is None}
+        os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=30)
+    state["second_results_before"] = (second / "results.json").exists()
+    state["first_mtime"] = (first / "results.json").stat().st_mtime_ns if state["first_done"] else None
+    state["stderr"] = proc.stderr.read().decode(errors="replace")[-2000:]
+    t0 = time.monotonic()
+    state["resume_rc"] = main(_sweep_args(out, small_corpus))
+    state["resume_s"] = time.monotonic() - t0
+    return out, state
+
+
+def test_sigkill_mid_sweep_then_resume_finishes_every_cell(killed_and_resumed):
+    out, state = killed_and_resumed
+    assert state["first_done"] and state["second_started"] and state["still_running"], state
+    assert not state["second_results_before"]          # killed in flight
+    assert state["resume_rc"] == 0
+    for name in CELLS:
+        results = json.loads((out / name / "results.json").read_text())   # valid JSON
+        assert load_results(out / name)["model"]["placement"] == name.split("-")[0]
+        assert results["recipes"][0]["accuracy"]["ppl_ratio"] > 0
+        assert (out / name / "evaluate.log").is_file()
+    # the finished cell was not redone; no temporary of an interrupted atomic write is left
+    assert (out / CELLS[0] / "results.json").stat().st_mtime_ns == state["first_mtime"]
+    assert _temporaries(out) == []
+    manifest = json.loads((out / MANIFEST_FILE).read_text())
+    assert {k: v["status"] for k, v in manifest["cells"].items()} == {CELLS[0]: "done", CELLS[1]: "done"}
+
+
+def test_resumed_sweep_writes_the_comparison_report(killed_and_resumed):
+    out, _ = killed_and_resumed
+    report = (out / "report.md").read_text()
+    for text in ("pre/rms", "peri/rms", "## Ranking", "## Findings", "`dynamic`", "Summary: claim 1"):
+        assert text in report, text
+    assert (out / "plots" / "bits_per_byte.png").is_file() and (out / "plots" / "ppl_ratio.png").is_file()
+
+
+def test_rerun_skips_finished_cells(killed_and_resumed, small_corpus, capsys):
+    out, _ = killed_and_resumed
+    mtimes = {c: (out / c / "results.json").stat().st_mtime_ns for c in CELLS}
+    capsys.readouterr()
+    assert main(_sweep_args(out, small_corpus)) == 0
+    text = capsys.readouterr().out
+    assert "2 of 2 cells already finished, skipped" in text and "2 skipped" in text
+    assert {c: (out / c / "results.json").stat().st_mtime_ns for c in CELLS} == mtimes
+
+
+# ------------------------------------------------------------------ bookkeeping (stubbed cells)
+
+
+def _arg(args: list[str], flag: str) -> str:
+    return args[args.index(flag) + 1]
+
+
+def _stub_cell(behaviour: dict[str, str]):
+    """A stand-in for run_cell_process: per placement, "ok" writes a synthetic results.json,
+    "fail" writes a traceback-like log and exits 1, "diverge" writes a diverged train.json."""
+    calls = []
+
+    def run(args, log_path, env, cell=None):
+        out, placement = Path(_arg(args, "--out")), _arg(args, "--placement")
+        calls.append((placement, env.get("OMP_NUM_THREADS")))
+        Path(log_path).write_text("$ quantnorm evaluate ...\nTraceback (most recent call last):\nboom: cell exploded\n")
+        what = behaviour[placement]
+        if what == "ok":
+            r = make_results(placement, _arg(args, "--norm"), int(_arg(args, "--seed")), depth=int(_arg(args, "--layers")),
+                             warmup=int(_arg(args, "--warmup")), recipes=("dynamic",))
+            (out / "results.json").write_text(json.dumps(r))
+            return 0
+        if what == "diverge":
+            (out / "config.json").write_text(json.dumps({"model": {"placement": placement, "norm": "rms",
+                                                                   "n_layers": 1},
+                                                         "train": {"warmup": 2, "seed": 0}}))
+            (out / "train.json").write_text(json.dumps({"diverged": True, "diverged_at": 3}))
+            return 2
+        return 1
+
+    return run, calls
+
+
+def test_a_failing_cell_is_recorded_and_the_others_go_on(tmp_path, small_corpus, monkeypatch, capsys):
+    run, calls = _stub_cell({"pre": "fail", "peri": "ok", "post": "diverge"})
+    monkeypatch.setattr(sweep_mod, "run_cell_process", run)
+    out = tmp_path / "s"
+    assert main(_sweep_args(out, small_corpus, "pre,peri,post")) == 1
+    err = capsys.readouterr().err
+    assert "failed: pre-rms-L1-w2-seed0 (exit code 1): boom: cell exploded" in err
+    manifest = json.loads((out / MANIFEST_FILE).read_text())
+    cells = manifest["cells"]
+    assert cells["pre-rms-L1-w2-seed0"]["status"] == "failed" and cells["pre-rms-L1-w2-seed0"]["rc"] == 1
+    assert cells["pre-rms-L1-w2-seed0"]["log_tail"][-1] == "boom: cell exploded"
+    assert cells["peri-rms-L1-w2-seed0"]["status"] == "done"
+    assert cells["post-rms-L1-w2-seed0"]["status"] == "diverged"   # a result, not a failure
+    assert len(calls) == 3 and {t for _, t in calls} == {str(sweep_mod.available_cores())}   # --jobs 1: all cores
+    report = (out / "report.md").read_text()
+    assert "pre-rms-L1-w2-seed0` failed (exit code 1)" in report and "1/1" in report   # post diverged 1 of 1
+    # the rerun redoes only the failed cell; when it passes, the sweep exits 0
+    run2, calls2 = _stub_cell({"pre": "ok", "peri": "fail", "post": "fail"})
+    monkeypatch.setattr(sweep_mod, "run_cell_process", run2)
+    assert main(_sweep_args(out, small_corpus, "pre,peri,post")) == 0
+    assert [p for p, _ in calls2] == ["pre"]
+
+
+def test_a_corrupt_results_json_is_redone(tmp_path, small_corpus, monkeypatch):
+    run, calls = _stub_cell({"pre": "ok", "peri": "ok"})
+    monkeypatch.setattr(sweep_mod, "run_cell_process", run)
+    out = tmp_path / "s"
+    (out / CELLS[0]).mkdir(parents=True)
+    (out / CELLS[0] / "results.json").write_text('{"schema_version": 1, "model": ')   # half a file
+    assert main(_sweep_args(out, small_corpus)) == 0
+    assert sorted(p for p, _ in calls) == ["peri", "pre"]
+    assert cell_status(out / CELLS[0]) == "done"
+
+
+def test_a_cell_another_process_holds_is_waited_for_and_not_run_twice(tmp_path):
+    """A sweep killed alone leaves its cell processes running (they hold the cell's lock); a
+    restarted sweep waits for them and does not run the cell again into the same directory."""
+    import fcntl
+    import threading
+
+    cell = Cell("pre", "rms", 1, 2, 0)
+    cell_dir = tmp_path / cell.name
+    cell_dir.mkdir()
+    log = cell_dir / "evaluate.log"
+    holder = open(cell_dir / ".cell.lock", "a+")
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    result = {}
+    waiter = threading.Thread(target=lambda: result.update(rc=sweep_mod.run_cell_process(["--version"], str(log), {},
+                                                                                         cell)))
+    waiter.start()
+    time.sleep(1.0)
+    assert waiter.is_alive() and not log.exists()          # waiting, and the other process's log is untouched
+    (cell_dir / "results.json").write_text(json.dumps(make_results("pre", "rms", 0, depth=1, warmup=2)))
+    fcntl.flock(holder, fcntl.LOCK_UN)
+    holder.close()
+    waiter.join(60)
+    assert result == {"rc": 0} and not log.exists()        # finished by the other process: not run again
+    (cell_dir / "results.json").unlink()
+    (cell_dir / ".config.json.x.tmp").write_text("partial")
+    assert sweep_mod.run_cell_process(["--version"], str(log), {}, cell) == 0
+    assert "version" in log.read_text() and not (cell_dir / ".config.json.x.tmp").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--placements", "sandwich"], "unknown placement 'sandwich'"),
+    (["--placements", "pre", "--norms", "batch"], "unknown norm 'batch'"),
+    (["--placements", "pre", "--seeds", "0"], "--seeds"),
+    (["--placements", "pre", "--seeds", "-2"], "--seeds"),
+    (["--placements", ","], "no placements given"),
+    (["--placements", "pre", "--norms", ""], "no norms given"),
+    (["--placements", "pre", "--depths", "0"], "--depths"),
+    (["--placements", "pre", "--warmups", "-1"], "--warmups"),
+    (["--placements", "pre", "--warmups", "x"], "--warmups"),
+    (["--placements", "pre", "--recipes", "nope"], "nope"),
+    (["--placements", "pre", "--d-model", "30", "--heads", "4"], "not divisible"),
+    (["--placements", "pre", "--steps", "10", "--warmups", "50"], "warmup"),
+    (["--placements", "pre", "--corpus", "MISSING"], "corpus not found"),
+    (["--placements", "pre", "--out", "FILE"], "existing file"),
+    (["--placements", "pre", "--jobs", "0"], "--jobs"),
+    (["--placements", "pre", "--ray-address", "auto"], "--ray-address needs --executor ray"),
+])
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, monkeypatch, capsys, args, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "FILE").write_text("not a directory")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    full = ["sweep", "--out", "sweepdir", "--quiet", *args] if "--out" not in args else ["sweep", "--quiet", *args]
+    assert main(full) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and len(err.splitlines()) == 1 and message in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_resuming_with_other_settings_is_refused(tmp_path, small_corpus, capsys):
+    out = tmp_path / "s"
+    out.mkdir()
+    old = SweepConfig(placements=("pre",), norms=("rms",), seeds=1, steps=99)
+    (out / MANIFEST_FILE).write_text(json.dumps({"settings": old.to_dict(), "cells": {}}))
+    assert main(_sweep_args(out, small_corpus)) == 2
+    err = capsys.readouterr().err.strip()
+    assert "other settings" in err and "steps 99 -> 8" in err and len(err.splitlines()) == 1
+
+
+def test_ray_missing_is_a_clear_one_line_error(tmp_path, small_corpus, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "ray", None)   # import ray -> ImportError
+    assert main([*_sweep_args(tmp_path / "s", small_corpus), "--executor", "ray"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "error: --executor ray needs Ray, which is not installed: pip install 'quantnorm[ray]'"
+    assert not (tmp_path / "s").exists()
+
+
+def test_ray_executor_runs_cells_as_ray_tasks(tmp_path, small_corpus):
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)   # a local Ray instance for this test
+    try:
+        cfg = SweepConfig(placements=("pre",), norms=("rms",), seeds=1, depths=(1,), d_model=32, heads=2, context=32,
+                          steps=8, batch_size=8, corpus=str(small_corpus), recipes=("dynamic",), providers=("cpu",),
+                          calib_samples=8, batches=(1,), iters=2, outliers=False)
+        outcome = run_sweep(cfg, tmp_path / "s", executor="ray", progress=False, echo=lambda s: None)
+    finally:
+        ray.shutdown()
+    assert [c.status for c in outcome.cells] == ["done"], [c.log_tail for c in outcome.cells]
+    assert load_results(tmp_path / "s" / CELLS[0])["model"]["placement"] == "pre"
+    manifest = json.loads((tmp_path / "s" / MANIFEST_FILE).read_text())
+    assert manifest["executor"] == "ray" and manifest["ray"]["address"] == "local"
+    assert outcome.report is not None and outcome.report.is_file()
