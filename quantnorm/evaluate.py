@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import shutil
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Iterator
 
 import onnxruntime as ort
 from tqdm import tqdm

@@ -82,7 +82,7 @@ class RunConfig:
         return config_hash({**self.to_dict(), "corpus_sha256": corpus_sha256})
 
     @classmethod
-    def from_dict(cls, d: dict) -> "RunConfig":
+    def from_dict(cls, d: dict) -> RunConfig:
         return cls(ModelConfig(**d["model"]), TrainConfig(**d["train"]), DataConfig(**d["data"]))
 
 

@@ -5,8 +5,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from quantnorm.data import (BOS, BUILTIN_PYDOC, VOCAB_SIZE, DataConfig, evaluation_windows, load_corpus, make_splits,
-                            prepare_data, window_starts, windows_at)
+from quantnorm.data import (
+    BOS,
+    BUILTIN_PYDOC,
+    VOCAB_SIZE,
+    DataConfig,
+    evaluation_windows,
+    load_corpus,
+    make_splits,
+    prepare_data,
+    window_starts,
+    windows_at,
+)
 from quantnorm.errors import DataError
 
 

@@ -9,9 +9,9 @@ import onnx
 import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
+from onnx_helpers import onnx_logits
 
 from quantnorm.errors import ConfigError, ExportError
-from onnx_helpers import onnx_logits
 from quantnorm.export import ExportResult, count_norm_ops, export_onnx, find_decomposed_norms
 from quantnorm.models import CausalLM, ModelConfig
 

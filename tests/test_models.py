@@ -10,8 +10,17 @@ import pytest
 import torch
 
 from quantnorm.errors import ConfigError
-from quantnorm.models import (NORMS, PLACEMENTS, Block, CausalLM, LayerNorm, ModelConfig, RMSNorm,
-                              deepnorm_beta, masked_softmax)
+from quantnorm.models import (
+    NORMS,
+    PLACEMENTS,
+    Block,
+    CausalLM,
+    LayerNorm,
+    ModelConfig,
+    RMSNorm,
+    deepnorm_beta,
+    masked_softmax,
+)
 
 torch.manual_seed(0)
 

@@ -10,12 +10,12 @@ import onnx
 import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
+from onnx_helpers import onnx_logits
 from torch import nn
 
 from quantnorm.calibration import calibration_windows
 from quantnorm.data import evaluation_windows, load_corpus, make_splits, sample_train_batch
 from quantnorm.errors import ConfigError, QuantizeError
-from onnx_helpers import onnx_logits
 from quantnorm.export import export_onnx
 from quantnorm.models import CausalLM, ModelConfig
 from quantnorm.quantize import (

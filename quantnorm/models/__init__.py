@@ -1,6 +1,6 @@
 """The model zoo: norms, placements (a registry each) and the causal LM."""
 
-from .lm import Block, CausalLM, CausalSelfAttention, MLP, ModelConfig, masked_softmax
+from .lm import MLP, Block, CausalLM, CausalSelfAttention, ModelConfig, masked_softmax
 from .norms import NORMS, LayerNorm, RMSNorm, make_norm
 from .placements import PLACEMENTS, Placement, deepnorm_beta, get_placement
 

@@ -20,8 +20,8 @@ be a Pre-LN variant whose residual grows like alpha^L).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
