@@ -427,6 +427,17 @@ def compare(sweep_dir):
     click.echo(str(write_comparison(sweep_dir)))
 
 
+@cli.command()
+@click.argument("sweep_dir", type=click.Path(path_type=Path))
+def findings(sweep_dir):
+    """Print the findings section (Markdown: a verdict per claim of shared CLAIMS.md) of SWEEP_DIR
+    and write it to SWEEP_DIR/findings.md (the same section as in SWEEP_DIR/report.md)."""
+    from .compare import write_findings
+
+    _, text = write_findings(sweep_dir)
+    click.echo(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console entry point: one-line errors and exit code 2 for anything a user can fix."""
     argv = sys.argv[1:] if argv is None else argv

@@ -1,8 +1,9 @@
 """The comparison report of a sweep: statistics over seeds, a ranking, and findings with verdicts.
 
-Reads only what the cells wrote (``<cell>/results.json``; ``train.json``/``config.json`` of a
-cell whose training diverged; ``train_log.jsonl`` for the step-0 gradient norms; ``sweep.json``
-for the command), so ``quantnorm compare DIR`` can regenerate the report at any time.
+Reads only what the cells wrote (``<cell>/results.json``, its ``diagnostics`` included;
+``train.json``/``config.json`` of a cell whose training diverged; ``train_log.jsonl`` for the
+step-0 gradient norms; ``sweep.json`` for the command), so ``quantnorm compare DIR`` can
+regenerate the report, and ``quantnorm findings DIR`` its findings section, at any time.
 
 Statistics (all over seeds, one value per cell):
 
@@ -43,6 +44,7 @@ VERDICTS = (HOLDS, DOES_NOT_HOLD, NOT_SIGNIFICANT, NOT_TESTED)
 CPU = "CPUExecutionProvider"
 PLACEMENT_ORDER = ("post", "pre", "peri", "deepnorm", "residual")
 NORM_ORDER = ("layer", "rms")
+FINDINGS_FILE = "findings.md"
 CONSTANT_GROWTH = 1.10   # "stays constant": per-layer RMS growth factor within [1/1.1, 1.1]
 
 
@@ -254,6 +256,8 @@ class CellResult:
     train: dict
     results: dict | None = None
     grad0: dict | None = None
+    perturbation: list[dict] | None = None   # results["diagnostics"]["perturbation"]
+    block_cosine: list[float] | None = None  # results["diagnostics"]["block_cosine"], one per block
 
     @property
     def group(self) -> tuple:
@@ -310,6 +314,37 @@ class CellResult:
     def massive_count(self) -> int | None:
         o = (self.results or {}).get("outliers")
         return None if o is None else len(o.get("massive") or [])
+
+    def noise_levels(self) -> list[float]:
+        return sorted({float(r["relative_noise"]) for r in self.perturbation or []
+                       if _finite([r.get("relative_noise")])})
+
+    def logit_change(self, noise: float) -> float | None:
+        """Relative logit change at relative weight noise ``noise`` (perturbation probe)."""
+        for r in self.perturbation or []:
+            if _finite([r.get("relative_noise")]) and float(r["relative_noise"]) == noise:
+                v = _finite([r.get("relative_logit_change")])
+                return v[0] if v else None
+        return None
+
+    def log_logit_change(self, noise: float) -> float | None:
+        v = self.logit_change(noise)
+        return math.log(v) if v is not None and v > 0 else None
+
+    def late_cosine(self) -> float | None:
+        """Mean cosine(block output, block input) over the last half of the blocks (the middle one
+        included when the depth is odd; the only block at depth 1)."""
+        cos = self.block_cosine or []
+        values = _finite(cos[len(cos) // 2:])
+        return sum(values) / len(values) if values and len(values) == len(cos[len(cos) // 2:]) else None
+
+    def cosine_slope(self) -> float | None:
+        """Least-squares slope of cosine(block output, block input) over the block index (>= 2 blocks)."""
+        cos = self.block_cosine or []
+        values = _finite(cos)
+        if len(values) < 2 or len(values) != len(cos):
+            return None
+        return float(np.polyfit(np.arange(len(values), dtype=float), np.array(values), 1)[0])
 
 
 @dataclass
@@ -374,6 +409,18 @@ def _grad0(cell_dir: Path) -> dict | None:
         return None
 
 
+def _diagnostics(results: dict) -> tuple[list[dict] | None, list[float] | None]:
+    """The perturbation rows and per-block cosines of results["diagnostics"] (None when absent)."""
+    d = results.get("diagnostics")
+    if not isinstance(d, dict):
+        return None, None
+    rows = d.get("perturbation")
+    rows = [r for r in rows if isinstance(r, dict)] if isinstance(rows, list) else None
+    cos = d.get("block_cosine")
+    cos = list(cos) if isinstance(cos, list) else None
+    return rows or None, cos or None
+
+
 def load_cell(cell_dir: Path) -> CellResult | None:
     """A finished cell, or None when the directory holds no finished cell. Raises RunDirError for
     a results.json that cannot be used (corrupt, other schema)."""
@@ -385,9 +432,10 @@ def load_cell(cell_dir: Path) -> CellResult | None:
         try:
             m, t = results["model"], results["train"]
             tc = t["config"]
+            perturbation, block_cosine = _diagnostics(results)
             return CellResult(cell_dir.name, cell_dir, m["placement"], m["norm"], int(m["n_layers"]),
                               int(tc["warmup"]), int(tc["seed"]), bool(t.get("diverged")), t, results,
-                              _grad0(cell_dir))
+                              _grad0(cell_dir), perturbation=perturbation, block_cosine=block_cosine)
         except (KeyError, TypeError, ValueError) as exc:
             raise RunDirError(f"{cell_dir / RESULTS_FILE} lacks {exc} (model / train.config)") from None
     summary, config = cell_dir / TRAIN_SUMMARY_FILE, cell_dir / CONFIG_FILE
@@ -521,12 +569,15 @@ class Finding:
     verdict: str
     lines: list[str] = field(default_factory=list)
     why: str = ""
+    plots: dict[str, str] = field(default_factory=dict)   # title -> path relative to the sweep directory
 
     def render(self) -> list[str]:
         out = [f"### Claim {self.number}: {self.claim}", "", f"*{self.source}*", ""]
         out += [f"- {line}" for line in self.lines]
         if self.lines:
             out.append("")
+        for title, path in self.plots.items():
+            out += [f"![{title}]({path})", ""]
         tail = f" ({self.why})" if self.why else ""
         out.append(f"**Verdict: {self.verdict}**{tail}")
         return out + [""]
@@ -543,6 +594,20 @@ def _fmt_pct(est: Estimate) -> str:
         return "–"
     f = lambda v: f"{100 * (math.exp(v) - 1):+.1f}%"  # noqa: E731
     return f"{f(est.mean)} [{f(est.lo)}, {f(est.hi)}]" if est.has_interval else f"{f(est.mean)} (n={est.n})"
+
+
+def _fmt_factor(est: Estimate) -> str:
+    """A log-ratio estimate as a factor (x1.00 = equal)."""
+    if est.mean is None:
+        return "–"
+    f = lambda v: f"x{math.exp(v):.3g}"  # noqa: E731
+    return f"{f(est.mean)} [{f(est.lo)}, {f(est.hi)}]" if est.has_interval else f"{f(est.mean)} (n={est.n})"
+
+
+def _placements(sweep: Sweep, cells: Iterable[CellResult] | None = None) -> list[str]:
+    """The placements of ``cells`` (default: the sweep's), in report order."""
+    present = {c.placement for c in (sweep.cells if cells is None else cells)}
+    return [p for p in PLACEMENT_ORDER if p in present] + sorted(present - set(PLACEMENT_ORDER))
 
 
 def claim_warmup(sweep: Sweep) -> Finding:
@@ -617,6 +682,105 @@ def claim_grad_at_init(sweep: Sweep) -> Finding:
 
 def claim_not_measured(number: int, claim: str, source: str, why: str) -> Finding:
     return Finding(number, claim, source, NOT_TESTED, why=why)
+
+
+def depth_exponent(points: dict[int, float]) -> float | None:
+    """Slope of log(value) over log(depth), the k of value ~ depth^k (>= 2 depths, values > 0)."""
+    pts = sorted((d, v) for d, v in points.items() if d > 0 and _finite([v]) and v > 0)
+    if len(pts) < 2:
+        return None
+    x = np.log([d for d, _ in pts])
+    y = np.log([v for _, v in pts])
+    return float(np.polyfit(x, y, 1)[0])
+
+
+def log_reference_exponent(depths: Sequence[int]) -> float | None:
+    """The k a change growing as log(depth) would show over these depths (None with depth 1 in them)."""
+    ds = sorted(set(depths))
+    if len(ds) < 2 or ds[0] < 2:
+        return None
+    return depth_exponent({d: math.log(d) for d in ds})
+
+
+def _depth_shape(k: Estimate, ref: float | None) -> str:
+    """Words for an exponent estimate of change ~ depth^k: 1 is O(N), ``ref`` is O(log N)."""
+    if k.mean is None:
+        return "no fit"
+    if not k.has_interval:
+        return "one series: no interval"
+    if k.hi < 0:
+        return "shrinks with depth"
+    if k.lo > 1:
+        return "grows faster than linearly"
+    near_lin = k.lo <= 1 <= k.hi
+    near_log = ref is not None and k.lo <= ref <= k.hi
+    if near_lin and near_log:
+        return "linear and logarithmic growth not told apart"
+    if near_lin:
+        return "about linear in depth, O(N)"
+    if near_log:
+        return "about logarithmic in depth, O(log N)"
+    if ref is not None and k.lo > ref:
+        return "between logarithmic and linear"
+    if k.lo > 0:
+        return "grows, slower than logarithmically" if ref is not None else "grows, slower than linearly"
+    return "no significant growth with depth"
+
+
+def claim_perturbation(sweep: Sweep) -> Finding:
+    f = Finding(3, "Post-LN amplifies parameter perturbations (O(N) in depth) far more than Pre-LN (O(log N))",
+                "Liu et al. 2020", NOT_TESTED)
+    if _missing(sweep, ("post", "pre")):
+        f.why = f"no {' and '.join(_missing(sweep, ('post', 'pre')))} cells in the sweep"
+        return f
+    if not any(c.perturbation for c in sweep.cells):
+        f.why = ("results.json holds no weight-perturbation measurement (diagnostics.perturbation: evaluate "
+                 "without --no-outliers)")
+        return f
+    post, pre = sweep.select(placement="post"), sweep.select(placement="pre")
+    levels = sorted({lv for c in post for lv in c.noise_levels()} & {lv for c in pre for lv in c.noise_levels()})
+    if not levels:
+        f.why = "no post and pre cells measured at the same noise level"
+        return f
+    key = lambda c: (c.norm, c.depth, c.warmup, c.seed)  # noqa: E731
+    diffs: dict[float, Estimate] = {}
+    for lv in levels:
+        metric = lambda c, lv=lv: c.log_logit_change(lv)  # noqa: E731
+        diffs[lv] = matched_difference(_keyed(post, key, metric), _keyed(pre, key, metric))
+        e_post = group_estimate(post, lambda c, lv=lv: c.logit_change(lv))
+        e_pre = group_estimate(pre, lambda c, lv=lv: c.logit_change(lv))
+        f.lines.append(f"noise {lv:g} x each weight's RMS: relative logit change post {e_post.format('.3g')}, "
+                       f"pre {e_pre.format('.3g')}; post/pre {_fmt_factor(diffs[lv])} (geometric, matched on norm, "
+                       f"depth, warm-up and seed)")
+    level = next((lv for lv in levels if diffs[lv].mean is not None), levels[0])
+    depth_note = ""
+    if len(sweep.depths) >= 2:
+        ref = log_reference_exponent(sweep.depths)
+        series_key = lambda c: (c.norm, c.warmup, c.seed)  # noqa: E731
+        exponents: dict[str, dict] = {}
+        for p in _placements(sweep, [c for c in sweep.cells if c.perturbation]):
+            series: dict[tuple, dict[int, float]] = {}
+            for c in sweep.select(placement=p):
+                series.setdefault(series_key(c), {})[c.depth] = c.logit_change(level)
+            exponents[p] = {k: depth_exponent(v) for k, v in series.items()}
+            k = estimate(exponents[p].values())
+            f.lines.append(f"{p}: relative logit change at noise {level:g} grows as depth^k over depths "
+                           f"{', '.join(map(str, sweep.depths))}, k = {k.format('.2f')} (log-log fit per norm, "
+                           f"warm-up and seed) -> {_depth_shape(k, ref)}")
+        if ref is not None:
+            f.lines.append(f"k = 1 is O(N); a change growing as log(depth) would give k = {ref:.2f} over these depths")
+        if "post" in exponents and "pre" in exponents:
+            dk = matched_difference(exponents["post"], exponents["pre"])
+            f.lines.append(f"post's k minus pre's (matched on norm, warm-up and seed): {dk.format('+.2f')} "
+                           f"(> 0 = post's change grows faster with depth)")
+    else:
+        depth_note = "; no depth axis, so the O(N) vs O(log N) growth is not tested (run with --depths 2,8)"
+    f.verdict = verdict_sign(diffs[level], +1)
+    f.why = (f"verdict on log(post's relative logit change / pre's) at the smallest noise level ({level:g}), matched "
+             f"on norm, depth, warm-up and seed" + depth_note)
+    if f.verdict == NOT_TESTED:
+        f.why = "no post and pre cells with a positive relative logit change at the same noise level"
+    return f
 
 
 def claim_residual_growth(sweep: Sweep) -> tuple[Finding, dict[str, dict]]:
@@ -717,6 +881,55 @@ def claim_peri_vs_pre(sweep: Sweep) -> Finding:
     f.lines.append("seed-to-seed sd of bits/byte: " + ", ".join(sds))
     f.verdict = verdict_sign(diff, -1)
     f.why = "verdict on the loss (bits/byte) difference; spikes and spread reported above"
+    return f
+
+
+def claim_collapse(sweep: Sweep) -> Finding:
+    f = Finding(7, "Deep Pre-LN stacks lose representation diversity (later layers' outputs become alike)",
+                "ResiDual paper (Xie et al. 2023)", NOT_TESTED)
+    if _missing(sweep, ("pre",)):
+        f.why = "no pre cells in the sweep"
+        return f
+    measured = [c for c in sweep.cells if c.block_cosine]
+    if not measured:
+        f.why = ("results.json holds no similarity of consecutive block outputs (diagnostics.block_cosine: evaluate "
+                 "without --no-outliers)")
+        return f
+    others = [p for p in _placements(sweep, measured) if p != "pre"]
+    if not any(c.placement == "pre" for c in measured):
+        f.why = "no pre cell has the block-similarity measurement"
+        return f
+    if not others:
+        f.why = "no other placement with the block-similarity measurement to compare pre with"
+        return f
+    depths = sorted({c.depth for c in measured if c.placement == "pre"})
+    for d in depths:
+        parts = [f"{p} {group_estimate(sweep.select(placement=p, depth=d), CellResult.late_cosine).format('.3f')}"
+                 for p in ["pre", *others] if sweep.select(placement=p, depth=d)]
+        f.lines.append(f"depth {d}: mean cosine(block output, block input) over the last half of the blocks: "
+                       + ", ".join(parts))
+    depth = depths[-1]
+    key = lambda c: (c.norm, c.warmup, c.seed)  # noqa: E731
+    pre = _keyed(sweep.select(placement="pre", depth=depth), key, CellResult.late_cosine)
+    pooled: dict[tuple, list[float]] = {}
+    for p in others:
+        for k, v in _keyed(sweep.select(placement=p, depth=depth), key, CellResult.late_cosine).items():
+            if _finite([v]):
+                pooled.setdefault(k, []).append(v)
+    rest = {k: sum(v) / len(v) for k, v in pooled.items()}
+    diff = matched_difference(pre, rest)
+    f.lines.append(f"depth {depth}: pre minus the mean of {', '.join(others)} (matched on norm, warm-up and seed): "
+                   f"{diff.format('+.3f')} (> 0 = pre's late blocks change the stream less)")
+    slopes = [f"{p} {group_estimate(sweep.select(placement=p, depth=depth), CellResult.cosine_slope).format('+.4f')}"
+              for p in ["pre", *others] if sweep.select(placement=p, depth=depth)]
+    f.lines.append(f"depth {depth}: change of that cosine per block within the stack (least-squares slope over the "
+                   f"block index; > 0 = later blocks more alike): " + ", ".join(slopes))
+    slope = group_estimate(sweep.select(placement="pre", depth=depth), CellResult.cosine_slope)
+    f.verdict = combine([verdict_sign(diff, +1), verdict_sign(slope, +1)])
+    f.why = (f"rule at depth {depth}, the deepest: pre's late-block cosine above the others' and rising over pre's "
+             f"blocks (95% intervals)")
+    if slope.mean is None:
+        f.why += "; one block per stack, so no slope"
     return f
 
 
@@ -860,14 +1073,11 @@ def findings(sweep: Sweep) -> tuple[list[Finding], dict]:
     out = [
         claim_warmup(sweep),
         claim_grad_at_init(sweep),
-        claim_not_measured(3, "Post-LN amplifies parameter perturbations (O(N) in depth) far more than Pre-LN "
-                              "(O(log N))", "Liu et al. 2020",
-                           "results.json holds no weight-perturbation measurement"),
+        claim_perturbation(sweep),
         growth,
         claim_massive(sweep),
         claim_peri_vs_pre(sweep),
-        claim_not_measured(7, "Deep Pre-LN stacks lose representation diversity", "ResiDual paper (Xie et al. 2023)",
-                           "results.json holds no similarity of consecutive block outputs"),
+        claim_collapse(sweep),
         claim_deepnorm(sweep),
         claim_rms_speed(sweep),
         claim_layer_friendlier(sweep),
@@ -972,21 +1182,50 @@ def render(sweep: Sweep, plots: dict[str, str] | None = None) -> str:
             rows.append([sweep.label(g), folded.format(".3g"), explicit.format(".3g"), frac.format(".2f")])
         L += _table(["setting", "folded", "explicit scale", "folded fraction"], rows)
 
-    found, _ = findings(sweep)
-    L += ["", "## Findings", "",
-          "Each claim of the literature (shared CLAIMS.md) as measured by this sweep. Verdict rule: a 95% interval "
-          "on the claimed side -> holds here; on the other side -> does not hold here; across zero or overlapping "
-          "-> not significant; no data -> not tested. Small models on a CPU need not reproduce what large models show.",
-          ""]
-    for item in found:
-        L += item.render()
-    L += ["Summary: " + "; ".join(f"claim {x.number}: {x.verdict}" for x in found) + ".", ""]
+    L += [""] + findings_section(sweep, plots)
 
     if plots:
         L += ["## Plots", ""] + [f"![{title}]({path})" for title, path in plots.items()] + [""]
     if sweep.problems:
         L += ["## Cells left out", ""] + [f"- {p}" for p in sweep.problems] + [""]
     return "\n".join(L)
+
+
+# which plot of make_plots (by title) illustrates which claim
+CLAIM_PLOTS = {3: ("Perturbation sensitivity per depth",), 4: ("Residual-stream RMS per layer",),
+               7: ("Cosine similarity of block output and input",)}
+
+
+def findings_section(sweep: Sweep, plots: dict[str, str] | None = None) -> list[str]:
+    """The Markdown lines of the findings section (``## Findings``): one subsection per claim, a
+    summary line and the table of the twelve verdicts. ``plots`` (title -> path relative to the
+    sweep directory, as from :func:`make_plots`) adds the pictures to the claims they illustrate."""
+    from .report import _table
+
+    found, _ = findings(sweep)
+    for item in found:
+        item.plots = {t: (plots or {})[t] for t in CLAIM_PLOTS.get(item.number, ()) if t in (plots or {})}
+    L = ["## Findings", "",
+         "Each claim of the literature (shared CLAIMS.md) as measured by this sweep. Verdict rule: a 95% interval "
+         "on the claimed side -> holds here; on the other side -> does not hold here; across zero or overlapping "
+         "-> not significant; no data -> not tested. Small models on a CPU need not reproduce what large models show.",
+         ""]
+    for item in found:
+        L += item.render()
+    L += ["Summary: " + "; ".join(f"claim {x.number}: {x.verdict}" for x in found) + ".", ""]
+    L += _table(["#", "claim", "verdict", "why"],
+                [[x.number, x.claim, f"**{x.verdict}**", x.why.replace("|", "/")] for x in found]) + [""]
+    return L
+
+
+def write_findings(sweep_dir: str | Path) -> tuple[Path, str]:
+    """Write ``sweep_dir/findings.md`` (the findings section of the report, with its plots under
+    ``sweep_dir/plots``); returns its path and text."""
+    sweep = load_sweep(sweep_dir)
+    text = "\n".join(findings_section(sweep, make_plots(sweep)))
+    target = Path(sweep_dir) / FINDINGS_FILE
+    write_text_atomic(target, text)
+    return target, text
 
 
 def _layer_tables(sweep: Sweep, groups: dict) -> list[str]:
@@ -1075,7 +1314,70 @@ def make_plots(sweep: Sweep) -> dict[str, str]:
                                        f"Residual-stream RMS per layer (mean, 95% interval over {pooled_over})", "RMS",
                                        styles=styles)
         made["Residual-stream RMS per layer"] = str(path.relative_to(sweep.path))
+    cos_series, cos_styles = {}, {}
+    for (p, n, d), cells in pooled.items():
+        width = max((len(c.block_cosine or []) for c in cells), default=0)
+        if not width:
+            continue
+        points = [triple(estimate((c.block_cosine or [])[i] if i < len(c.block_cosine or []) else None
+                                  for c in cells)) for i in range(width)]
+        label = f"{p}/{n}" + (f" L{d}" if len(sweep.depths) > 1 else "")
+        cos_series[label] = ([str(i) for i in range(width)], points)
+        cos_styles[label] = {"color": colours[placements.index(p) % len(colours)],
+                             "linestyle": norm_styles[norms.index(n) % len(norm_styles)]}
+    if cos_series:
+        path = plots.plot_layer_series(cos_series, out_dir / "block_cosine.png",
+                                       "Cosine similarity of each block's output with its input (mean, 95% interval)",
+                                       "cosine similarity", log=False, styles=cos_styles)
+        made["Cosine similarity of block output and input"] = str(path.relative_to(sweep.path))
+    if len(sweep.depths) > 1:
+        path = _plot_perturbation_depth(sweep, out_dir / "perturbation_depth.png")
+        if path is not None:
+            made["Perturbation sensitivity per depth"] = str(path.relative_to(sweep.path))
     return made
+
+
+def _plot_perturbation_depth(sweep: Sweep, out_png: Path) -> Path | None:
+    """Relative logit change (smallest noise level) over depth, one line per placement x norm."""
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import NullLocator
+
+    from .plots import _save
+
+    levels = sorted({lv for c in sweep.cells for lv in c.noise_levels()})
+    if not levels:
+        return None
+    level = levels[0]
+    fig = Figure(figsize=(7, 4.5))
+    ax = fig.add_subplot()
+    drawn = False
+    for p in _placements(sweep):
+        for n in NORM_ORDER + tuple(sorted({c.norm for c in sweep.cells} - set(NORM_ORDER))):
+            xs, mean, err_lo, err_hi = [], [], [], []
+            for d in sweep.depths:
+                e = group_estimate(sweep.select(placement=p, norm=n, depth=d), lambda c: c.logit_change(level))
+                if e.mean is None:
+                    continue
+                xs.append(d)
+                mean.append(e.mean)
+                err_lo.append(e.mean - e.lo if e.has_interval else 0.0)
+                err_hi.append(e.hi - e.mean if e.has_interval else 0.0)
+            if xs:
+                ax.errorbar(xs, mean, yerr=[err_lo, err_hi], marker="o", capsize=3, linewidth=1, markersize=3,
+                            label=f"{p}/{n}")
+                drawn = True
+    if not drawn:
+        return None
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xticks(sweep.depths, [str(d) for d in sweep.depths])
+    ax.set_xlabel("depth (blocks)")
+    ax.set_ylabel(f"relative logit change (noise {level:g})")
+    ax.set_title("Perturbation sensitivity over depth (mean, 95% interval over seeds and warm-ups)", fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, loc="best", ncol=2)
+    return _save(fig, out_png)
 
 
 def write_comparison(sweep_dir: str | Path) -> Path:
