@@ -155,6 +155,9 @@ def _command_line() -> str:
                    "[default: all this onnxruntime lists; unusable ones are reported as not measured]")
 @click.option("--calib-samples", type=int, default=64, show_default=True,
               help="Calibration windows (taken evenly from the calibration range only).")
+@click.option("--exclude", multiple=True,
+              help="Keep matching nodes in FP32 in every recipe (mixed precision); a node name or an fnmatch "
+                   "pattern such as 'head/*' or 'blocks.*.mlp.down/*'. Repeatable.")
 @click.option("--opset", type=int, default=18, show_default=True,
               help="ONNX opset (18: RMSNorm decomposed; 23: native RMSNormalization).")
 @click.option("--opt-level", default="all", show_default=True,
@@ -164,7 +167,7 @@ def _command_line() -> str:
 @click.option("--iters", type=int, default=30, show_default=True, help="Timed runs per latency cell (after warm-up).")
 @click.option("--no-outliers", is_flag=True, help="Skip the activation probe and per-tensor SQNR.")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
-def evaluate(checkpoint, out, recipes, sq_alpha, max_ppl_ratio, search_pick, providers, calib_samples, opset,
+def evaluate(checkpoint, out, recipes, sq_alpha, max_ppl_ratio, search_pick, providers, calib_samples, exclude, opset,
              opt_level, threads, batches, iters, no_outliers, quiet, **flags):
     """Train (or reuse) a model, export it, quantize it with each recipe, measure accuracy and
     latency, and write results.json and report.md into the run directory.
@@ -183,6 +186,7 @@ def evaluate(checkpoint, out, recipes, sq_alpha, max_ppl_ratio, search_pick, pro
         calib_samples=calib_samples, opset=opset, graph_optimization_level=opt_level, threads=threads,
         latency_batches=_int_csv(batches, "--batches"), latency_iters=iters, outliers=not no_outliers,
         progress=not quiet, sq_alpha=sq_alpha, max_ppl_ratio=max_ppl_ratio, search_pick=search_pick,
+        exclude=tuple(exclude),
     )
     if model_path is not None:  # a local Hugging Face checkpoint (quantnorm.hf)
         from .hf.evaluate import evaluate_from_cli

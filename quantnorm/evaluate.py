@@ -27,7 +27,7 @@ from .hardware import cpu_has_vnni, hardware_info
 from .measure.accuracy import compare
 from .measure.latency import bench_grid
 from .measure.sessions import PROVIDERS, SessionSpec, make_session, resolve_providers
-from .quantize import DEFAULT_RECIPES, get_recipe, quantize
+from .quantize import DEFAULT_RECIPES, get_recipe, quantize, with_exclusions
 from .runs import FP32_ONNX_FILE, PLOTS_DIR, RESULTS_FILE, TRAIN_SUMMARY_FILE, RunDir, check_out_dir, int8_onnx_file
 from .smoothquant import SmoothedModels
 from .train import RunConfig, load_model, train
@@ -57,6 +57,7 @@ class EvaluateConfig:
     sq_alpha: float | None = None       # overrides the alpha of SmoothQuant recipes
     max_ppl_ratio: float = 1.01         # the search's target (--recipes auto)
     search_pick: str = "fastest"        # the search's pick: fastest or first passing model
+    exclude: tuple[str, ...] = ()       # node names / fnmatch patterns kept in FP32 by every recipe
 
     def __post_init__(self) -> None:
         if not self.recipes:
@@ -88,6 +89,8 @@ class EvaluateConfig:
         recipe = get_recipe(name)
         if self.sq_alpha is not None and recipe.smoothquant_alpha is not None:
             recipe = replace(recipe, smoothquant_alpha=self.sq_alpha)
+        if self.exclude:  # mixed precision: the variant gets its own name (<recipe>-mixed-<hash>)
+            recipe = with_exclusions(recipe, self.exclude)
         return recipe
 
     def provider_list(self) -> list[str]:
@@ -148,6 +151,7 @@ def evaluate(run_dir: RunDir, cfg: EvaluateConfig, *, command: str) -> dict:
                disable=not cfg.progress, leave=False)
     for name in bar:
         recipe = cfg.recipe(name)
+        name = recipe.name
         bar.set_postfix_str(name)
         with timed(stage_seconds, f"quantize:{name}"):
             source = smoothed.fp32_for(recipe, fp32_path)

@@ -96,3 +96,19 @@ def test_bench_rejects_corrupt_onnx(evaluated, tmp_path, capsys):
     assert main(["bench", str(bad), "--providers", "cpu", "--iters", "1"]) == 2
     err = capsys.readouterr().err.strip()
     assert "truncated.onnx" in err and len(err.splitlines()) == 1
+
+
+def test_exclude_keeps_matching_nodes_in_fp32(evaluated):
+    import onnx
+
+    assert main(["evaluate", "--checkpoint", str(evaluated), *FAST, "--recipes", "static-minmax-matmul",
+                 "--providers", "cpu", "--no-outliers", "--exclude", "head/*"]) == 0
+    results = json.loads((evaluated / "results.json").read_text())
+    (entry,) = results["recipes"]
+    assert entry["name"].startswith("static-minmax-matmul-mixed-") and entry["settings"]["excluded_nodes"]
+    graph = onnx.load(str(evaluated / entry["path"])).graph
+    head = [n for n in graph.node if n.name == "head/MatMul"][0]
+    producers = {o: n.op_type for n in graph.node for o in n.output}
+    assert all(producers.get(i) != "DequantizeLinear" for i in head.input)  # the head stays FP32
+    assert main(["evaluate", "--checkpoint", str(evaluated), *FAST, "--recipes", "dynamic", "--providers", "cpu",
+                 "--no-outliers", "--exclude", "no-such-node*"]) == 2
