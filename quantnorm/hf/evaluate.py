@@ -1,0 +1,361 @@
+"""``quantnorm evaluate --model PATH``: a local Hugging Face checkpoint through the zoo's pipeline.
+
+load (local files only) -> detect placement/norm -> tokenize the corpus splits -> export with the
+parity gate -> quantize with each recipe (``quantnorm.quantize``, calibration windows from the
+calibration range) -> accuracy (token-level for causal LMs, embedding agreement for encoders) ->
+latency -> probe + SQNR -> results.json (same schema, ``model.source = "hf:<path>"``) + report.md.
+
+Recipes that need the zoo's own model class are refused for now with a one-line error:
+``smoothquant`` (folding 1/s into HF's norm classes, including Gemma's ``(1 + w)``, is not
+implemented) and ``auto`` (the search scores with the zoo's byte-level metrics).
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from tqdm import tqdm
+
+from .. import __version__
+from ..data import BUILTIN_PYDOC
+from ..errors import ConfigError, QuantizeError
+from ..fileio import write_json_atomic
+from ..hardware import cpu_has_vnni, hardware_info
+from ..measure.latency import bench_grid
+from ..measure.sessions import SessionSpec, make_session
+from ..quantize import quantize
+from ..runs import FP32_ONNX_FILE, PLOTS_DIR, RESULTS_FILE, check_out_dir, int8_onnx_file
+
+SCHEMA_VERSION = 1
+# Recipes this pipeline cannot run yet (see the module doc): refused when asked for explicitly,
+# left out of the default set.
+UNSUPPORTED_RECIPES = {
+    "auto": "the accuracy-aware search scores with the zoo's byte-level metrics",
+    "smoothquant": "SmoothQuant folding into Hugging Face norm modules is not implemented",
+}
+
+
+@dataclass(frozen=True)
+class HFOptions:
+    """What to load and which text to use; the CLI builds it from --model and friends."""
+
+    path: Path
+    allow_pickle: bool = False
+    corpus: str = BUILTIN_PYDOC
+    window: int = 128                 # tokens per window (--context)
+    max_eval_windows: int | None = 128
+    explicit_recipes: bool = False    # the user named the recipes (vs the default set)
+    out_dir: Path | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "path", Path(self.path))
+        if self.window < 3:
+            raise ConfigError(f"--context (the window in tokens) must be >= 3 for --model, got {self.window}")
+        if self.max_eval_windows is not None and self.max_eval_windows < 2:
+            raise ConfigError(f"evaluation windows must be >= 2, got {self.max_eval_windows}")
+
+
+def default_out_dir(model_path: Path) -> Path:
+    path = Path(model_path).resolve()
+    name = path.parent.name if path.name in ("model", "checkpoint", "") and path.parent.name else path.name
+    return Path("runs") / f"hf-{name}"
+
+
+def select_recipes(cfg, explicit: bool) -> list[str]:
+    """The recipes to run: an unsupported one is an error when named, skipped from the default set."""
+    names = []
+    for name in cfg.recipes:
+        base = name.split(":", 1)[0]
+        recipe_alpha = getattr(_safe_recipe(cfg, name), "smoothquant_alpha", None)
+        reason = UNSUPPORTED_RECIPES.get(base) or (UNSUPPORTED_RECIPES["smoothquant"] if recipe_alpha else None)
+        if reason:
+            if explicit:
+                raise ConfigError(f"recipe {name!r} is not supported with --model yet ({reason}); "
+                                  f"use the static-*/dynamic recipes")
+            continue
+        names.append(name)
+    if not names:
+        raise ConfigError("no recipe left to run with --model: pass --recipes with static-*/dynamic recipes")
+    return names
+
+
+def _safe_recipe(cfg, name: str):
+    try:
+        return cfg.recipe(name) if hasattr(cfg, "recipe") else None
+    except ConfigError:
+        return None
+
+
+def evaluate_hf(opts: HFOptions, cfg, *, command: str) -> tuple[dict, Path]:
+    """Run the whole pipeline on a local checkpoint; write results.json and report.md into the
+    run directory; return (results, run directory). ``cfg`` is the zoo's ``EvaluateConfig``."""
+    import time
+
+    from .data import mlm_windows, prepare_hf_data
+    from .export import export_hf_onnx, make_wrapper, output_names
+    from .loader import load_checkpoint
+    from .metrics import compare_tokens, encoder_compare, encoder_outputs
+    from .report import write_hf_report
+
+    stage_seconds: dict[str, float] = {}
+
+    def timed(stage: str, fn, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            stage_seconds[stage] = round(time.perf_counter() - start, 2)
+
+    recipes = select_recipes(cfg, opts.explicit_recipes)
+    loaded = timed("load", load_checkpoint, opts.path, allow_pickle=opts.allow_pickle)
+    spec, config = loaded.spec, loaded.model.config
+    max_positions = _max_positions(config)
+    data = timed("data", prepare_hf_data, loaded.tokenizer, config, spec.kind, corpus=opts.corpus, window=opts.window,
+                 calib_samples=cfg.calib_samples, max_eval_windows=opts.max_eval_windows, model_path=opts.path,
+                 max_positions=max_positions)
+    run_dir = check_out_dir(opts.out_dir or default_out_dir(opts.path))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(run_dir / PLOTS_DIR, ignore_errors=True)
+
+    wrapper = make_wrapper(loaded)
+    outputs = output_names(spec.kind, loaded.files.mlm_head)
+    fp32_path = run_dir / FP32_ONNX_FILE
+    exported = timed("export", export_hf_onnx, wrapper, fp32_path, data.eval_inputs[: cfg.parity_windows],
+                     outputs=outputs, max_positions=max_positions, opset=cfg.opset)
+    spec_session = SessionSpec(graph_optimization_level=cfg.graph_optimization_level, threads=cfg.threads)
+    fp32_session = make_session(fp32_path, spec_session)
+    vnni = cpu_has_vnni()
+    mlm = mlm_windows(data.eval_inputs, data.special.mask) if loaded.files.mlm_head and data.special.mask is not None \
+        else None
+
+    recipes_out: list[dict] = []
+    int8_paths: dict[str, Path] = {}
+    fp32_reference = None  # encoders: the FP32 outputs, computed once
+    bar = tqdm(recipes, desc="quantize+accuracy", unit="recipe", disable=not cfg.progress, leave=False)
+    for name in bar:
+        recipe = cfg.recipe(name) if hasattr(cfg, "recipe") else _get_recipe(name)
+        name = recipe.name  # with --exclude: the mixed-precision variant's own name
+        bar.set_postfix_str(name)
+        q = timed(f"quantize:{name}", quantize, fp32_path, recipe, data.calib_inputs, run_dir / int8_onnx_file(name),
+                  vnni=vnni, probe_inputs=data.eval_inputs[:2])
+        entry: dict = {"name": name, "status": q.status, "settings": q.settings, "session": spec_session.to_dict()}
+        softmax = softmax_input_quantization(q.path) if q.path is not None and q.path.is_file() else None
+        if softmax is not None:
+            entry["softmax_inputs"] = softmax
+        if q.status == "ok" and q.path is not None:
+            entry["path"] = q.path.name
+            entry["size_bytes"] = q.path.stat().st_size
+            int8_session = make_session(q.path, spec_session)
+            if spec.kind == "causal":
+                acc = timed(f"accuracy:{name}", compare_tokens, fp32_session, int8_session,
+                            data.eval_inputs, data.eval_targets)
+            else:
+                if fp32_reference is None:
+                    fp32_reference = timed("accuracy:fp32", encoder_outputs, fp32_session, data.eval_inputs,
+                                           cfg.eval_batch_size)
+                acc = timed(f"accuracy:{name}", encoder_compare, fp32_reference, int8_session, data.eval_inputs,
+                            batch_size=cfg.eval_batch_size, mlm=mlm, fp32_session=fp32_session)
+            if softmax and softmax["problem"]:
+                # Broken although it runs: record the damage, never as a deployable accuracy.
+                entry["status"] = f"broken: {softmax['problem']}"
+                entry["problems"] = [softmax["problem"], *q.problems]
+                entry["damage"] = acc
+            else:
+                entry["accuracy"] = acc
+                int8_paths[name] = q.path
+        else:
+            entry["problems"] = q.problems
+        recipes_out.append(entry)
+    bar.close()
+    if len(recipes) == 1 and not int8_paths:
+        raise QuantizeError(f"recipe {recipes[0]} produced a broken model: {recipes_out[0]['status']}")
+
+    rows = timed("latency", bench_grid, {"fp32": fp32_path, **int8_paths}, cfg.provider_list(),
+                 list(cfg.latency_batches), data.window, threads=cfg.threads,
+                 graph_optimization_level=cfg.graph_optimization_level, warmup=cfg.latency_warmup,
+                 iters=cfg.latency_iters, progress=cfg.progress)
+
+    results = {
+        "schema_version": SCHEMA_VERSION,
+        "quantnorm_version": __version__,
+        "command": command,
+        "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "hardware": hardware_info(cfg.threads),
+        "model": model_section(loaded, opts, max_positions),
+        "data": data.describe(),
+        "train": {"pretrained": True, "diverged": False, "note": "pretrained checkpoint: not trained by quantnorm"},
+        "export": exported.to_dict(run_dir),
+        "recipes": recipes_out,
+        "latency": [r.to_dict() for r in rows],
+        "file_sizes_bytes": {"fp32": fp32_path.stat().st_size, **{k: p.stat().st_size for k, p in int8_paths.items()}},
+    }
+    skipped = [n for n in cfg.recipes if n not in recipes]
+    if skipped:
+        results["recipes_skipped"] = {n: UNSUPPORTED_RECIPES.get(n.split(":", 1)[0], UNSUPPORTED_RECIPES["smoothquant"])
+                                      for n in skipped}
+    if mlm is not None:
+        results["data"]["mlm"] = {"mask_fraction": 0.15, "seed": 0, "n_scored": int(mlm[1].sum()),
+                                  "rule": "fixed seeded 15% of inner positions replaced by [MASK]"}
+    if cfg.outliers:
+        results.update(timed("outliers", measure_outliers_hf, loaded, run_dir, fp32_path, int8_paths,
+                             data.eval_inputs[: cfg.probe_windows]))
+    results["stage_seconds"] = stage_seconds
+    write_json_atomic(run_dir / RESULTS_FILE, results)
+    write_hf_report(run_dir, results)
+    return results, run_dir
+
+
+SOFTMAX_STEP_LIMIT = 1.0  # nats: a coarser INT8 step on attention scores erases their differences
+
+
+def softmax_input_quantization(int8_path: Path) -> dict:
+    """How the INT8 model quantizes the inputs of its Softmax nodes (the attention scores).
+
+    HF models add their attention mask (``finfo.min`` or -1e4..-1e9) to the scores before the
+    softmax. A recipe that calibrates that tensor (ORT's full op list) gets a range as wide as the
+    mask constant: the scale is finite, so the quantizer's sanity check passes, but the INT8 step
+    is enormous (1.3e36 for ``finfo.min``) and every real score rounds to the same value, so
+    attention becomes uniform. Weight-MatMul recipes never quantize these tensors. Returns
+    ``{"quantized": n, "max_scale": s or None, "tensors": [...], "problem": text or None}``.
+    """
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+
+    graph = onnx.load(str(int8_path)).graph
+    consts = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
+    for node in graph.node:
+        if node.op_type == "Constant":
+            for attr in node.attribute:
+                if attr.name == "value":
+                    consts[node.output[0]] = numpy_helper.to_array(attr.t)
+    producer = {o: n for n in graph.node for o in n.output}
+    quantized = []
+    for node in graph.node:
+        if node.op_type != "Softmax" or not node.input:
+            continue
+        dq = producer.get(node.input[0])
+        if dq is None or dq.op_type != "DequantizeLinear" or len(dq.input) < 2 or dq.input[1] not in consts:
+            continue
+        scale = float(np.max(consts[dq.input[1]]))
+        quantized.append({"softmax": node.name, "tensor": dq.input[0], "scale": scale})
+    worst = max((q["scale"] for q in quantized), default=None)
+    problem = None
+    if worst is not None and worst >= SOFTMAX_STEP_LIMIT:
+        problem = (f"attention scores quantized with an INT8 step of {worst:.3g} (the attention-mask constant was "
+                   f"calibrated into the softmax input): every real score rounds to one value and attention "
+                   f"becomes uniform; the scale is finite, so the generic sanity check passes")
+    return {"quantized": len(quantized), "max_scale": worst, "tensors": quantized[:8], "problem": problem}
+
+
+def _get_recipe(name: str):
+    from ..quantize import get_recipe
+
+    return get_recipe(name)
+
+
+def _max_positions(config) -> int | None:
+    for key in ("max_position_embeddings", "n_positions"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def model_section(loaded, opts: HFOptions, max_positions: int | None) -> dict:
+    """``results["model"]``: the zoo's keys where they have a meaning, plus what was detected."""
+    config, spec, files = loaded.model.config, loaded.spec, loaded.files
+    d_model = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
+    return {
+        "source": f"hf:{opts.path}",
+        "architecture": spec.model_type,
+        "architectures": list(files.config.get("architectures") or []),
+        "model_class": type(loaded.model).__name__,
+        **spec.describe(),
+        "detected_from": "config.json model_type (quantnorm.hf.loader.ARCHITECTURES)",
+        "placement_check": loaded.placement_check,
+        "n_layers": len(loaded.layers),
+        "d_model": d_model,
+        "n_heads": getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None),
+        "context": max_positions,
+        "vocab_size": getattr(config, "vocab_size", None),
+        "n_params": int(loaded.n_params()),
+        "weights": files.weights,
+        "mlm_head": files.mlm_head,
+        "pooling": files.pooling if spec.kind == "encoder" else None,
+        "dtype": "float32",
+        "attn_implementation": "eager",
+    }
+
+
+def measure_outliers_hf(loaded, run_dir: Path, fp32_path: Path, int8_paths: dict[str, Path], inputs) -> dict:
+    """The ``outliers``, ``sqnr`` and ``sqnr_summary`` sections, and the heat map of the layer with
+    the largest max/median ratio (as the zoo's ``evaluate.measure_outliers``)."""
+    from ..measure.latency import quant_format
+    from ..measure.sqnr import activation_sqnr, matmul_input_modules, onnx_tensor_stats, sqnr_summary
+    from ..plots import plot_activation_heatmap
+    from .probe import heatmap_layer, probe_hf
+
+    report, first_window = probe_hf(loaded, inputs)
+    matmul_inputs = matmul_input_modules(fp32_path, loaded.model)
+    sqnr_inputs = inputs[:8]
+    sqnr: dict[str, list[dict]] = {}
+    summaries: dict[str, dict] = {}
+    for name, path in int8_paths.items():
+        if quant_format(path) != "qdq":
+            continue
+        rows = activation_sqnr(fp32_path, path, sqnr_inputs)
+        stats = onnx_tensor_stats(fp32_path, [r["tensor"] for r in rows], sqnr_inputs)
+        for row in rows:
+            figures = stats.get(row["tensor"], {})
+            row.update(modules=matmul_inputs.get(row["tensor"], []),
+                       **{k: figures.get(k) for k in ("ratio", "kurtosis", "inf_norm")})
+        sqnr[name] = rows
+        summaries[name] = sqnr_summary(rows, stats, tensors=matmul_inputs)
+    layer = heatmap_layer(report["residual"])
+    if layer in first_window:
+        plot_activation_heatmap(first_window[layer], run_dir / PLOTS_DIR / "heatmap.png",
+                                f"|a| of the residual stream after layer {layer} (first evaluation window)")
+        report["heatmap_layer"] = layer
+    return {"outliers": report, "sqnr": sqnr, "sqnr_summary": summaries}
+
+
+def evaluate_from_cli(model_path: Path, cfg, flags: dict, *, checkpoint, out, allow_pickle: bool, recipes_given: bool,
+                      command: str) -> str:
+    """The ``evaluate --model`` branch of the CLI: check the flag combination, run, summarize."""
+    if checkpoint is not None:
+        raise ConfigError("give either --model (a Hugging Face checkpoint) or --checkpoint (a trained run), not both")
+    if flags.get("placement") is not None or flags.get("norm") is not None:
+        raise ConfigError("--placement/--norm are detected from the checkpoint with --model; leave them out")
+    opts = HFOptions(path=Path(model_path), allow_pickle=allow_pickle, corpus=flags.get("corpus") or BUILTIN_PYDOC,
+                     window=int(flags.get("context") or 128), explicit_recipes=recipes_given, out_dir=out)
+    results, run_dir = evaluate_hf(opts, cfg, command=command)
+    return summary_lines_hf(results, run_dir)
+
+
+def summary_lines_hf(results: dict, run_dir: Path) -> str:
+    m = results["model"]
+    check = "verified" if m.get("placement_check", {}).get("verified") else "NOT verified"
+    lines = [f"{run_dir}: results.json and report.md written",
+             f"  {m['architecture']}: {m['placement']}/{m['norm']} ({check}), {m['n_params']:,} parameters"]
+    for r in results["recipes"]:
+        a = r.get("accuracy")
+        if not a:
+            lines.append(f"  {r['name']:<34} {r['status']}")
+        elif "cosine_mean" in a:
+            nn = a.get("nn_agreement")
+            lines.append(f"  {r['name']:<34} cosine mean {a['cosine_mean']:.5f}  p1 {a['cosine_p1']:.5f}  "
+                         f"NN agreement {'–' if nn is None else f'{100 * nn:.1f}%'}"
+                         + (f"  MLM PPL ratio {a['ppl_ratio']:.4f}" if a.get("mlm") else ""))
+        else:
+            lines.append(f"  {r['name']:<34} PPL ratio {a['ppl_ratio']:.4f}  KL mean {a['kld_mean']:.2e}  "
+                         f"top-1 {100 * a['top1_agreement']:.2f}% (token-level)")
+    o = results.get("outliers")
+    if o and o.get("summary", {}).get("largest_ratio"):
+        lr = o["summary"]["largest_ratio"]
+        lines.append(f"  largest residual max/median {lr['ratio']:.1f} at layer {lr['layer']}; massive entries: "
+                     f"{o.get('massive_total', 0)}")
+    return "\n".join(lines)

