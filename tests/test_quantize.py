@@ -210,8 +210,9 @@ def test_argument_and_ort_errors(tmp_path_factory, tmp_path):
 class InfMaskedAttention(nn.Module):
     """One attention layer with the usual masked_fill(-inf) before Softmax: the trap."""
 
-    def __init__(self, d: int = 16):
+    def __init__(self, d: int = 16, fill: float = float("-inf")):
         super().__init__()
+        self.fill = fill
         self.cfg = types.SimpleNamespace(context=CONTEXT, vocab_size=257)  # what export_onnx reads
         self.emb = nn.Embedding(257, d)
         self.q, self.k, self.v = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
@@ -222,7 +223,7 @@ class InfMaskedAttention(nn.Module):
         x = self.emb(input_ids)
         t = input_ids.shape[1]
         scores = (self.q(x) @ self.k(x).transpose(-2, -1)) * 0.25
-        scores = scores.masked_fill(self.future[:t, :t], float("-inf"))
+        scores = scores.masked_fill(self.future[:t, :t], self.fill)
         return self.head(torch.softmax(scores, dim=-1) @ self.v(x))
 
 
@@ -245,6 +246,19 @@ def test_inf_mask_is_reported_broken_not_crashed(tmp_path):
     assert result.path is None and not (tmp_path / "entropy-all.onnx").exists()
 
     # The fix: weight MatMuls only; the scores never get a quantizer.
+    result = quantize(fp32, get_recipe("static-minmax-matmul"), CALIB, tmp_path / "mm.onnx", vnni=True,
+                      probe_inputs=PROBE)
+    assert result.status == "ok", result.problems
+
+
+def test_finite_mask_constant_in_a_softmax_input_is_reported_broken(tmp_path):
+    """A finite mask (here finfo.min, as Hugging Face uses) keeps every scale finite, yet the
+    softmax input gets an enormous INT8 step: the sanity check must still call it broken."""
+    torch.manual_seed(0)
+    fp32 = export_onnx(InfMaskedAttention(fill=torch.finfo(torch.float32).min), tmp_path / "fmin.onnx", PROBE).path
+    result = quantize(fp32, get_recipe("static-minmax-all"), CALIB, tmp_path / "all.onnx", vnni=True,
+                      probe_inputs=PROBE)
+    assert result.status.startswith("broken: attention scores quantized"), result.status
     result = quantize(fp32, get_recipe("static-minmax-matmul"), CALIB, tmp_path / "mm.onnx", vnni=True,
                       probe_inputs=PROBE)
     assert result.status == "ok", result.problems

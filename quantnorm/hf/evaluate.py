@@ -145,7 +145,9 @@ def evaluate_hf(opts: HFOptions, cfg, *, command: str) -> tuple[dict, Path]:
         softmax = softmax_input_quantization(q.path) if q.path is not None and q.path.is_file() else None
         if softmax is not None:
             entry["softmax_inputs"] = softmax
-        if q.status == "ok" and q.path is not None:
+        # A model broken only by its calibrated mask still runs: measure its damage too.
+        runs_anyway = bool(softmax and softmax["problem"])
+        if (q.status == "ok" or runs_anyway) and q.path is not None:
             entry["path"] = q.path.name
             entry["size_bytes"] = q.path.stat().st_size
             int8_session = make_session(q.path, spec_session)
@@ -158,10 +160,9 @@ def evaluate_hf(opts: HFOptions, cfg, *, command: str) -> tuple[dict, Path]:
                                            cfg.eval_batch_size)
                 acc = timed(f"accuracy:{name}", encoder_compare, fp32_reference, int8_session, data.eval_inputs,
                             batch_size=cfg.eval_batch_size, mlm=mlm, fp32_session=fp32_session)
-            if softmax and softmax["problem"]:
+            if q.status != "ok":
                 # Broken although it runs: record the damage, never as a deployable accuracy.
-                entry["status"] = f"broken: {softmax['problem']}"
-                entry["problems"] = [softmax["problem"], *q.problems]
+                entry["problems"] = q.problems
                 entry["damage"] = acc
             else:
                 entry["accuracy"] = acc
@@ -208,47 +209,18 @@ def evaluate_hf(opts: HFOptions, cfg, *, command: str) -> tuple[dict, Path]:
     return results, run_dir
 
 
-SOFTMAX_STEP_LIMIT = 1.0  # nats: a coarser INT8 step on attention scores erases their differences
-
-
 def softmax_input_quantization(int8_path: Path) -> dict:
-    """How the INT8 model quantizes the inputs of its Softmax nodes (the attention scores).
-
-    HF models add their attention mask (``finfo.min`` or -1e4..-1e9) to the scores before the
-    softmax. A recipe that calibrates that tensor (ORT's full op list) gets a range as wide as the
-    mask constant: the scale is finite, so the quantizer's sanity check passes, but the INT8 step
-    is enormous (1.3e36 for ``finfo.min``) and every real score rounds to the same value, so
-    attention becomes uniform. Weight-MatMul recipes never quantize these tensors. Returns
-    ``{"quantized": n, "max_scale": s or None, "tensors": [...], "problem": text or None}``.
-    """
-    import numpy as np
+    """How the INT8 model quantizes its Softmax inputs (the attention scores, where HF models add
+    their mask): ``{"quantized": n, "max_scale": s or None, "tensors": [...], "problem": text or None}``."""
     import onnx
-    from onnx import numpy_helper
 
-    graph = onnx.load(str(int8_path)).graph
-    consts = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
-    for node in graph.node:
-        if node.op_type == "Constant":
-            for attr in node.attribute:
-                if attr.name == "value":
-                    consts[node.output[0]] = numpy_helper.to_array(attr.t)
-    producer = {o: n for n in graph.node for o in n.output}
-    quantized = []
-    for node in graph.node:
-        if node.op_type != "Softmax" or not node.input:
-            continue
-        dq = producer.get(node.input[0])
-        if dq is None or dq.op_type != "DequantizeLinear" or len(dq.input) < 2 or dq.input[1] not in consts:
-            continue
-        scale = float(np.max(consts[dq.input[1]]))
-        quantized.append({"softmax": node.name, "tensor": dq.input[0], "scale": scale})
-    worst = max((q["scale"] for q in quantized), default=None)
-    problem = None
-    if worst is not None and worst >= SOFTMAX_STEP_LIMIT:
-        problem = (f"attention scores quantized with an INT8 step of {worst:.3g} (the attention-mask constant was "
-                   f"calibrated into the softmax input): every real score rounds to one value and attention "
-                   f"becomes uniform; the scale is finite, so the generic sanity check passes")
-    return {"quantized": len(quantized), "max_scale": worst, "tensors": quantized[:8], "problem": problem}
+    from ..quantize.sanity import check_softmax_inputs, softmax_input_scales
+
+    model = onnx.load(str(int8_path))
+    quantized = softmax_input_scales(model)
+    problems = check_softmax_inputs(model)
+    return {"quantized": len(quantized), "max_scale": max((q["scale"] for q in quantized), default=None),
+            "tensors": quantized[:8], "problem": problems[0] if problems else None}
 
 
 def _get_recipe(name: str):

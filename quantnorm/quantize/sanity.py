@@ -32,8 +32,43 @@ def sanity_check(model_path: Path, probe_inputs: np.ndarray) -> list[str]:
     except Exception as exc:  # noqa: BLE001 - a file that does not load is a finding, not a crash
         return [f"cannot read the ONNX file {model_path}: {exc}"]
     problems = check_quant_params(model)
+    problems += check_softmax_inputs(model)
     problems += check_runs(model_path, probe_inputs)
     return problems
+
+
+# A coarser INT8 step (in logits) on attention scores erases their differences.
+SOFTMAX_STEP_LIMIT = 1.0
+
+
+def softmax_input_scales(model: onnx.ModelProto) -> list[dict]:
+    """Each Softmax whose input comes out of a DequantizeLinear, with that tensor's largest scale."""
+    graph = model.graph
+    consts = _constant_tensors(graph)
+    producer = {o: n for n in graph.node for o in n.output}
+    found = []
+    for node in graph.node:
+        if node.op_type != "Softmax" or not node.input:
+            continue
+        dq = producer.get(node.input[0])
+        if dq is None or dq.op_type != "DequantizeLinear" or len(dq.input) < 2 or dq.input[1] not in consts:
+            continue
+        found.append({"softmax": node.name, "tensor": dq.input[0], "scale": float(np.max(consts[dq.input[1]]))})
+    return found
+
+
+def check_softmax_inputs(model: onnx.ModelProto) -> list[str]:
+    """A finite attention-mask constant (-1e4 .. finfo.min) calibrated into a softmax input.
+
+    The scale stays finite, so ``check_quant_params`` passes, but the INT8 step is huge (1.3e36
+    for finfo.min): every real score rounds to one value and attention becomes uniform. Our zoo
+    masks by multiplication and never has such a tensor; Hugging Face models add their mask.
+    """
+    worst = max((q["scale"] for q in softmax_input_scales(model)), default=None)
+    if worst is None or worst < SOFTMAX_STEP_LIMIT:
+        return []
+    return [f"attention scores quantized with an INT8 step of {worst:.3g} (an attention-mask constant was "
+            f"calibrated into a softmax input): every real score rounds to one value and attention becomes uniform"]
 
 
 def check_quant_params(model: onnx.ModelProto) -> list[str]:
