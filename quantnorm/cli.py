@@ -148,6 +148,9 @@ def _command_line() -> str:
               help="SmoothQuant migration strength alpha in [0, 1] for the smoothquant recipe. [default: 0.5]")
 @click.option("--max-ppl-ratio", type=float, default=1.01, show_default=True,
               help="--recipes auto: the target INT8/FP32 perplexity ratio the search must reach.")
+@click.option("--min-top1", type=float, default=None,
+              help="With --recipes auto: a model passes only if its top-1 agreement with FP32 is at least this "
+                   "(e.g. 0.99). [default: not required]")
 @click.option("--search-pick", type=click.Choice(["fastest", "first"]), default="fastest", show_default=True,
               help="--recipes auto: keep the fastest passing model (CPU p50, batch 8) or the first one found.")
 @click.option("--providers", default=None,
@@ -167,7 +170,7 @@ def _command_line() -> str:
 @click.option("--iters", type=int, default=30, show_default=True, help="Timed runs per latency cell (after warm-up).")
 @click.option("--no-outliers", is_flag=True, help="Skip the activation probe and per-tensor SQNR.")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
-def evaluate(checkpoint, out, recipes, sq_alpha, max_ppl_ratio, search_pick, providers, calib_samples, exclude, opset,
+def evaluate(checkpoint, out, recipes, sq_alpha, max_ppl_ratio, min_top1, search_pick, providers, calib_samples, exclude, opset,
              opt_level, threads, batches, iters, no_outliers, quiet, **flags):
     """Train (or reuse) a model, export it, quantize it with each recipe, measure accuracy and
     latency, and write results.json and report.md into the run directory.
@@ -185,7 +188,7 @@ def evaluate(checkpoint, out, recipes, sq_alpha, max_ppl_ratio, search_pick, pro
         providers=tuple(_csv(providers)) if providers else None,
         calib_samples=calib_samples, opset=opset, graph_optimization_level=opt_level, threads=threads,
         latency_batches=_int_csv(batches, "--batches"), latency_iters=iters, outliers=not no_outliers,
-        progress=not quiet, sq_alpha=sq_alpha, max_ppl_ratio=max_ppl_ratio, search_pick=search_pick,
+        progress=not quiet, sq_alpha=sq_alpha, max_ppl_ratio=max_ppl_ratio, min_top1=min_top1, search_pick=search_pick,
         exclude=tuple(exclude),
     )
     if model_path is not None:  # a local Hugging Face checkpoint (quantnorm.hf)

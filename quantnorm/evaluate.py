@@ -56,6 +56,7 @@ class EvaluateConfig:
     progress: bool = True
     sq_alpha: float | None = None       # overrides the alpha of SmoothQuant recipes
     max_ppl_ratio: float = 1.01         # the search's target (--recipes auto)
+    min_top1: float | None = None       # the search's optional top-1 agreement floor
     search_pick: str = "fastest"        # the search's pick: fastest or first passing model
     exclude: tuple[str, ...] = ()       # node names / fnmatch patterns kept in FP32 by every recipe
 
@@ -79,8 +80,8 @@ class EvaluateConfig:
     def search_config(self):
         from .search import SearchConfig
 
-        return SearchConfig(max_ppl_ratio=self.max_ppl_ratio, pick=self.search_pick, sq_alpha=self.sq_alpha,
-                            latency_iters=min(self.latency_iters, 10))
+        return SearchConfig(max_ppl_ratio=self.max_ppl_ratio, min_top1=self.min_top1, pick=self.search_pick,
+                            sq_alpha=self.sq_alpha, latency_iters=min(self.latency_iters, 10))
 
     def recipe(self, name: str):
         """The registry recipe, with --sq-alpha applied to SmoothQuant recipes."""

@@ -130,6 +130,7 @@ def _quiet_inc() -> Iterator[None]:
 @dataclass(frozen=True)
 class SearchConfig:
     max_ppl_ratio: float = DEFAULT_MAX_PPL_RATIO
+    min_top1: float | None = None             # also require this top-1 agreement (None: PPL ratio only)
     pick: str = "fastest"                     # "fastest" or "first"
     max_trials: int | None = None             # None: the whole space and the whole fallback
     space: tuple[str, ...] | None = None      # recipe names; None: default_space()
@@ -144,6 +145,8 @@ class SearchConfig:
     def __post_init__(self) -> None:
         if not (self.max_ppl_ratio > 0 and math.isfinite(self.max_ppl_ratio)):
             raise ConfigError(f"--max-ppl-ratio must be a finite number > 0, got {self.max_ppl_ratio}")
+        if self.min_top1 is not None and not 0.0 <= self.min_top1 <= 1.0:
+            raise ConfigError(f"--min-top1 must be in [0, 1], got {self.min_top1}")
         if self.pick not in PICKS:
             raise ConfigError(f"search pick must be one of {', '.join(PICKS)}, got {self.pick!r}")
         if self.max_trials is not None and self.max_trials < 1:
@@ -205,6 +208,7 @@ class Trial:
 @dataclass(frozen=True)
 class SearchResult:
     target_max_ppl_ratio: float
+    target_min_top1: float | None
     tolerable_loss: float
     pick: str
     max_trials: int | None
@@ -224,6 +228,7 @@ class SearchResult:
         return {
             "status": self.status,
             "target_max_ppl_ratio": self.target_max_ppl_ratio,
+            "target_min_top1": self.target_min_top1,
             "metric": "1/ppl_ratio (higher is better; FP32 baseline 1)",
             "tolerable_loss": self.tolerable_loss,
             "pick": self.pick, "max_trials": self.max_trials, "eval_windows": self.eval_windows,
@@ -276,10 +281,14 @@ class _Runner:
             else:
                 acc = compare(self.fp32_session, make_session(q.path, self.spec), self.eval_inputs, self.eval_targets)
                 latency = self.latency_fn(q.path, recipe.name)
-                metric = 1.0 / acc.ppl_ratio if acc.ppl_ratio > 0 else 0.0
+                top1_ok = self.cfg.min_top1 is None or acc.top1_agreement >= self.cfg.min_top1
+                # A trial below the top-1 floor scores 0, so INC's own pass rule (metric vs
+                # tolerable_loss) and ours agree: both targets must hold.
+                metric = 1.0 / acc.ppl_ratio if acc.ppl_ratio > 0 and top1_ok else 0.0
                 trial = Trial(**common, status="ok", settings=q.settings, ppl_ratio=acc.ppl_ratio,
                               kld_mean=acc.kld_mean, top1_agreement=acc.top1_agreement, latency_p50_ms=latency,
-                              metric=metric, passed=acc.ppl_ratio <= self.cfg.max_ppl_ratio, path=q.path)
+                              metric=metric, passed=acc.ppl_ratio <= self.cfg.max_ppl_ratio and top1_ok,
+                              path=q.path)
         except QuantnormError as exc:  # quantize, measure, export (smoothing) or config
             # One recipe failing is a finding of the search, not the end of it.
             trial = Trial(**common, status=f"error: {exc}")
@@ -359,7 +368,7 @@ def search_recipes(fp32_path: Path, work_dir: Path, calib_inputs: np.ndarray, ev
     ok = [t for t in trials if t.status == "ok"]
     best = max(ok, key=lambda t: (t.metric, -t.index)) if ok else None
     return SearchResult(
-        target_max_ppl_ratio=cfg.max_ppl_ratio, tolerable_loss=cfg.tolerable_loss, pick=cfg.pick,
+        target_max_ppl_ratio=cfg.max_ppl_ratio, target_min_top1=cfg.min_top1, tolerable_loss=cfg.tolerable_loss, pick=cfg.pick,
         max_trials=cfg.max_trials, eval_windows=int(len(inputs)), trials=trials, chosen=chosen, best=best,
         stopped_by=stopped_by, worst_tensors=tuple(worst), skipped=tuple(skipped),
     )

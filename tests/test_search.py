@@ -165,3 +165,18 @@ def test_evaluate_wiring_keeps_the_chosen_model_as_auto_entry(lm, tmp_path):
     assert section["folded"] and section["explicit_scale"] and section["fp32_latency"]["batch"] == 8
     assert section["fp32_latency_ratio"] > 0 and "statement" in section
     json.dumps(search), json.dumps(section)
+
+
+def test_min_top1_is_a_second_target(lm, tmp_path):
+    """A generous PPL target still fails a trial whose top-1 agreement is below the floor: the
+    search goes on to the per-tensor fallback instead of stopping at the first recipe."""
+    loose = run(lm, tmp_path / "a", SearchConfig(max_ppl_ratio=10.0, pick="first", space=("static-minmax-matmul",)))
+    top1 = loose.trials[0].top1_agreement
+    assert loose.trials[0].passed and top1 < 1.0
+    strict = run(lm, tmp_path / "b", SearchConfig(max_ppl_ratio=10.0, min_top1=1.0, pick="first",
+                                                   space=("static-minmax-matmul",)))
+    first = strict.trials[0]
+    assert first.top1_agreement == pytest.approx(top1) and not first.passed and first.metric == 0.0
+    assert len(strict.trials) > 1 and strict.trials[1].phase == "fallback"
+    with pytest.raises(ConfigError):
+        SearchConfig(min_top1=1.5)
