@@ -228,29 +228,14 @@ def measure_outliers(model, run_dir: RunDir, fp32_path: Path, int8_paths: dict[s
     the inputs of weight MatMuls (attention probabilities are mostly exact zeros from the causal
     mask, so their max/median ratios are meaningless and would swamp the correlation).
     """
-    from .measure.latency import quant_format
     from .measure.outliers import heatmap_for_layer, largest_ratio_layer, probe
-    from .measure.sqnr import activation_sqnr, matmul_input_modules, onnx_tensor_stats, sqnr_summary
+    from .measure.sqnr import matmul_input_modules, sqnr_sections
     from .plots import plot_activation_heatmap
 
     report = probe(model, inputs).to_dict()
     matmul_inputs = matmul_input_modules(fp32_path, model)
     sqnr_inputs = inputs[:8]
-    sqnr: dict[str, list[dict]] = {}
-    summaries: dict[str, dict] = {}
-    for name, path in int8_paths.items():
-        if quant_format(path) != "qdq":  # SQNR pairs exist only in QDQ (static) models
-            continue
-        # A SmoothQuant model is compared with the smoothed FP32 model it was quantized from.
-        source = (fp32_sources or {}).get(name, fp32_path)
-        rows = activation_sqnr(source, path, sqnr_inputs)
-        stats = onnx_tensor_stats(source, [r["tensor"] for r in rows], sqnr_inputs)
-        for row in rows:
-            figures = stats.get(row["tensor"], {})
-            row.update(modules=matmul_inputs.get(row["tensor"], []),
-                       **{k: figures.get(k) for k in ("ratio", "kurtosis", "inf_norm")})
-        sqnr[name] = rows
-        summaries[name] = sqnr_summary(rows, stats, tensors=matmul_inputs)
+    sqnr, summaries = sqnr_sections(fp32_path, int8_paths, sqnr_inputs, matmul_inputs, fp32_sources)
     layer = largest_ratio_layer(report["residual"])
     plot_activation_heatmap(heatmap_for_layer(model, inputs[:1], layer), run_dir.file(PLOTS_DIR) / "heatmap.png",
                             f"|a| of the residual stream at layer {layer} (first evaluation window)")

@@ -51,6 +51,15 @@ def _short_provider(provider: str) -> str:
     return provider.replace("ExecutionProvider", "")
 
 
+def hardware_section(hw: dict) -> list[str]:
+    return ["## Hardware and versions", ""] + _table(["what", "value"], [
+        ["CPU", hw.get("cpu")], ["ISA flags", ", ".join(hw.get("cpu_flags", []))], ["VNNI", hw.get("vnni")],
+        ["threads", hw.get("threads") or "ORT default"], ["GPU", hw.get("gpu") or "none"],
+        ["providers available", ", ".join(hw.get("providers_available", []))],
+        ["onnxruntime / torch / onnx", f"{hw.get('onnxruntime')} / {hw.get('torch')} / {hw.get('onnx')}"],
+    ])
+
+
 def warnings_for(results: dict) -> list[str]:
     out: list[str] = []
     hw = results.get("hardware", {})
@@ -78,13 +87,7 @@ def render(results: dict, plots: dict[str, str]) -> str:
     L: list[str] = [f"# quantnorm report: {model['placement']}/{model['norm']}", ""]
     L += [f"Reproduce: `{results['command']}`  ", f"Created {results['created']} by quantnorm "
           f"{results['quantnorm_version']} (results.json schema {results['schema_version']}).", ""]
-    L += ["## Hardware and versions", ""]
-    L += _table(["what", "value"], [
-        ["CPU", hw.get("cpu")], ["ISA flags", ", ".join(hw.get("cpu_flags", []))], ["VNNI", hw.get("vnni")],
-        ["threads", hw.get("threads") or "ORT default"], ["GPU", hw.get("gpu") or "none"],
-        ["providers available", ", ".join(hw.get("providers_available", []))],
-        ["onnxruntime / torch / onnx", f"{hw.get('onnxruntime')} / {hw.get('torch')} / {hw.get('onnx')}"],
-    ])
+    L += hardware_section(hw)
     L += ["", "## Model and data", ""]
     L += _table(["what", "value"], [
         ["placement / norm", f"{model['placement']} / {model['norm']}"],

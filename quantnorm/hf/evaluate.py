@@ -266,27 +266,14 @@ def model_section(loaded, opts: HFOptions, max_positions: int | None) -> dict:
 def measure_outliers_hf(loaded, run_dir: Path, fp32_path: Path, int8_paths: dict[str, Path], inputs) -> dict:
     """The ``outliers``, ``sqnr`` and ``sqnr_summary`` sections, and the heat map of the layer with
     the largest max/median ratio (as the zoo's ``evaluate.measure_outliers``)."""
-    from ..measure.latency import quant_format
-    from ..measure.sqnr import activation_sqnr, matmul_input_modules, onnx_tensor_stats, sqnr_summary
+    from ..measure.sqnr import matmul_input_modules, sqnr_sections
     from ..plots import plot_activation_heatmap
     from .probe import heatmap_layer, probe_hf
 
     report, first_window = probe_hf(loaded, inputs)
     matmul_inputs = matmul_input_modules(fp32_path, loaded.model)
     sqnr_inputs = inputs[:8]
-    sqnr: dict[str, list[dict]] = {}
-    summaries: dict[str, dict] = {}
-    for name, path in int8_paths.items():
-        if quant_format(path) != "qdq":
-            continue
-        rows = activation_sqnr(fp32_path, path, sqnr_inputs)
-        stats = onnx_tensor_stats(fp32_path, [r["tensor"] for r in rows], sqnr_inputs)
-        for row in rows:
-            figures = stats.get(row["tensor"], {})
-            row.update(modules=matmul_inputs.get(row["tensor"], []),
-                       **{k: figures.get(k) for k in ("ratio", "kurtosis", "inf_norm")})
-        sqnr[name] = rows
-        summaries[name] = sqnr_summary(rows, stats, tensors=matmul_inputs)
+    sqnr, summaries = sqnr_sections(fp32_path, int8_paths, sqnr_inputs, matmul_inputs)
     layer = heatmap_layer(report["residual"])
     if layer in first_window:
         plot_activation_heatmap(first_window[layer], run_dir / PLOTS_DIR / "heatmap.png",

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..fileio import write_text_atomic
-from ..report import _fmt, _table, latency_section, warnings_for
+from ..report import _fmt, _table, hardware_section, latency_section, warnings_for
 from ..runs import PLOTS_DIR, REPORT_FILE
 
 
@@ -31,13 +31,7 @@ def render_hf(results: dict, plots: dict[str, str]) -> str:
     L = [f"# quantnorm report: {model['source']} ({model['architecture']}, {model['placement']}/{model['norm']})", ""]
     L += [f"Reproduce: `{results['command']}`  ", f"Created {results['created']} by quantnorm "
           f"{results['quantnorm_version']} (results.json schema {results['schema_version']}).", ""]
-    L += ["## Hardware and versions", ""]
-    L += _table(["what", "value"], [
-        ["CPU", hw.get("cpu")], ["ISA flags", ", ".join(hw.get("cpu_flags", []))], ["VNNI", hw.get("vnni")],
-        ["threads", hw.get("threads") or "ORT default"], ["GPU", hw.get("gpu") or "none"],
-        ["providers available", ", ".join(hw.get("providers_available", []))],
-        ["onnxruntime / torch / onnx", f"{hw.get('onnxruntime')} / {hw.get('torch')} / {hw.get('onnx')}"],
-    ])
+    L += hardware_section(hw)
     check = model.get("placement_check", {})
     verified = "verified on block 0" if check.get("verified") else f"NOT verified ({check.get('reason', 'mismatch')})"
     L += ["", "## Model (pretrained checkpoint, detected)", ""]

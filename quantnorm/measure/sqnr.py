@@ -296,3 +296,31 @@ def sqnr_summary(sqnr_rows: list[dict], tensor_stats: dict[str, dict], worst: in
         "n_tensors": sum(1 for r in joined if r["sqnr_db"] is not None and r["ratio"] is not None),
         "worst": ranked[:worst],
     }
+
+
+def sqnr_sections(fp32_path: Path, int8_paths: dict[str, Path], inputs: np.ndarray,
+                  matmul_inputs: dict[str, list[str]], fp32_sources: dict[str, Path] | None = None
+                  ) -> tuple[dict[str, list[dict]], dict[str, dict]]:
+    """results.json's ``sqnr`` (rows per QDQ model, each labelled with the modules it feeds and its
+    FP32 outlier figures) and ``sqnr_summary`` (correlations over weight-MatMul inputs).
+
+    A model quantized from another FP32 model (SmoothQuant) is compared with that model
+    (``fp32_sources``); dynamic (QOperator) models have no QDQ pairs and are skipped.
+    """
+    from .latency import quant_format
+
+    sqnr: dict[str, list[dict]] = {}
+    summaries: dict[str, dict] = {}
+    for name, path in int8_paths.items():
+        if quant_format(path) != "qdq":
+            continue
+        source = (fp32_sources or {}).get(name, fp32_path)
+        rows = activation_sqnr(source, path, inputs)
+        stats = onnx_tensor_stats(source, [r["tensor"] for r in rows], inputs)
+        for row in rows:
+            figures = stats.get(row["tensor"], {})
+            row.update(modules=matmul_inputs.get(row["tensor"], []),
+                       **{k: figures.get(k) for k in ("ratio", "kurtosis", "inf_norm")})
+        sqnr[name] = rows
+        summaries[name] = sqnr_summary(rows, stats, tensors=matmul_inputs)
+    return sqnr, summaries
