@@ -137,7 +137,13 @@ def render(results: dict, plots: dict[str, str]) -> str:
         L += search_section(results["search"])
     if "diagnostics" in results:
         L += diagnostics_section(results["diagnostics"])
-    warn = warnings_for(results)
+    L += closing_sections(results, warnings_for(results), plots)
+    return "\n".join(L) + "\n"
+
+
+def closing_sections(results: dict, warn: list[str], plots: dict[str, str]) -> list[str]:
+    """Warnings, plots and where the time went: the end of every run report."""
+    L: list[str] = []
     if warn:
         L += ["", "## Warnings", ""] + [f"- {w}" for w in warn]
     if plots:
@@ -145,7 +151,7 @@ def render(results: dict, plots: dict[str, str]) -> str:
     if "stage_seconds" in results:
         L += ["", "## Where the time went", "",
               ", ".join(f"{k} {v:.1f} s" for k, v in results["stage_seconds"].items()) + "."]
-    return "\n".join(L) + "\n"
+    return L
 
 
 def latency_section(results: dict) -> list[str]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..fileio import write_text_atomic
-from ..report import _fmt, _table, hardware_section, latency_section, warnings_for
+from ..report import _fmt, _table, closing_sections, hardware_section, latency_section, warnings_for
 from ..runs import PLOTS_DIR, REPORT_FILE
 
 
@@ -85,13 +85,7 @@ def render_hf(results: dict, plots: dict[str, str]) -> str:
     warn = warnings_for(results)
     if not check.get("verified", True):
         warn.insert(0, f"The detected placement did not pass its check on this checkpoint: {check}.")
-    if warn:
-        L += ["", "## Warnings", ""] + [f"- {w}" for w in warn]
-    if plots:
-        L += ["", "## Plots", ""] + [f"![{title}]({path})" for title, path in plots.items()]
-    if "stage_seconds" in results:
-        L += ["", "## Where the time went", "",
-              ", ".join(f"{k} {v:.1f} s" for k, v in results["stage_seconds"].items()) + "."]
+    L += closing_sections(results, warn, plots)
     return "\n".join(L) + "\n"
 
 
