@@ -262,7 +262,8 @@ def make_plots(run_dir: Path, results: dict) -> dict[str, str]:
 
     out_dir = run_dir / PLOTS_DIR
     made: dict[str, str] = {}
-    ok = [r for r in results["recipes"] if r.get("accuracy")]
+    # encoders (Hugging Face) have accuracy without a perplexity ratio: nothing to plot there
+    ok = [r for r in results["recipes"] if r.get("accuracy", {}).get("ppl_ratio") is not None]
     if ok:
         path = plots.plot_recipe_tradeoff(ok, results.get("latency", []), out_dir / "recipes.png",
                                           "INT8 recipes: accuracy vs latency (CPU)")

@@ -13,8 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..fileio import write_text_atomic
-from ..report import _fmt, _table, closing_sections, hardware_section, latency_section, warnings_for
-from ..runs import PLOTS_DIR, REPORT_FILE
+from ..report import _fmt, _table, closing_sections, hardware_section, latency_section, make_plots, warnings_for
+from ..runs import REPORT_FILE
 
 
 def is_hf_results(results: dict) -> bool:
@@ -219,32 +219,8 @@ def outlier_section_hf(results: dict) -> list[str]:
     return L
 
 
-def make_hf_plots(run_dir: Path, results: dict) -> dict[str, str]:
-    from .. import plots
-
-    out_dir = run_dir / PLOTS_DIR
-    made: dict[str, str] = {}
-    ok = [r for r in results["recipes"] if r.get("accuracy", {}).get("ppl_ratio") is not None]
-    if ok:
-        path = plots.plot_recipe_tradeoff(ok, results.get("latency", []), out_dir / "recipes.png",
-                                          "INT8 recipes: accuracy vs latency (CPU)")
-        made["INT8 recipes: PPL ratio and latency"] = str(path.relative_to(run_dir))
-    if "outliers" in results and results["outliers"].get("residual"):
-        path = plots.plot_layer_outliers(results["outliers"]["residual"], out_dir / "residual_outliers.png",
-                                         "Residual stream: max and median |a| per layer")
-        made["Residual stream per layer"] = str(path.relative_to(run_dir))
-    if "outliers" in results and (out_dir / "heatmap.png").is_file():
-        made[f"|a| over (position, channel), layer {results['outliers'].get('heatmap_layer')}"] = f"{PLOTS_DIR}/heatmap.png"
-    for recipe, rows in results.get("sqnr", {}).items():
-        points = [r for r in rows if r.get("modules")]
-        if points:
-            path = plots.plot_sqnr_vs_outlier(points, out_dir / f"sqnr.{recipe}.png", f"SQNR vs outlier ratio, {recipe}")
-            made[f"SQNR vs max/median ratio ({recipe})"] = str(path.relative_to(run_dir))
-    return made
-
-
 def write_hf_report(run_dir: str | Path, results: dict) -> Path:
     run_dir = Path(run_dir)
     target = run_dir / REPORT_FILE
-    write_text_atomic(target, render_hf(results, make_hf_plots(run_dir, results)))
+    write_text_atomic(target, render_hf(results, make_plots(run_dir, results)))
     return target
