@@ -177,8 +177,9 @@ def evaluate(checkpoint, out, recipes, sq_alpha, max_ppl_ratio, min_top1, search
 
     Example: quantnorm evaluate --placement pre --norm rms
     """
-    from .evaluate import EvaluateConfig, ensure_trained, evaluate as run_evaluate
     from .data import prepare_data
+    from .evaluate import EvaluateConfig, ensure_trained
+    from .evaluate import evaluate as run_evaluate
     from .quantize import DEFAULT_RECIPES
     from .runs import open_run_dir
 
@@ -195,7 +196,7 @@ def evaluate(checkpoint, out, recipes, sq_alpha, max_ppl_ratio, min_top1, search
         from .hf.evaluate import evaluate_from_cli
 
         click.echo(evaluate_from_cli(model_path, cfg, flags, checkpoint=checkpoint, out=out, allow_pickle=allow_pickle,
-                                     recipes_given=recipes is not None, command=_command_line()))
+                                     command=_command_line()))
         return
     if checkpoint is not None:
         run_dir = open_run_dir(checkpoint)

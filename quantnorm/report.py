@@ -223,7 +223,8 @@ def smoothquant_section(sq: dict) -> list[str]:
     L += ["", f"Folded: {len(sq.get('folded', []))} MatMuls (no runtime cost); explicit per-channel scale: "
               f"{len(sq.get('explicit_scale', []))} (a Mul each). Smoothed FP32 vs original FP32 p50 on the CPU: "
               f"{_fmt(ratio, '.3f', 'x')}. Max |Δlogit| of the smoothed ONNX model vs the original: "
-              f"{_fmt(sq.get('onnx_vs_original_max_abs_logit_diff'), '.1e')}."]
+              f"{_fmt(sq.get('onnx_vs_original_max_abs_logit_diff'), '.1e')}"
+              + (f" ({sq['parity_rule']})." if sq.get("parity_rule") else ".")]
     return L
 
 
@@ -232,7 +233,8 @@ def search_section(search: dict) -> list[str]:
     verdict = (f"picked `{chosen['name']}` ({search['pick']})" if chosen else
                "no recipe met the target; the best trial is reported")
     L = ["", "## Accuracy-aware search", "",
-         f"Target PPL ratio <= {search['target_max_ppl_ratio']} (tuner: {search.get('tuner')}; metric "
+         f"Target PPL ratio{' over tokens' if search.get('level') == 'token' else ''} <= "
+         f"{search['target_max_ppl_ratio']} (tuner: {search.get('tuner')}; metric "
          f"{search.get('metric')}; trials on {search['eval_windows']} evaluation windows; stopped by "
          f"{search['stopped_by']}): {verdict}.", ""]
     L += _table(["#", "trial", "phase", "PPL ratio", "KL mean", "top-1", "p50 ms", "passed"], [

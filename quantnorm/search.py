@@ -219,6 +219,7 @@ class SearchResult:
     stopped_by: str                     # "target", "max_trials", "space exhausted"
     worst_tensors: tuple[dict, ...] = ()  # the SQNR ranking the fallback used
     skipped: tuple[str, ...] = ()
+    level: str = "byte"                 # what the PPL ratio is over: bytes (zoo) or tokens (--model)
 
     @property
     def status(self) -> str:
@@ -238,6 +239,7 @@ class SearchResult:
             "trials": [t.to_dict() for t in self.trials],
             "worst_tensors": list(self.worst_tensors),
             "skipped": list(self.skipped),
+            "level": self.level,
             "tuner": "neural_compressor.common.base_tuning",
         }
 
@@ -257,9 +259,10 @@ class _Runner:
     """Quantize, measure and record one trial."""
 
     def __init__(self, fp32_path, work_dir, calib_inputs, eval_inputs, eval_targets, cfg, spec, vnni,
-                 fp32_for, latency_fn):
+                 fp32_for, latency_fn, scorer):
         from .measure.sessions import make_session
 
+        self.scorer = scorer
         self.fp32_path, self.work_dir, self.cfg, self.spec, self.vnni = fp32_path, work_dir, cfg, spec, vnni
         self.calib_inputs, self.eval_inputs, self.eval_targets = calib_inputs, eval_inputs, eval_targets
         self.fp32_for, self.latency_fn = fp32_for, latency_fn
@@ -267,7 +270,6 @@ class _Runner:
         self.trials: list[Trial] = []
 
     def run(self, recipe: Recipe, phase: str, base: str, k: int = 0, nodes: tuple[str, ...] = ()) -> Trial:
-        from .measure.accuracy import compare
         from .measure.sessions import make_session
 
         index = len(self.trials) + 1
@@ -279,7 +281,8 @@ class _Runner:
             if not q.ok or q.path is None:
                 trial = Trial(**common, status=q.status, settings=q.settings)
             else:
-                acc = compare(self.fp32_session, make_session(q.path, self.spec), self.eval_inputs, self.eval_targets)
+                acc = self.scorer(self.fp32_session, make_session(q.path, self.spec), self.eval_inputs,
+                                  self.eval_targets)
                 latency = self.latency_fn(q.path, recipe.name)
                 top1_ok = self.cfg.min_top1 is None or acc.top1_agreement >= self.cfg.min_top1
                 # A trial below the top-1 floor scores 0, so INC's own pass rule (metric vs
@@ -310,7 +313,8 @@ def _bench_latency(spec, seq: int, cfg: SearchConfig) -> Callable[[Path, str], f
 def search_recipes(fp32_path: Path, work_dir: Path, calib_inputs: np.ndarray, eval_inputs: np.ndarray,
                    eval_targets: np.ndarray, *, cfg: SearchConfig, spec, vnni: bool,
                    fp32_for: Callable[[Recipe], Path] | None = None,
-                   latency_fn: Callable[[Path, str], float | None] | None = None) -> SearchResult:
+                   latency_fn: Callable[[Path, str], float | None] | None = None,
+                   scorer: Callable | None = None, level: str = "byte") -> SearchResult:
     """Search the recipe space for a model with ``ppl_ratio <= cfg.max_ppl_ratio`` (module doc).
 
     ``fp32_for(recipe)``: the FP32 model a recipe quantizes (the smoothed export for SmoothQuant
@@ -318,6 +322,9 @@ def search_recipes(fp32_path: Path, work_dir: Path, calib_inputs: np.ndarray, ev
     ``fp32_path``, the original model. Trial models are written to ``work_dir`` and left there
     (``Trial.path``); the caller keeps the one it wants. ``latency_fn(path, name)`` -> p50 ms
     (default: ``bench_model`` at ``cfg.latency_batch``); tests inject a fake one.
+    ``scorer(fp32_session, int8_session, inputs, targets)`` -> an object with ``ppl_ratio``,
+    ``kld_mean`` and ``top1_agreement`` (default: the zoo's byte-level ``measure.accuracy.compare``;
+    ``--model`` passes a token-level one and ``level="token"``).
     """
     from neural_compressor.common.base_tuning import EvaluationFuncWrapper, TuningConfig, init_tuning
 
@@ -335,7 +342,9 @@ def search_recipes(fp32_path: Path, work_dir: Path, calib_inputs: np.ndarray, ev
     inputs, targets = np.asarray(eval_inputs)[pick], np.asarray(eval_targets)[pick]
     if latency_fn is None:
         latency_fn = _bench_latency(spec, int(inputs.shape[1]), cfg)
-    runner = _Runner(fp32_path, work_dir, calib_inputs, inputs, targets, cfg, spec, vnni, fp32_for, latency_fn)
+    if scorer is None:
+        from .measure.accuracy import compare as scorer
+    runner = _Runner(fp32_path, work_dir, calib_inputs, inputs, targets, cfg, spec, vnni, fp32_for, latency_fn, scorer)
     budget = cfg.max_trials if cfg.max_trials is not None else 10**6
 
     with _quiet_inc():
@@ -370,7 +379,7 @@ def search_recipes(fp32_path: Path, work_dir: Path, calib_inputs: np.ndarray, ev
     return SearchResult(
         target_max_ppl_ratio=cfg.max_ppl_ratio, target_min_top1=cfg.min_top1, tolerable_loss=cfg.tolerable_loss, pick=cfg.pick,
         max_trials=cfg.max_trials, eval_windows=int(len(inputs)), trials=trials, chosen=chosen, best=best,
-        stopped_by=stopped_by, worst_tensors=tuple(worst), skipped=tuple(skipped),
+        stopped_by=stopped_by, worst_tensors=tuple(worst), skipped=tuple(skipped), level=level,
     )
 
 

@@ -54,6 +54,7 @@ from __future__ import annotations
 import copy
 import re
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -119,9 +120,13 @@ class SmoothQuantPlan:
     # before and after smoothing (after = max|X_j| / s_j, exact)
     channel_ratio: dict[str, tuple[float, float]] = field(default_factory=dict)
     torch_max_abs_logit_diff: float | None = None
+    strip_prefix: str = ""                # module-name prefix left out of what is shown (a wrapper's attribute)
+
+    def _n(self, name: str | None) -> str | None:
+        return name[len(self.strip_prefix):] if name and self.strip_prefix and name.startswith(self.strip_prefix) else name
 
     def folded_into(self) -> dict[str, str]:
-        return {name: g.source for g in self.groups if g.foldable for name in g.linears}
+        return {self._n(name): self._n(g.source) for g in self.groups if g.foldable for name in g.linears}
 
     def statement(self) -> str:
         """The deployment property in one sentence, per placement (for report and results.json)."""
@@ -129,10 +134,10 @@ class SmoothQuantPlan:
         text = (f"{self.placement}/{self.norm}: {len(self.folded)} of {n} weight MatMuls take SmoothQuant for free "
                 f"(1/s folded into the norm that feeds only them)")
         if self.folded:
-            text += f": {_collapse(self.folded)}"
+            text += f": {_collapse([self._n(x) for x in self.folded])}"
         text += f"; {len(self.explicit_scale)} need an explicit per-channel Mul"
         if self.explicit_scale:
-            text += f": {_collapse(self.explicit_scale)}"
+            text += f": {_collapse([self._n(x) for x in self.explicit_scale])}"
         return text + "."
 
     def to_dict(self) -> dict:
@@ -142,15 +147,15 @@ class SmoothQuantPlan:
             s = self.scales[g.linears[0]]
             before, after = self.channel_ratio.get(g.linears[0], (None, None))
             groups.append({
-                "matmuls": list(g.linears), "kind": "folded" if g.foldable else "explicit_scale",
-                "source": g.source, "reason": g.reason,
+                "matmuls": [self._n(x) for x in g.linears], "kind": "folded" if g.foldable else "explicit_scale",
+                "source": self._n(g.source), "reason": g.reason.replace(g.source, self._n(g.source)) if g.source else g.reason,
                 "scale_min": float(s.min()), "scale_median": float(np.median(s)), "scale_max": float(s.max()),
                 "channel_ratio_before": before, "channel_ratio_after": after,
             })
         return {
             "alpha": self.alpha,
-            "folded": list(self.folded),
-            "explicit_scale": list(self.explicit_scale),
+            "folded": [self._n(x) for x in self.folded],
+            "explicit_scale": [self._n(x) for x in self.explicit_scale],
             "folded_into": self.folded_into(),
             "placement": self.placement,
             "norm": self.norm,
@@ -161,8 +166,9 @@ class SmoothQuantPlan:
 
 
 def _collapse(names: list[str]) -> str:
-    """``blocks.0.attn.q, blocks.1.attn.q`` -> ``blocks.*.attn.q (x2)``: readable for L blocks."""
-    counts = Counter(re.sub(r"^blocks\.\d+\.", "blocks.*.", n) for n in names)
+    """``blocks.0.attn.q, blocks.1.attn.q`` -> ``blocks.*.attn.q (x2)``: readable for L blocks
+    (any ``.N.`` block index: ``model.layers.3.mlp.up_proj`` -> ``model.layers.*.mlp.up_proj``)."""
+    counts = Counter(re.sub(r"(^|\.)\d+\.", r"\1*.", n) for n in names)
     return ", ".join(f"{k} (x{c})" if c > 1 else k for k, c in counts.items())
 
 
@@ -174,13 +180,19 @@ def _norm_types() -> tuple[type[nn.Module], ...]:
     return tuple(NORMS.values())
 
 
-def input_groups(model: CausalLM, example_ids: torch.Tensor) -> list[InputGroup]:
+def input_groups(model: nn.Module, example_ids: torch.Tensor, *,
+                 is_norm: Callable[[nn.Module], bool] | None = None) -> list[InputGroup]:
     """Group the model's Linears by the tensor they read and apply the fold rule (module doc).
 
-    Runs one forward pass with autograd on (on a copy, so the caller's ``requires_grad`` flags
-    and hooks are untouched): Linear inputs and norm outputs are matched by tensor identity and
-    the consumers of a norm's output are counted in the autograd graph.
+    ``model(example_ids)`` returns logits (or a tuple of outputs: an encoder wrapper);
+    ``is_norm`` says which modules are norms (default: the zoo's norm classes). Runs one forward
+    pass with autograd on (on a copy, so the caller's ``requires_grad`` flags and hooks are
+    untouched): Linear inputs and norm outputs are matched by tensor identity and the consumers
+    of a norm's output are counted in the autograd graph. A Linear may also read a *view* of a
+    norm output that keeps the channel axis (Hugging Face heads read ``hidden[:, -k:, :]``): the
+    fold is still exact when the view is the norm output's only consumer.
     """
+    is_norm = is_norm or (lambda m: isinstance(m, _norm_types()))
     probe = copy.deepcopy(model).eval()
     probe.requires_grad_(True)
     linear_inputs: dict[str, torch.Tensor] = {}
@@ -190,16 +202,16 @@ def input_groups(model: CausalLM, example_ids: torch.Tensor) -> list[InputGroup]
         if isinstance(module, nn.Linear):
             handles.append(module.register_forward_pre_hook(
                 lambda m, args, name=name: linear_inputs.__setitem__(name, args[0])))
-        elif isinstance(module, _norm_types()):
+        elif is_norm(module):
             handles.append(module.register_forward_hook(
                 lambda m, args, out, name=name: norm_outputs.__setitem__(name, out)))
     try:
         with torch.enable_grad():
-            logits = probe(example_ids)
+            outputs = probe(example_ids)
     finally:
         for h in handles:
             h.remove()
-    consumers = _autograd_consumers(logits)
+    consumers = _autograd_consumers(outputs if isinstance(outputs, (tuple, list)) else (outputs,))
 
     groups: list[list[str]] = []
     for name, x in linear_inputs.items():  # forward order: q, k, v, proj, up, down, ..., head
@@ -210,14 +222,30 @@ def input_groups(model: CausalLM, example_ids: torch.Tensor) -> list[InputGroup]
         else:
             groups.append([name])
 
+    def users(t: torch.Tensor) -> int:
+        return consumers.get(t.grad_fn, 0) if t.grad_fn is not None else 0
+
     out = []
     for names in groups:
         x = linear_inputs[names[0]]
         source = next((n for n, y in norm_outputs.items() if y is x), None)
+        via_view = None
         if source is None:
+            via_view = next((n for n, y in norm_outputs.items() if isinstance(y, torch.Tensor) and x._base is y
+                             and x.shape[-1] == y.shape[-1] and x.stride(-1) == y.stride(-1)), None)
+        if source is None and via_view is None:
             out.append(InputGroup(tuple(names), None, False, "input is not a norm output"))
             continue
-        n_users = consumers.get(x.grad_fn, 0) if x.grad_fn is not None else 0
+        if via_view is not None:
+            y = norm_outputs[via_view]
+            if users(y) == 1 and users(x) == len(names):
+                out.append(InputGroup(tuple(names), via_view, True,
+                                      f"{via_view} feeds only these MatMuls (through a slice)"))
+            else:
+                out.append(InputGroup(tuple(names), via_view, False,
+                                      f"{via_view} also feeds {users(y) - 1} other op(s) (the residual stream)"))
+            continue
+        n_users = users(x)
         if n_users == len(names):
             out.append(InputGroup(tuple(names), source, True, f"{source} feeds only these MatMuls"))
         else:
@@ -226,11 +254,11 @@ def input_groups(model: CausalLM, example_ids: torch.Tensor) -> list[InputGroup]
     return out
 
 
-def _autograd_consumers(output: torch.Tensor) -> Counter:
-    """How many graph edges point at each autograd node reachable from ``output``."""
+def _autograd_consumers(outputs) -> Counter:
+    """How many graph edges point at each autograd node reachable from ``outputs``."""
     counts: Counter = Counter()
     seen = set()
-    stack = [output.grad_fn]
+    stack = [o.grad_fn for o in outputs if isinstance(o, torch.Tensor)]
     while stack:
         node = stack.pop()
         if node is None or node in seen:
@@ -303,37 +331,72 @@ def _channel_ratio(amax: np.ndarray) -> float | None:
 # The transformation
 
 
+def divide_norm_affine(norm: nn.Module, s: torch.Tensor) -> None:
+    """Fold 1/s into ``w * x_hat (+ b)``: ``w /= s`` and ``b /= s`` (LayerNorm, RMSNorm)."""
+    norm.weight.div_(s.to(norm.weight.dtype))
+    if getattr(norm, "bias", None) is not None:
+        norm.bias.div_(s.to(norm.bias.dtype))
+
+
+def divide_norm_one_plus(norm: nn.Module, s: torch.Tensor) -> None:
+    """Fold 1/s into Gemma's ``(1 + w) * x_hat``: ``1 + w' = (1 + w) / s``, i.e. ``w' = (1 + w) / s - 1``."""
+    w = norm.weight
+    w.copy_(((1.0 + w.double()) / s.double() - 1.0).to(w.dtype))
+
+
 def smooth_model(model: CausalLM, calib_inputs: np.ndarray, alpha: float = DEFAULT_ALPHA, *,
                  batch_size: int = 16, parity_windows: int = 4,
                  parity_tolerance: float = DEFAULT_PARITY_TOLERANCE) -> tuple[CausalLM, SmoothQuantPlan]:
-    """A smoothed deep copy of ``model`` and the plan that says what was done where.
+    """A smoothed deep copy of a zoo ``model`` and the plan that says what was done where.
 
     ``calib_inputs``: int64 token windows [n, seq] from the calibration range. The copy must
     compute the same logits as ``model`` on the first ``parity_windows`` of them (max |delta
     logit| <= ``parity_tolerance``), else ``QuantizeError``.
+    """
+    calib_inputs = np.asarray(calib_inputs)
+    if calib_inputs.ndim == 2 and calib_inputs.shape[1] > model.cfg.context:
+        raise ConfigError(f"calibration windows of {calib_inputs.shape[1]} tokens exceed the context {model.cfg.context}")
+    return smooth_module(model, calib_inputs, alpha, placement=model.cfg.placement, norm=model.cfg.norm,
+                         batch_size=batch_size, parity_windows=parity_windows, parity_tolerance=parity_tolerance)
+
+
+def smooth_module(model: nn.Module, calib_inputs: np.ndarray, alpha: float = DEFAULT_ALPHA, *,
+                  placement: str = "", norm: str = "",
+                  is_norm: Callable[[nn.Module], bool] | None = None,
+                  fold: Callable[[nn.Module, torch.Tensor], None] = divide_norm_affine,
+                  batch_size: int = 16, parity_windows: int = 4,
+                  parity_tolerance: float = DEFAULT_PARITY_TOLERANCE,
+                  relative_parity: bool = False, strip_prefix: str = "") -> tuple[nn.Module, SmoothQuantPlan]:
+    """SmoothQuant any module whose ``forward(ids)`` returns logits or a tuple of outputs (the
+    zoo's models; the Hugging Face wrappers of ``quantnorm.hf.export``).
+
+    ``is_norm``: which modules are norms (default: the zoo's); ``fold(norm, s)``: how 1/s goes
+    into a norm's parameters (``divide_norm_affine``; Gemma's ``(1 + w)`` norms need
+    ``divide_norm_one_plus``). Every smoothed Linear gets its own copy of its weight, so a head
+    tied to the token embedding is untied rather than scaling the embedding too. Parity: every
+    output within ``parity_tolerance`` of the original's (times ``max(1, max |reference|)`` when
+    ``relative_parity``: real checkpoints' outputs reach tens), else ``QuantizeError``.
     """
     if not 0.0 <= float(alpha) <= 1.0:
         raise ConfigError(f"SmoothQuant alpha must be in [0, 1], got {alpha}")
     calib_inputs = np.asarray(calib_inputs)
     if calib_inputs.ndim != 2 or len(calib_inputs) == 0 or not np.issubdtype(calib_inputs.dtype, np.integer):
         raise ConfigError(f"SmoothQuant needs calibration token windows [n, seq] (int), got shape {calib_inputs.shape}")
-    if calib_inputs.shape[1] > model.cfg.context:
-        raise ConfigError(f"calibration windows of {calib_inputs.shape[1]} tokens exceed the context {model.cfg.context}")
 
     example = torch.from_numpy(np.ascontiguousarray(calib_inputs[:1], dtype=np.int64))
-    groups = input_groups(model, example)
+    groups = input_groups(model, example) if is_norm is None else input_groups(model, example, is_norm=is_norm)
     names = [g.linears[0] for g in groups]  # all Linears of a group read the same tensor
     x_absmax = linear_input_absmax(model, calib_inputs, names, batch_size=batch_size)
 
     smoothed = copy.deepcopy(model).eval()
-    linears = dict(smoothed.named_modules())
+    modules = dict(smoothed.named_modules())
     scales: dict[str, np.ndarray] = {}
     channel_ratio: dict[str, tuple[float | None, float | None]] = {}
     folded: list[str] = []
     explicit: list[str] = []
     with torch.no_grad():
         for g in groups:
-            weights = [linears[n].weight.detach().float().abs() for n in g.linears]
+            weights = [modules[n].weight.detach().float().abs() for n in g.linears]
             w_absmax = torch.stack([w.amax(dim=0) for w in weights]).amax(dim=0).cpu().numpy()
             s = smoothing_scales(x_absmax[g.linears[0]], w_absmax, float(alpha))
             channel_ratio[g.linears[0]] = (_channel_ratio(x_absmax[g.linears[0]]),
@@ -341,21 +404,21 @@ def smooth_model(model: CausalLM, calib_inputs: np.ndarray, alpha: float = DEFAU
             s_t = torch.from_numpy(s).to(next(smoothed.parameters()).device)
             for n in g.linears:
                 scales[n] = s
-                lin = linears[n]
-                lin.weight.mul_(s_t.to(lin.weight.dtype)[None, :])
-            if g.foldable:
-                norm = linears[g.source]
-                norm.weight.div_(s_t.to(norm.weight.dtype))
-                if getattr(norm, "bias", None) is not None:
-                    norm.bias.div_(s_t.to(norm.bias.dtype))
+                lin = modules[n]
+                # untie (a head sharing the embedding's Parameter) before scaling the columns
+                lin.weight = nn.Parameter(lin.weight.detach().clone() * s_t.to(lin.weight.dtype)[None, :],
+                                          requires_grad=False)
+            source = modules.get(g.source) if g.source else None
+            if g.foldable and getattr(source, "weight", None) is not None:
+                fold(source, s_t)
                 folded += g.linears
             else:
-                inv = (1.0 / s_t).to(linears[g.linears[0]].weight.dtype)  # one tensor: one shared Mul
+                inv = (1.0 / s_t).to(modules[g.linears[0]].weight.dtype)  # one tensor: one shared Mul
                 for n in g.linears:
-                    _replace_module(smoothed, n, SmoothedLinear(linears[n], inv))
+                    _replace_module(smoothed, n, SmoothedLinear(modules[n], inv))
                 explicit += g.linears
 
-    diff = max_abs_logit_diff(model, smoothed, calib_inputs[:parity_windows])
+    diff = max_abs_logit_diff(model, smoothed, calib_inputs[:parity_windows], relative=relative_parity)
     if not diff <= parity_tolerance:  # also catches NaN
         raise QuantizeError(
             f"SmoothQuant changed the FP32 model: max |delta logit| = {diff:.3g} > {parity_tolerance:g} "
@@ -363,8 +426,8 @@ def smooth_model(model: CausalLM, calib_inputs: np.ndarray, alpha: float = DEFAU
         )
     plan = SmoothQuantPlan(
         alpha=float(alpha), scales=scales, folded=folded, explicit_scale=explicit,
-        placement=model.cfg.placement, norm=model.cfg.norm, groups=tuple(groups),
-        channel_ratio=channel_ratio, torch_max_abs_logit_diff=diff,
+        placement=placement, norm=norm, groups=tuple(groups),
+        channel_ratio=channel_ratio, torch_max_abs_logit_diff=diff, strip_prefix=strip_prefix,
     )
     return smoothed, plan
 
@@ -375,19 +438,39 @@ def _replace_module(root: nn.Module, name: str, module: nn.Module) -> None:
     setattr(parent, child, module)
 
 
-def torch_logits(model: nn.Module, inputs: np.ndarray, batch_size: int = 16) -> np.ndarray:
+def torch_outputs(model: nn.Module, inputs: np.ndarray, batch_size: int = 16) -> list[np.ndarray]:
+    """Every output of ``model`` on ``inputs`` (a list even for a single logits tensor)."""
     was_training = model.training
     model.eval()
+    parts: list[list[np.ndarray]] = []
     try:
         with torch.no_grad():
-            return np.concatenate([model(b).float().cpu().numpy() for b in _batches(inputs, batch_size)])
+            for b in _batches(inputs, batch_size):
+                out = model(b)
+                out = out if isinstance(out, (tuple, list)) else (out,)
+                parts.append([o.float().cpu().numpy() for o in out])
     finally:
         model.train(was_training)
+    return [np.concatenate([p[i] for p in parts]) for i in range(len(parts[0]))]
 
 
-def max_abs_logit_diff(a: nn.Module, b: nn.Module, inputs: np.ndarray) -> float:
-    la, lb = torch_logits(a, inputs), torch_logits(b, inputs)
-    return float(np.max(np.abs(la.astype(np.float64) - lb.astype(np.float64))))
+def torch_logits(model: nn.Module, inputs: np.ndarray, batch_size: int = 16) -> np.ndarray:
+    return torch_outputs(model, inputs, batch_size)[0]
+
+
+def max_abs_logit_diff(a: nn.Module, b: nn.Module, inputs: np.ndarray, *, relative: bool = False) -> float:
+    """max |a - b| over every output; with ``relative`` each output's is divided by
+    ``max(1, max |a|)`` (the scale-aware gate of the Hugging Face export)."""
+    worst = 0.0
+    for la, lb in zip(torch_outputs(a, inputs), torch_outputs(b, inputs), strict=True):
+        d = float(np.max(np.abs(la.astype(np.float64) - lb.astype(np.float64))))
+        if relative:
+            d /= max(1.0, float(np.max(np.abs(la))))
+        if not d <= worst:  # NaN (a broken model) propagates: it fails every gate
+            worst = d
+        if np.isnan(worst):
+            break
+    return worst
 
 
 # ---------------------------------------------------------------------------------------------

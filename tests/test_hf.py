@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
 from quantnorm.cli import main  # noqa: E402
-from quantnorm.errors import ConfigError, ExportError  # noqa: E402
+from quantnorm.errors import ConfigError, ExportError, QuantizeError  # noqa: E402
 from quantnorm.evaluate import EvaluateConfig  # noqa: E402
 from quantnorm.hf.data import make_windows, mlm_windows, prepare_hf_data, special_tokens  # noqa: E402
 from quantnorm.hf.evaluate import HFOptions, evaluate_hf  # noqa: E402
@@ -201,9 +201,20 @@ def test_cli_refuses_model_with_training_flags(tiny, capsys):
     assert "detected from the checkpoint" in capsys.readouterr().err
 
 
-def test_cli_refuses_recipes_not_supported_yet(tiny, capsys):
-    assert main(["evaluate", "--model", str(tiny["llama"]), "--recipes", "auto", "--out", "unused"]) == 2
-    assert "not supported with --model" in capsys.readouterr().err
+def test_cli_refuses_the_search_on_an_encoder_without_mlm_head(tmp_path, capsys):
+    """No MLM head, no perplexity to target: ``auto`` is a one-line error before anything is written."""
+    path = tmp_path / "bert-encoder"
+    import torch
+
+    torch.manual_seed(0)
+    transformers.BertModel(ARCHS["bert"][0]()).save_pretrained(path)
+    tiny_tokenizer(True).save_pretrained(path)
+    capsys.readouterr()  # save_pretrained's progress bar
+    out = tmp_path / "out"
+    assert main(["evaluate", "--model", str(path), "--recipes", "auto", "--out", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "needs a perplexity" in err and "without an MLM head" in err and len(err.splitlines()) == 1
+    assert not out.exists()
 
 
 # --- data and metrics ------------------------------------------------------------------------
@@ -328,7 +339,7 @@ def test_torchscript_fallback_when_dynamo_fails(tiny, tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def causal_run(tiny, tmp_path_factory):
     out = tmp_path_factory.mktemp("hf-run") / "llama"
-    opts = HFOptions(path=tiny["llama"], window=16, max_eval_windows=8, out_dir=out, explicit_recipes=True)
+    opts = HFOptions(path=tiny["llama"], window=16, max_eval_windows=8, out_dir=out)
     results, run_dir = evaluate_hf(opts, _cfg(["static-minmax-matmul", "static-minmax-all"]), command="test")
     return results, run_dir
 
@@ -389,8 +400,7 @@ def test_causal_report_regenerates(causal_run):
 
 
 def test_encoder_end_to_end_with_mlm_head(tiny, tmp_path):
-    opts = HFOptions(path=tiny["bert"], window=16, max_eval_windows=12, out_dir=tmp_path / "bert",
-                     explicit_recipes=True)
+    opts = HFOptions(path=tiny["bert"], window=16, max_eval_windows=12, out_dir=tmp_path / "bert")
     # --exclude works on HF module names: the MLM head stays FP32 (mixed precision).
     results, run_dir = evaluate_hf(opts, _cfg(["dynamic"], outliers=False, exclude=("cls.*",)), command="test")
     entry = results["recipes"][0]
@@ -410,7 +420,7 @@ def test_real_minilm_checkpoint_end_to_end(tmp_path):
     """sentence-transformers/all-MiniLM-L6-v2 (BERT, 6 layers, hidden 384): its largest activations
     sit on [CLS] (position 0) in channel 99 in every residual layer."""
     path = Path(importlib.util.find_spec(MINILM).submodule_search_locations[0]) / "model"
-    opts = HFOptions(path=path, window=64, max_eval_windows=16, out_dir=tmp_path / "minilm", explicit_recipes=True)
+    opts = HFOptions(path=path, window=64, max_eval_windows=16, out_dir=tmp_path / "minilm")
     results, run_dir = evaluate_hf(opts, _cfg(["static-minmax-matmul"], calib_samples=8, probe_windows=8),
                                    command="test")
     m = results["model"]
@@ -424,3 +434,109 @@ def test_real_minilm_checkpoint_end_to_end(tmp_path):
     assert results["outliers"]["residual"][1]["top"][0]["token"] == "[CLS]"
     report = (run_dir / "report.md").read_text()
     assert "`[CLS]`" in report and "post / layer" in report
+
+
+# --- SmoothQuant and the search on checkpoints -----------------------------------------------
+
+# model_type -> (folded per block, explicit per block, folded outside the blocks, explicit outside)
+FOLDABILITY = {
+    "gpt2": (2, 2, 1, 0),          # c_attn (ln_1), c_fc (ln_2) | c_proj x2; lm_head (ln_f)
+    "llama": (5, 2, 1, 0),         # q, k, v (input_layernorm), gate, up | o_proj, down_proj; lm_head (norm)
+    "mistral": (5, 2, 1, 0),
+    "qwen2": (5, 2, 1, 0),
+    "gemma2": (5, 2, 1, 0),        # as llama, through (1 + w)
+    "gemma3_text": (5, 2, 1, 0),
+    "olmo2": (0, 7, 1, 0),         # no norm before a sublayer: only the final norm -> lm_head
+    "bert": (0, 6, 1, 1),          # post-norm outputs are the stream; MLM decoder folds, transform.dense not
+}
+
+
+@pytest.mark.parametrize("name", list(ARCHS))
+def test_smoothquant_foldability_per_architecture(tiny, name):
+    """The fold rule read off each architecture's dataflow, and the smoothed model computes the
+    original outputs; a head tied to the token embedding is untied, not the embedding scaled."""
+    from quantnorm.hf.smoothquant import fold_rule, is_hf_norm
+    from quantnorm.smoothquant import smooth_module
+
+    loaded = load_checkpoint(tiny[name])
+    wrapper = make_wrapper(loaded)
+    embedding = loaded.model.get_input_embeddings().weight.detach().clone()
+    ids = np.random.default_rng(0).integers(5, VOCAB - 5, size=(4, 12))
+    smoothed, plan = smooth_module(wrapper, ids, 0.5, is_norm=is_hf_norm, fold=fold_rule(loaded.spec)[0],
+                                   relative_parity=True, strip_prefix="model.", placement=loaded.spec.placement,
+                                   norm=loaded.spec.norm)
+    per_block_f, per_block_e, out_f, out_e = FOLDABILITY[name]
+    layers = len(loaded.layers)
+    assert (len(plan.folded), len(plan.explicit_scale)) == (per_block_f * layers + out_f, per_block_e * layers + out_e)
+    d = plan.to_dict()
+    assert not any(n.startswith("model.model.") for n in d["folded"] + d["explicit_scale"])  # wrapper prefix gone
+    assert plan.torch_max_abs_logit_diff < 1e-5
+    assert torch_equal(loaded.model.get_input_embeddings().weight, embedding)
+    assert torch_equal(smoothed.model.get_input_embeddings().weight, embedding)
+    heads = {"bert": "cls.predictions.decoder"}
+    head = heads.get(name, "lm_head")
+    assert head in d["folded"]
+    assert not np.allclose(smoothed.model.get_submodule(head).weight.detach().numpy(),
+                           wrapper.model.get_submodule(head).weight.detach().numpy())
+
+
+def torch_equal(a, b) -> bool:
+    return bool((a.detach() == b.detach()).all())
+
+
+def test_gemma_norms_need_the_one_plus_fold(tiny):
+    """Gemma's norms compute (1 + w) * x_hat: folding 1/s as w / s changes the model (caught)."""
+    from quantnorm.hf.smoothquant import is_hf_norm
+    from quantnorm.smoothquant import divide_norm_affine, smooth_module
+
+    loaded = load_checkpoint(tiny["gemma2"])
+    ids = np.random.default_rng(0).integers(5, VOCAB - 5, size=(4, 12))
+    with pytest.raises(QuantizeError, match="changed the FP32 model"):
+        smooth_module(make_wrapper(loaded), ids, 0.5, is_norm=is_hf_norm, fold=divide_norm_affine,
+                      relative_parity=True)
+
+
+def test_smoothquant_and_search_end_to_end_on_gemma(tiny, tmp_path):
+    """``smoothquant`` and ``auto`` on a checkpoint: the smoothed export matches the original, its plan
+    and FP32 cost are recorded, and the search is scored over tokens with SmoothQuant in its space."""
+    opts = HFOptions(path=tiny["gemma2"], window=16, max_eval_windows=8, out_dir=tmp_path / "gemma")
+    cfg = _cfg(["smoothquant", "auto"], search_pick="first", max_ppl_ratio=10.0)
+    results, run_dir = evaluate_hf(opts, cfg, command="test")
+    sq_entry, auto_entry = results["recipes"]
+    assert sq_entry["name"] == "smoothquant" and sq_entry["status"] == "ok"
+    assert sq_entry["accuracy"]["level"] == "token" and 0.9 < sq_entry["accuracy"]["ppl_ratio"] < 1.1
+    sq = results["smoothquant"]
+    assert sq["fold_formula"].startswith("w' = (1 + w) / s - 1")
+    assert len(sq["folded"]) == 11 and len(sq["explicit_scale"]) == 4
+    assert sq["onnx_vs_original_max_abs_logit_diff"] < 1e-4 and sq["fp32_latency"]["status"] == "measured"
+    assert (run_dir / sq["path"]).is_file()
+    search = results["search"]
+    assert search["level"] == "token" and search["status"] == "passed" and search["stopped_by"] == "target"
+    assert "next tokens" in search["metric"] and len(search["trials"]) == 1
+    assert auto_entry["name"] == f"auto:{search['chosen']['name']}" and auto_entry["accuracy"]["level"] == "token"
+    assert "smoothquant" in results["sqnr"]  # SQNR of the smoothed model, against the smoothed FP32 export
+    report = (run_dir / "report.md").read_text()
+    assert "## SmoothQuant" in report and "## Accuracy-aware search" in report and "over tokens" in report
+    assert not (run_dir / "search").exists()
+
+
+def test_search_on_an_mlm_encoder_scores_the_masked_positions(tiny, tmp_path, monkeypatch):
+    """An impossible target (INT8 perplexity at half of FP32's over the masked tokens): every recipe
+    fails, the FP32 fallback of the worst-SQNR tensors runs, and the best trial is kept and reported."""
+    import quantnorm.evaluate as zoo_evaluate
+    from quantnorm.search import default_space
+
+    space = len(default_space())
+    real = zoo_evaluate.EvaluateConfig.search_config
+    monkeypatch.setattr(zoo_evaluate.EvaluateConfig, "search_config",
+                        lambda self: replace(real(self), max_trials=space + 2, latency_iters=1))
+    opts = HFOptions(path=tiny["bert"], window=16, max_eval_windows=8, out_dir=tmp_path / "bert-auto")
+    results, _ = evaluate_hf(opts, _cfg(["auto"], max_ppl_ratio=0.5, outliers=False), command="test")
+    search = results["search"]
+    assert search["status"] == "no passing model" and "masked positions" in search["metric"]
+    phases = [t["phase"] for t in search["trials"]]
+    assert phases.count("recipe") == space and phases.count("fallback") == 2
+    assert all(t["ppl_ratio"] > 0.5 for t in search["trials"] if t["status"] == "ok")
+    entry = results["recipes"][-1]
+    assert entry["name"].startswith("auto:") and entry["search_passed"] is False
+    assert entry["accuracy"]["mlm"] and "cosine_mean" in entry["accuracy"]

@@ -5,9 +5,12 @@ parity gate -> quantize with each recipe (``quantnorm.quantize``, calibration wi
 calibration range) -> accuracy (token-level for causal LMs, embedding agreement for encoders) ->
 latency -> probe + SQNR -> results.json (same schema, ``model.source = "hf:<path>"``) + report.md.
 
-Recipes that need the zoo's own model class are refused for now with a one-line error:
-``smoothquant`` (folding 1/s into HF's norm classes, including Gemma's ``(1 + w)``, is not
-implemented) and ``auto`` (the search scores with the zoo's byte-level metrics).
+SmoothQuant recipes smooth the checkpoint with the zoo's fold rule (``quantnorm.hf.smoothquant``:
+per-architecture foldability, Gemma's ``(1 + w)`` norms, tied heads untied) and quantize the
+smoothed export. ``--recipes auto`` runs the zoo's accuracy-aware search (INC's tuner, then the
+FP32 fallback of the worst-SQNR tensors) scored with token-level metrics: the PPL ratio over next
+tokens for causal LMs, over the masked positions for encoders with an MLM head. An encoder
+without an MLM head has no perplexity to target: ``auto`` is refused for it with a one-line error.
 """
 
 from __future__ import annotations
@@ -17,11 +20,13 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+import numpy as np
 from tqdm import tqdm
 
 from .. import __version__
 from ..data import BUILTIN_PYDOC
 from ..errors import ConfigError, QuantizeError
+from ..evaluate import AUTO  # --recipes auto: the accuracy-aware search
 from ..fileio import write_json_atomic
 from ..hardware import cpu_has_vnni, hardware_info
 from ..measure.latency import bench_grid
@@ -30,12 +35,6 @@ from ..quantize import quantize
 from ..runs import FP32_ONNX_FILE, PLOTS_DIR, RESULTS_FILE, check_out_dir, int8_onnx_file
 
 SCHEMA_VERSION = 1
-# Recipes this pipeline cannot run yet (see the module doc): refused when asked for explicitly,
-# left out of the default set.
-UNSUPPORTED_RECIPES = {
-    "auto": "the accuracy-aware search scores with the zoo's byte-level metrics",
-    "smoothquant": "SmoothQuant folding into Hugging Face norm modules is not implemented",
-}
 
 
 @dataclass(frozen=True)
@@ -47,7 +46,6 @@ class HFOptions:
     corpus: str = BUILTIN_PYDOC
     window: int = 128                 # tokens per window (--context)
     max_eval_windows: int | None = 128
-    explicit_recipes: bool = False    # the user named the recipes (vs the default set)
     out_dir: Path | None = None
 
     def __post_init__(self) -> None:
@@ -64,29 +62,11 @@ def default_out_dir(model_path: Path) -> Path:
     return Path("runs") / f"hf-{name}"
 
 
-def select_recipes(cfg, explicit: bool) -> list[str]:
-    """The recipes to run: an unsupported one is an error when named, skipped from the default set."""
-    names = []
-    for name in cfg.recipes:
-        base = name.split(":", 1)[0]
-        recipe_alpha = getattr(_safe_recipe(cfg, name), "smoothquant_alpha", None)
-        reason = UNSUPPORTED_RECIPES.get(base) or (UNSUPPORTED_RECIPES["smoothquant"] if recipe_alpha else None)
-        if reason:
-            if explicit:
-                raise ConfigError(f"recipe {name!r} is not supported with --model yet ({reason}); "
-                                  f"use the static-*/dynamic recipes")
-            continue
-        names.append(name)
-    if not names:
-        raise ConfigError("no recipe left to run with --model: pass --recipes with static-*/dynamic recipes")
-    return names
-
-
-def _safe_recipe(cfg, name: str):
-    try:
-        return cfg.recipe(name) if hasattr(cfg, "recipe") else None
-    except ConfigError:
-        return None
+def check_search_supported(recipes, kind: str, mlm_head: bool, path) -> None:
+    """``auto`` needs a perplexity to target: causal LMs, or encoders with an MLM head."""
+    if AUTO in recipes and kind == "encoder" and not mlm_head:
+        raise ConfigError(f"--recipes auto needs a perplexity to target, and {path} is an encoder without an MLM "
+                          f"head: run the static-*/dynamic/smoothquant recipes and read the embedding metrics")
 
 
 def evaluate_hf(opts: HFOptions, cfg, *, command: str) -> tuple[dict, Path]:
@@ -109,9 +89,12 @@ def evaluate_hf(opts: HFOptions, cfg, *, command: str) -> tuple[dict, Path]:
         finally:
             stage_seconds[stage] = round(time.perf_counter() - start, 2)
 
-    recipes = select_recipes(cfg, opts.explicit_recipes)
+    from .smoothquant import HFSmoothedModels
+
     loaded = timed("load", load_checkpoint, opts.path, allow_pickle=opts.allow_pickle)
     spec, config = loaded.spec, loaded.model.config
+    check_search_supported(cfg.recipes, spec.kind, loaded.files.mlm_head, opts.path)
+    recipes = [n for n in cfg.recipes if n != AUTO]
     max_positions = _max_positions(config)
     data = timed("data", prepare_hf_data, loaded.tokenizer, config, spec.kind, corpus=opts.corpus, window=opts.window,
                  calib_samples=cfg.calib_samples, max_eval_windows=opts.max_eval_windows, model_path=opts.path,
@@ -131,6 +114,10 @@ def evaluate_hf(opts: HFOptions, cfg, *, command: str) -> tuple[dict, Path]:
     mlm = mlm_windows(data.eval_inputs, data.special.mask) if loaded.files.mlm_head and data.special.mask is not None \
         else None
 
+    # SmoothQuant recipes quantize a smoothed FP32 export, made once per alpha on first use.
+    smoothed = HFSmoothedModels(loaded, wrapper, data.calib_inputs, data.eval_inputs[: cfg.parity_windows], run_dir,
+                                outputs=outputs, max_positions=max_positions, opset=cfg.opset)
+    fp32_sources: dict[str, Path] = {}  # recipe -> the FP32 model it quantized, when not fp32_path
     recipes_out: list[dict] = []
     int8_paths: dict[str, Path] = {}
     fp32_reference = None  # encoders: the FP32 outputs, computed once
@@ -139,7 +126,10 @@ def evaluate_hf(opts: HFOptions, cfg, *, command: str) -> tuple[dict, Path]:
         recipe = cfg.recipe(name) if hasattr(cfg, "recipe") else _get_recipe(name)
         name = recipe.name  # with --exclude: the mixed-precision variant's own name
         bar.set_postfix_str(name)
-        q = timed(f"quantize:{name}", quantize, fp32_path, recipe, data.calib_inputs, run_dir / int8_onnx_file(name),
+        source = timed(f"smooth:{name}", smoothed.fp32_for, recipe, fp32_path)
+        if source != fp32_path:
+            fp32_sources[name] = source
+        q = timed(f"quantize:{name}", quantize, source, recipe, data.calib_inputs, run_dir / int8_onnx_file(name),
                   vnni=vnni, probe_inputs=data.eval_inputs[:2])
         entry: dict = {"name": name, "status": q.status, "settings": q.settings, "session": spec_session.to_dict()}
         softmax = softmax_input_quantization(q.path) if q.path is not None and q.path.is_file() else None
@@ -171,8 +161,15 @@ def evaluate_hf(opts: HFOptions, cfg, *, command: str) -> tuple[dict, Path]:
             entry["problems"] = q.problems
         recipes_out.append(entry)
     bar.close()
-    if len(recipes) == 1 and not int8_paths:
+    if len(cfg.recipes) == 1 and recipes and not int8_paths:
         raise QuantizeError(f"recipe {recipes[0]} produced a broken model: {recipes_out[0]['status']}")
+    extra: dict = {}
+    if AUTO in cfg.recipes:
+        extra["search"] = timed("search", run_search_hf, run_dir, cfg, spec.kind, fp32_path, fp32_session, smoothed,
+                                data, mlm, spec_session, vnni, recipes_out, int8_paths, fp32_sources)
+    if smoothed.exports:
+        extra["smoothquant"] = timed("smoothquant_latency", smoothquant_section_hf, run_dir, cfg, fp32_path,
+                                     smoothed, data.window)
 
     rows = timed("latency", bench_grid, {"fp32": fp32_path, **int8_paths}, cfg.provider_list(),
                  list(cfg.latency_batches), data.window, threads=cfg.threads,
@@ -192,21 +189,106 @@ def evaluate_hf(opts: HFOptions, cfg, *, command: str) -> tuple[dict, Path]:
         "recipes": recipes_out,
         "latency": [r.to_dict() for r in rows],
         "file_sizes_bytes": {"fp32": fp32_path.stat().st_size, **{k: p.stat().st_size for k, p in int8_paths.items()}},
+        **extra,
     }
-    skipped = [n for n in cfg.recipes if n not in recipes]
-    if skipped:
-        results["recipes_skipped"] = {n: UNSUPPORTED_RECIPES.get(n.split(":", 1)[0], UNSUPPORTED_RECIPES["smoothquant"])
-                                      for n in skipped}
     if mlm is not None:
         results["data"]["mlm"] = {"mask_fraction": 0.15, "seed": 0, "n_scored": int(mlm[1].sum()),
                                   "rule": "fixed seeded 15% of inner positions replaced by [MASK]"}
     if cfg.outliers:
         results.update(timed("outliers", measure_outliers_hf, loaded, run_dir, fp32_path, int8_paths,
-                             data.eval_inputs[: cfg.probe_windows]))
+                             data.eval_inputs[: cfg.probe_windows], fp32_sources))
     results["stage_seconds"] = stage_seconds
     write_json_atomic(run_dir / RESULTS_FILE, results)
     write_hf_report(run_dir, results)
     return results, run_dir
+
+
+def accuracy_hf(kind: str, fp32_session, int8_session, data, mlm, cfg, fp32_reference=None) -> dict:
+    """The accuracy dict of a recipe entry: token-level for causal LMs, embedding agreement (plus
+    MLM figures) for encoders."""
+    from .metrics import compare_tokens, encoder_compare, encoder_outputs
+
+    if kind == "causal":
+        return compare_tokens(fp32_session, int8_session, data.eval_inputs, data.eval_targets)
+    if fp32_reference is None:
+        fp32_reference = encoder_outputs(fp32_session, data.eval_inputs, cfg.eval_batch_size)
+    return encoder_compare(fp32_reference, int8_session, data.eval_inputs, batch_size=cfg.eval_batch_size, mlm=mlm,
+                           fp32_session=fp32_session)
+
+
+class TokenScore:
+    """What the search reads from a trial (``ppl_ratio``, ``kld_mean``, ``top1_agreement``)."""
+
+    def __init__(self, acc: dict):
+        self.ppl_ratio, self.kld_mean, self.top1_agreement = acc["ppl_ratio"], acc["kld_mean"], acc["top1_agreement"]
+
+
+def token_scorer(fp32_session, int8_session, inputs, targets) -> TokenScore:
+    """The search's scorer for ``--model``: FORMULAS.md's PPL ratio, KL and top-1 over tokens.
+    A negative target marks a position that is not scored (the unmasked positions of MLM windows)."""
+    from .metrics import compare_tokens
+
+    targets = np.asarray(targets)
+    scored = targets >= 0
+    return TokenScore(compare_tokens(fp32_session, int8_session, inputs, np.where(scored, targets, 0),
+                                     scored=None if scored.all() else scored))
+
+
+def run_search_hf(run_dir: Path, cfg, kind: str, fp32_path: Path, fp32_session, smoothed, data, mlm,
+                  spec_session, vnni: bool, recipes_out: list[dict], int8_paths: dict[str, Path],
+                  fp32_sources: dict[str, Path]) -> dict:
+    """``--recipes auto`` on a checkpoint: the zoo's search (``quantnorm.search``) scored over tokens;
+    the chosen model (or the best, when none passes) becomes the recipe entry ``auto:<recipe>``,
+    measured on the whole evaluation range with the usual metrics. Returns ``results["search"]``."""
+    from ..measure.sessions import make_session
+    from ..search import keep_trial_model, search_recipes
+
+    if kind == "causal":
+        inputs, targets = data.eval_inputs, data.eval_targets
+    else:  # encoders with an MLM head (checked before anything ran): score the masked positions
+        masked, scored = mlm
+        inputs, targets = masked, np.where(scored, data.eval_inputs, -1)
+    work_dir = run_dir / "search"
+    shutil.rmtree(work_dir, ignore_errors=True)
+    try:
+        result = search_recipes(fp32_path, work_dir, data.calib_inputs, inputs, targets, cfg=cfg.search_config(),
+                                spec=spec_session, vnni=vnni, scorer=token_scorer, level="token",
+                                fp32_for=lambda recipe: smoothed.fp32_for(recipe, fp32_path))
+        keep = result.chosen or result.best
+        if keep is not None:
+            name = f"{AUTO}:{keep.name}"
+            path = keep_trial_model(keep, run_dir / int8_onnx_file(AUTO))
+            acc = accuracy_hf(kind, fp32_session, make_session(path, spec_session), data, mlm, cfg)
+            recipes_out.append({"name": name, "status": "ok", "settings": keep.settings,
+                                "session": spec_session.to_dict(), "path": path.name,
+                                "size_bytes": path.stat().st_size, "accuracy": acc, "search_passed": keep.passed})
+            int8_paths[name] = path
+            source = smoothed.fp32_for(cfg.search_config().resolve(keep.recipe), fp32_path)
+            if source != fp32_path:
+                fp32_sources[name] = source
+    finally:
+        shutil.rmtree(work_dir, ignore_errors=True)
+    out = result.to_dict()
+    out["metric"] = ("1/ppl_ratio over next tokens (higher is better; FP32 baseline 1)" if kind == "causal" else
+                     "1/ppl_ratio over the masked positions of the MLM windows (higher is better; FP32 baseline 1)")
+    return out
+
+
+def smoothquant_section_hf(run_dir: Path, cfg, fp32_path: Path, smoothed, seq: int) -> dict:
+    """``results["smoothquant"]``: the plan per architecture, the parity figures, and what the
+    explicit Muls cost the FP32 model at batch 8 on the CPU (as the zoo's section)."""
+    from ..measure.sessions import CPU
+    from ..smoothquant import fp32_latency_cost
+
+    export = next(iter(smoothed.exports.values()))
+    section = export.to_dict(run_dir)
+    cost = fp32_latency_cost(fp32_path, export.path,
+                             SessionSpec(provider=CPU, graph_optimization_level=cfg.graph_optimization_level,
+                                         threads=cfg.threads),
+                             seq=seq, iters=cfg.latency_iters, warmup=cfg.latency_warmup)
+    section["fp32_latency"] = cost
+    section["fp32_latency_ratio"] = cost.get("fp32_latency_ratio")
+    return section
 
 
 def softmax_input_quantization(int8_path: Path) -> dict:
@@ -263,7 +345,8 @@ def model_section(loaded, opts: HFOptions, max_positions: int | None) -> dict:
     }
 
 
-def measure_outliers_hf(loaded, run_dir: Path, fp32_path: Path, int8_paths: dict[str, Path], inputs) -> dict:
+def measure_outliers_hf(loaded, run_dir: Path, fp32_path: Path, int8_paths: dict[str, Path], inputs,
+                        fp32_sources: dict[str, Path] | None = None) -> dict:
     """The ``outliers``, ``sqnr`` and ``sqnr_summary`` sections, and the heat map of the layer with
     the largest max/median ratio (as the zoo's ``evaluate.measure_outliers``)."""
     from ..measure.sqnr import matmul_input_modules, sqnr_sections
@@ -273,7 +356,7 @@ def measure_outliers_hf(loaded, run_dir: Path, fp32_path: Path, int8_paths: dict
     report, first_window = probe_hf(loaded, inputs)
     matmul_inputs = matmul_input_modules(fp32_path, loaded.model)
     sqnr_inputs = inputs[:8]
-    sqnr, summaries = sqnr_sections(fp32_path, int8_paths, sqnr_inputs, matmul_inputs)
+    sqnr, summaries = sqnr_sections(fp32_path, int8_paths, sqnr_inputs, matmul_inputs, fp32_sources)
     layer = heatmap_layer(report["residual"])
     if layer in first_window:
         plot_activation_heatmap(first_window[layer], run_dir / PLOTS_DIR / "heatmap.png",
@@ -282,7 +365,7 @@ def measure_outliers_hf(loaded, run_dir: Path, fp32_path: Path, int8_paths: dict
     return {"outliers": report, "sqnr": sqnr, "sqnr_summary": summaries}
 
 
-def evaluate_from_cli(model_path: Path, cfg, flags: dict, *, checkpoint, out, allow_pickle: bool, recipes_given: bool,
+def evaluate_from_cli(model_path: Path, cfg, flags: dict, *, checkpoint, out, allow_pickle: bool,
                       command: str) -> str:
     """The ``evaluate --model`` branch of the CLI: check the flag combination, run, summarize."""
     if checkpoint is not None:
@@ -290,7 +373,7 @@ def evaluate_from_cli(model_path: Path, cfg, flags: dict, *, checkpoint, out, al
     if flags.get("placement") is not None or flags.get("norm") is not None:
         raise ConfigError("--placement/--norm are detected from the checkpoint with --model; leave them out")
     opts = HFOptions(path=Path(model_path), allow_pickle=allow_pickle, corpus=flags.get("corpus") or BUILTIN_PYDOC,
-                     window=int(flags.get("context") or 128), explicit_recipes=recipes_given, out_dir=out)
+                     window=int(flags.get("context") or 128), out_dir=out)
     results, run_dir = evaluate_hf(opts, cfg, command=command)
     return summary_lines_hf(results, run_dir)
 

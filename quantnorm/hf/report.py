@@ -13,7 +13,17 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..fileio import write_text_atomic
-from ..report import _fmt, _table, closing_sections, hardware_section, latency_section, make_plots, warnings_for
+from ..report import (
+    _fmt,
+    _table,
+    closing_sections,
+    hardware_section,
+    latency_section,
+    make_plots,
+    search_section,
+    smoothquant_section,
+    warnings_for,
+)
 from ..runs import REPORT_FILE
 
 
@@ -76,6 +86,10 @@ def render_hf(results: dict, plots: dict[str, str]) -> str:
     if failed:
         L.append("Earlier attempts: " + "; ".join(f"{a['exporter']} opset {a['opset']}: {a['status']}" for a in failed) + ".")
     L += ["", *recipe_section(results), *softmax_note(results)]
+    if "smoothquant" in results:
+        L += smoothquant_section(results["smoothquant"])
+    if "search" in results:
+        L += search_section(results["search"])
     session = results["recipes"][0].get("session", {}) if results["recipes"] else {}
     L += ["", f"Session: {session.get('provider')} with {session.get('graph_optimization_level')}."]
     L += ["", "## Latency", ""]

@@ -1,0 +1,127 @@
+"""SmoothQuant for Hugging Face checkpoints: the zoo's fold rule on the real model's dataflow.
+
+``quantnorm.smoothquant.smooth_module`` does the work; this module says what a norm is in a
+Hugging Face model and how 1/s goes into it:
+
+- norms: ``nn.LayerNorm`` (GPT-2, BERT) and every ``*RMSNorm`` class (LLaMA, Mistral, Qwen2,
+  Gemma 2/3, OLMo 2);
+- folding: ``w /= s`` (and ``b /= s``) for ``w * x_hat (+ b)``; Gemma's norms compute
+  ``(1 + w) * x_hat``, so there ``w' = (1 + w) / s - 1`` (``spec.norm_formula == "rms_1p"``).
+
+The rule (fold only when the tensor is a norm output read by nothing but that MatMul group) then
+gives, per architecture (L blocks; read off the autograd graph, checked in tests):
+
+| architecture | folded (free) | explicit per-channel Mul |
+|---|---|---|
+| gpt2 | c_attn (ln_1), c_fc (ln_2), lm_head (ln_f) | attn.c_proj, mlp.c_proj |
+| llama, mistral, qwen2 | q/k/v (input_layernorm), gate/up (post_attention_layernorm), lm_head (norm) | o_proj, down_proj |
+| gemma2, gemma3_text | q/k/v (input_layernorm), gate/up (pre_feedforward_layernorm), lm_head (norm), via (1 + w) | o_proj, down_proj |
+| olmo2 | lm_head (norm) | everything in the blocks: no norm reads the stream before a sublayer |
+| bert | the MLM decoder (cls.predictions.transform.LayerNorm), when there is an MLM head | all block Linears: each post-norm output is also the residual stream |
+
+Heads tied to the token embedding (GPT-2, Gemma, BERT's decoder) are untied in the smoothed copy:
+scaling the head's columns must not scale the embedding table. The smoothed model is exported
+with the export's own parity gate (against the smoothed wrapper) and then compared with the
+*original* wrapper output by output (relative to each output's scale, as the export gate).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import ExportError
+from ..smoothquant import (
+    DEFAULT_PARITY_TOLERANCE,
+    SMOOTHED_ONNX_FILE,
+    SmoothQuantPlan,
+    divide_norm_affine,
+    divide_norm_one_plus,
+    smooth_module,
+)
+
+
+def is_hf_norm(module) -> bool:
+    from torch import nn
+
+    return isinstance(module, nn.LayerNorm) or type(module).__name__.endswith("RMSNorm")
+
+
+FOLD_FORMULAS = {"affine": "w' = w / s (and b' = b / s)", "one_plus": "w' = (1 + w) / s - 1 (Gemma's (1 + w) norms)"}
+
+
+def fold_rule(spec):
+    """How 1/s goes into this architecture's norms: (function, formula)."""
+    if spec.norm_formula == "rms_1p":
+        return divide_norm_one_plus, FOLD_FORMULAS["one_plus"]
+    return divide_norm_affine, FOLD_FORMULAS["affine"]
+
+
+@dataclass(frozen=True)
+class HFSmoothQuantExport:
+    path: Path
+    plan: SmoothQuantPlan
+    export: object                      # HFExportResult (parity vs the smoothed wrapper)
+    onnx_vs_original_max_abs_logit_diff: float   # relative to max(1, max |original output|)
+    fold_formula: str = FOLD_FORMULAS["affine"]
+
+    def to_dict(self, run_dir: Path | None = None) -> dict:
+        return {**self.plan.to_dict(), "path": Path(self.path).name, "export": self.export.to_dict(run_dir),
+                "onnx_vs_original_max_abs_logit_diff": self.onnx_vs_original_max_abs_logit_diff,
+                "parity_rule": "max |delta| / max(1, max |original|) per output, max over outputs",
+                "fold_formula": self.fold_formula}
+
+
+def smooth_and_export(loaded, wrapper, calib_inputs: np.ndarray, parity_inputs: np.ndarray, out_path: Path, *,
+                      alpha: float, outputs: tuple[str, ...], max_positions: int | None, opset: int,
+                      tolerance: float = DEFAULT_PARITY_TOLERANCE) -> HFSmoothQuantExport:
+    """Smooth ``wrapper`` (a deep copy; the original is untouched), export it and prove that the
+    ONNX file computes the original outputs. A failure leaves no file."""
+    from .export import WRAPPER_ATTR, export_hf_onnx, onnx_outputs, torch_outputs
+
+    spec = loaded.spec
+    fold, formula = fold_rule(spec)
+    smoothed, plan = smooth_module(wrapper, calib_inputs, alpha, placement=spec.placement, norm=spec.norm,
+                                   is_norm=is_hf_norm, fold=fold, batch_size=8,
+                                   parity_tolerance=tolerance, relative_parity=True,
+                                   strip_prefix=f"{WRAPPER_ATTR}.")  # names as the ONNX nodes carry them
+    out_path = Path(out_path)
+    exported = export_hf_onnx(smoothed, out_path, parity_inputs, outputs=outputs, max_positions=max_positions,
+                              opset=opset)
+    diff = 0.0
+    for got, want in zip(onnx_outputs(out_path, parity_inputs), torch_outputs(wrapper, parity_inputs), strict=True):
+        d = float(np.max(np.abs(got.astype(np.float64) - want.astype(np.float64)))) / max(1.0, float(np.abs(want).max()))
+        if not d <= diff:  # NaN propagates
+            diff = d
+    if not diff <= tolerance:
+        out_path.unlink(missing_ok=True)
+        raise ExportError(f"smoothed ONNX model does not match the original model: max relative |delta| = "
+                          f"{diff:.3g} > {tolerance:g}; no file kept")
+    return HFSmoothQuantExport(out_path, plan, exported, diff, formula)
+
+
+class HFSmoothedModels:
+    """The Hugging Face counterpart of ``quantnorm.smoothquant.SmoothedModels``: one smoothed
+    export per alpha, made on first use, shared by the recipe loop and the search."""
+
+    def __init__(self, loaded, wrapper, calib_inputs, parity_inputs, out_dir: Path, *, outputs: tuple[str, ...],
+                 max_positions: int | None, opset: int):
+        self.loaded, self.wrapper = loaded, wrapper
+        self.calib_inputs, self.parity_inputs = calib_inputs, parity_inputs
+        self.out_dir, self.outputs, self.max_positions, self.opset = Path(out_dir), outputs, max_positions, opset
+        self.exports: dict[float, HFSmoothQuantExport] = {}
+
+    def get(self, alpha: float) -> HFSmoothQuantExport:
+        alpha = float(alpha)
+        if alpha not in self.exports:
+            name = SMOOTHED_ONNX_FILE if not self.exports else SMOOTHED_ONNX_FILE.replace(".onnx", f".a{alpha:g}.onnx")
+            self.exports[alpha] = smooth_and_export(self.loaded, self.wrapper, self.calib_inputs, self.parity_inputs,
+                                                    self.out_dir / name, alpha=alpha, outputs=self.outputs,
+                                                    max_positions=self.max_positions, opset=self.opset)
+        return self.exports[alpha]
+
+    def fp32_for(self, recipe, default: Path) -> Path:
+        alpha = getattr(recipe, "smoothquant_alpha", None)
+        return default if alpha is None else self.get(alpha).path
