@@ -677,6 +677,8 @@ def claim_grad_at_init(sweep: Sweep) -> Finding:
                 f"pre {e_pre.format('+.3f')} (0 = even; > 0 = larger near the output)",
                 f"post minus pre: {diff.format('+.3f')}"]
     f.verdict = combine([verdict_sign(e_post, +1), verdict_sign(diff, +1)])
+    f.why = ("rule: post's log(last block / first block) gradient norm above 0 and above pre's, matched on norm, "
+             "depth, warm-up and seed (95% intervals)")
     return f
 
 

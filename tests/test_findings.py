@@ -497,3 +497,12 @@ def test_findings_command_one_line_errors(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "no finished cell" in err
     assert not (tmp_path / FINDINGS_FILE).exists()
+
+
+def test_every_verdict_says_why(tmp_path):
+    """The verdict table's "why" column is never empty, whatever the verdict."""
+    text = "\n".join(findings_section(load_sweep(_write_sweep(tmp_path))))
+    rows = [line for line in text.splitlines() if line.startswith("| ") and line[2:4].strip().isdigit()]
+    assert len(rows) == 12
+    assert "| 2 | At initialization" in text and "**not tested**" not in rows[1]  # claim 2 measured here
+    assert all(not line.rstrip().endswith("|  |") for line in rows)
