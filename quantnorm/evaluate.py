@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -178,11 +178,14 @@ def evaluate(run_dir: RunDir, cfg: EvaluateConfig, *, command: str) -> dict:
     extra: dict = {}
     if AUTO in cfg.recipes:
         with timed(stage_seconds, "search"):
-            extra["search"] = run_search(run_dir, cfg, fp32_path, fp32_session, smoothed, calib_inputs, eval_inputs,
-                                         eval_targets, spec, vnni, recipes_out, int8_paths, fp32_sources)
+            extra["search"] = run_search(
+                run_dir.path, cfg, fp32_path, smoothed, calib_inputs, eval_inputs, eval_targets, spec, vnni,
+                recipes_out, int8_paths, fp32_sources,
+                measure=lambda path: compare(fp32_session, make_session(path, spec), eval_inputs, eval_targets,
+                                             batch_size=cfg.eval_batch_size).to_dict())
     if smoothed.exports:
         with timed(stage_seconds, "smoothquant_latency"):
-            extra["smoothquant"] = smoothquant_section(run_dir, cfg, fp32_path, smoothed, window)
+            extra["smoothquant"] = smoothquant_section(run_dir.path, cfg, fp32_path, smoothed, window)
 
     with timed(stage_seconds, "latency"):
         rows = bench_grid({"fp32": fp32_path, **int8_paths}, cfg.provider_list(), list(cfg.latency_batches), window,
@@ -243,15 +246,15 @@ def measure_outliers(model, run_dir: RunDir, fp32_path: Path, int8_paths: dict[s
     return {"outliers": report, "sqnr": sqnr, "sqnr_summary": summaries}
 
 
-def smoothquant_section(run_dir: RunDir, cfg: EvaluateConfig, fp32_path: Path, smoothed: SmoothedModels,
-                        seq: int) -> dict:
+def smoothquant_section(run_dir: Path, cfg: EvaluateConfig, fp32_path: Path, smoothed, seq: int) -> dict:
     """``results["smoothquant"]``: the plan (folded / explicit MatMuls, per-placement statement),
-    the parity figures, and what the explicit Muls cost the FP32 model at batch 8 on the CPU."""
+    the parity figures, and what the explicit Muls cost the FP32 model at batch 8 on the CPU.
+    ``smoothed``: the run's ``SmoothedModels`` (zoo) or ``HFSmoothedModels`` (checkpoints)."""
     from .measure.sessions import CPU
     from .smoothquant import fp32_latency_cost
 
     export = next(iter(smoothed.exports.values()))  # one alpha per evaluate run
-    section = export.to_dict(run_dir.path)
+    section = export.to_dict(run_dir)
     cost = fp32_latency_cost(fp32_path, export.path,
                              SessionSpec(provider=CPU, graph_optimization_level=cfg.graph_optimization_level,
                                          threads=cfg.threads),
@@ -261,27 +264,28 @@ def smoothquant_section(run_dir: RunDir, cfg: EvaluateConfig, fp32_path: Path, s
     return section
 
 
-def run_search(run_dir: RunDir, cfg: EvaluateConfig, fp32_path: Path, fp32_session, smoothed: SmoothedModels,
-               calib_inputs, eval_inputs, eval_targets, spec: SessionSpec, vnni: bool, recipes_out: list[dict],
-               int8_paths: dict[str, Path], fp32_sources: dict[str, Path]) -> dict:
+def run_search(run_dir: Path, cfg: EvaluateConfig, fp32_path: Path, smoothed, calib_inputs, eval_inputs,
+               eval_targets, spec: SessionSpec, vnni: bool, recipes_out: list[dict], int8_paths: dict[str, Path],
+               fp32_sources: dict[str, Path], *, measure: Callable[[Path], dict], scorer: Callable | None = None,
+               level: str = "byte") -> dict:
     """``--recipes auto``: search, keep the chosen model (or, when none passes, the best one) as the
-    recipe entry ``auto:<recipe>`` measured on the whole evaluation range; return ``results["search"]``."""
+    recipe entry ``auto:<recipe>``, measured by ``measure(int8_path)`` (the run's own accuracy dict,
+    on the whole evaluation range); return ``results["search"]``. ``scorer``/``level``: how trials
+    are scored (default: the zoo's byte-level metrics; ``--model`` scores over tokens)."""
     from .search import keep_trial_model, search_recipes
 
-    work_dir = run_dir.file("search")
+    work_dir = Path(run_dir) / "search"
     shutil.rmtree(work_dir, ignore_errors=True)
     try:
         result = search_recipes(fp32_path, work_dir, calib_inputs, eval_inputs, eval_targets,
-                                cfg=cfg.search_config(), spec=spec, vnni=vnni,
+                                cfg=cfg.search_config(), spec=spec, vnni=vnni, scorer=scorer, level=level,
                                 fp32_for=lambda recipe: smoothed.fp32_for(recipe, fp32_path))
         keep = result.chosen or result.best
         if keep is not None:
             name = f"{AUTO}:{keep.name}"
-            path = keep_trial_model(keep, run_dir.file(int8_onnx_file(AUTO)))
-            acc = compare(fp32_session, make_session(path, spec), eval_inputs, eval_targets,
-                          batch_size=cfg.eval_batch_size)
+            path = keep_trial_model(keep, Path(run_dir) / int8_onnx_file(AUTO))
             recipes_out.append({"name": name, "status": "ok", "settings": keep.settings, "session": spec.to_dict(),
-                                "path": path.name, "size_bytes": path.stat().st_size, "accuracy": acc.to_dict(),
+                                "path": path.name, "size_bytes": path.stat().st_size, "accuracy": measure(path),
                                 "search_passed": keep.passed})
             int8_paths[name] = path
             source = smoothed.fp32_for(cfg.search_config().resolve(keep.recipe), fp32_path)

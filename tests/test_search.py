@@ -138,8 +138,8 @@ def test_pick_fastest_takes_the_fastest_passing_model(lm, tmp_path):
 def test_evaluate_wiring_keeps_the_chosen_model_as_auto_entry(lm, tmp_path):
     """evaluate's --recipes auto and SmoothQuant sections, without training a model."""
     from quantnorm.evaluate import AUTO, EvaluateConfig, run_search, smoothquant_section
+    from quantnorm.measure.accuracy import compare
     from quantnorm.measure.sessions import make_session
-    from quantnorm.runs import RunDir
 
     root, fp32, smoothed = lm
     cfg = EvaluateConfig(recipes=(AUTO, "smoothquant"), max_ppl_ratio=10.0, search_pick="first", threads=1,
@@ -150,10 +150,11 @@ def test_evaluate_wiring_keeps_the_chosen_model_as_auto_entry(lm, tmp_path):
         EvaluateConfig(recipes=("smoothquant",), sq_alpha=2.0)
     assert EvaluateConfig(recipes=("smoothquant",), sq_alpha=0.75).recipe("smoothquant").smoothquant_alpha == 0.75
 
-    run_dir = RunDir(tmp_path)
     recipes_out, int8_paths, sources = [], {}, {}
-    search = run_search(run_dir, cfg, fp32, make_session(fp32, SPEC), smoothed, CALIB, EVAL, TARGETS, SPEC, False,
-                        recipes_out, int8_paths, sources)
+    fp32_session = make_session(fp32, SPEC)
+    search = run_search(tmp_path, cfg, fp32, smoothed, CALIB, EVAL, TARGETS, SPEC, False, recipes_out, int8_paths,
+                        sources, measure=lambda path: compare(fp32_session, make_session(path, SPEC), EVAL,
+                                                              TARGETS).to_dict())
     assert search["status"] == "passed" and search["chosen"]["index"] == 1 and len(search["trials"]) == 1
     (entry,) = recipes_out
     assert entry["name"] == "auto:static-minmax-matmul" and entry["search_passed"] is True
@@ -161,7 +162,7 @@ def test_evaluate_wiring_keeps_the_chosen_model_as_auto_entry(lm, tmp_path):
     assert (tmp_path / entry["path"]).is_file() and not (tmp_path / "search").exists()
     assert int8_paths == {"auto:static-minmax-matmul": tmp_path / "model.int8.auto.onnx"}
 
-    section = smoothquant_section(RunDir(root), cfg, fp32, smoothed, CONTEXT)
+    section = smoothquant_section(root, cfg, fp32, smoothed, CONTEXT)
     assert section["folded"] and section["explicit_scale"] and section["fp32_latency"]["batch"] == 8
     assert section["fp32_latency_ratio"] > 0 and "statement" in section
     json.dumps(search), json.dumps(section)

@@ -26,7 +26,7 @@ from tqdm import tqdm
 from .. import __version__
 from ..data import BUILTIN_PYDOC
 from ..errors import ConfigError, QuantizeError
-from ..evaluate import AUTO  # --recipes auto: the accuracy-aware search
+from ..evaluate import AUTO, run_search, smoothquant_section  # AUTO: --recipes auto, the search
 from ..fileio import write_json_atomic
 from ..hardware import cpu_has_vnni, hardware_info
 from ..measure.latency import bench_grid
@@ -168,8 +168,8 @@ def evaluate_hf(opts: HFOptions, cfg, *, command: str) -> tuple[dict, Path]:
         extra["search"] = timed("search", run_search_hf, run_dir, cfg, spec.kind, fp32_path, fp32_session, smoothed,
                                 data, mlm, spec_session, vnni, recipes_out, int8_paths, fp32_sources)
     if smoothed.exports:
-        extra["smoothquant"] = timed("smoothquant_latency", smoothquant_section_hf, run_dir, cfg, fp32_path,
-                                     smoothed, data.window)
+        extra["smoothquant"] = timed("smoothquant_latency", smoothquant_section, run_dir, cfg, fp32_path, smoothed,
+                                     data.window)
 
     rows = timed("latency", bench_grid, {"fp32": fp32_path, **int8_paths}, cfg.provider_list(),
                  list(cfg.latency_batches), data.window, threads=cfg.threads,
@@ -237,58 +237,22 @@ def token_scorer(fp32_session, int8_session, inputs, targets) -> TokenScore:
 def run_search_hf(run_dir: Path, cfg, kind: str, fp32_path: Path, fp32_session, smoothed, data, mlm,
                   spec_session, vnni: bool, recipes_out: list[dict], int8_paths: dict[str, Path],
                   fp32_sources: dict[str, Path]) -> dict:
-    """``--recipes auto`` on a checkpoint: the zoo's search (``quantnorm.search``) scored over tokens;
-    the chosen model (or the best, when none passes) becomes the recipe entry ``auto:<recipe>``,
-    measured on the whole evaluation range with the usual metrics. Returns ``results["search"]``."""
+    """``--recipes auto`` on a checkpoint: the zoo's search scored over tokens (next tokens for causal
+    LMs, the masked positions for MLM encoders); the kept model is measured with the usual metrics."""
     from ..measure.sessions import make_session
-    from ..search import keep_trial_model, search_recipes
 
     if kind == "causal":
         inputs, targets = data.eval_inputs, data.eval_targets
     else:  # encoders with an MLM head (checked before anything ran): score the masked positions
         masked, scored = mlm
         inputs, targets = masked, np.where(scored, data.eval_inputs, -1)
-    work_dir = run_dir / "search"
-    shutil.rmtree(work_dir, ignore_errors=True)
-    try:
-        result = search_recipes(fp32_path, work_dir, data.calib_inputs, inputs, targets, cfg=cfg.search_config(),
-                                spec=spec_session, vnni=vnni, scorer=token_scorer, level="token",
-                                fp32_for=lambda recipe: smoothed.fp32_for(recipe, fp32_path))
-        keep = result.chosen or result.best
-        if keep is not None:
-            name = f"{AUTO}:{keep.name}"
-            path = keep_trial_model(keep, run_dir / int8_onnx_file(AUTO))
-            acc = accuracy_hf(kind, fp32_session, make_session(path, spec_session), data, mlm, cfg)
-            recipes_out.append({"name": name, "status": "ok", "settings": keep.settings,
-                                "session": spec_session.to_dict(), "path": path.name,
-                                "size_bytes": path.stat().st_size, "accuracy": acc, "search_passed": keep.passed})
-            int8_paths[name] = path
-            source = smoothed.fp32_for(cfg.search_config().resolve(keep.recipe), fp32_path)
-            if source != fp32_path:
-                fp32_sources[name] = source
-    finally:
-        shutil.rmtree(work_dir, ignore_errors=True)
-    out = result.to_dict()
+    out = run_search(run_dir, cfg, fp32_path, smoothed, data.calib_inputs, inputs, targets, spec_session, vnni,
+                     recipes_out, int8_paths, fp32_sources, scorer=token_scorer, level="token",
+                     measure=lambda path: accuracy_hf(kind, fp32_session, make_session(path, spec_session), data,
+                                                      mlm, cfg))
     out["metric"] = ("1/ppl_ratio over next tokens (higher is better; FP32 baseline 1)" if kind == "causal" else
                      "1/ppl_ratio over the masked positions of the MLM windows (higher is better; FP32 baseline 1)")
     return out
-
-
-def smoothquant_section_hf(run_dir: Path, cfg, fp32_path: Path, smoothed, seq: int) -> dict:
-    """``results["smoothquant"]``: the plan per architecture, the parity figures, and what the
-    explicit Muls cost the FP32 model at batch 8 on the CPU (as the zoo's section)."""
-    from ..measure.sessions import CPU
-    from ..smoothquant import fp32_latency_cost
-
-    export = next(iter(smoothed.exports.values()))
-    section = export.to_dict(run_dir)
-    cost = fp32_latency_cost(fp32_path, export.path,
-                             SessionSpec(provider=CPU, graph_optimization_level=cfg.graph_optimization_level,
-                                         threads=cfg.threads),
-                             seq=seq, iters=cfg.latency_iters, warmup=cfg.latency_warmup)
-    section["fp32_latency"] = cost
-    section["fp32_latency_ratio"] = cost.get("fp32_latency_ratio")
-    return section
 
 
 def softmax_input_quantization(int8_path: Path) -> dict:
