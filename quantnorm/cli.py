@@ -124,10 +124,15 @@ def _int_csv(value: str, flag: str) -> tuple[int, ...]:
         raise click.BadParameter(f"expected comma-separated integers, got {value!r}", param_hint=flag) from None
 
 
+_invocation: list[str] | None = None  # the arguments main() was given (None: sys.argv)
+
+
 def _command_line() -> str:
+    """The command as the user typed it (recorded in results.json, sweep.json and reports)."""
     import shlex
 
-    return "quantnorm " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    args = sys.argv[1:] if _invocation is None else _invocation
+    return "quantnorm " + " ".join(shlex.quote(a) for a in args)
 
 
 @cli.command()
@@ -448,7 +453,9 @@ def findings(sweep_dir):
 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point: one-line errors and exit code 2 for anything a user can fix."""
-    argv = sys.argv[1:] if argv is None else argv
+    global _invocation
+    argv = sys.argv[1:] if argv is None else list(argv)
+    _invocation = argv
     debug = "--debug" in argv
     try:
         result = cli.main(args=argv, prog_name="quantnorm", standalone_mode=False)

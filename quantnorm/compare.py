@@ -1095,8 +1095,13 @@ def findings(sweep: Sweep) -> tuple[list[Finding], dict]:
 def _manifest_line(sweep: Sweep) -> list[str]:
     m = sweep.manifest or {}
     out = []
-    if m.get("command"):
-        out.append(f"Reproduce: `{m['command']}`  ")
+    commands = m.get("commands") or ([m["command"]] if m.get("command") else [])
+    if len(commands) == 1:
+        out.append(f"Reproduce: `{commands[0]}`  ")
+    elif commands:
+        out += [f"Reproduce: this directory was grown by {len(commands)} invocations; run them in this order "
+                f"(each skips the cells already finished):", ""]
+        out += [f"{i}. `{c}`" for i, c in enumerate(commands, 1)] + [""]
     s = m.get("settings") or {}
     if s:
         out.append(f"Settings: d_model {s.get('d_model')}, heads {s.get('heads')}, context {s.get('context')}, "

@@ -389,9 +389,16 @@ class _Manifest:
     def __init__(self, path: Path, cfg: SweepConfig, command: str, jobs: int | None, executor: str,
                  previous: dict | None):
         self.path = path
+        # Every invocation that grew or resumed this directory, oldest first (a directory whose axes
+        # grew needs all of them to be reproduced); "command" stays the latest one.
+        commands = list((previous or {}).get("commands") or
+                        ([previous["command"]] if (previous or {}).get("command") else []))
+        if command:
+            commands = [c for c in commands if c != command] + [command]
         self.data = {
             "sweep_version": MANIFEST_VERSION,
             "command": command,
+            "commands": commands,
             "created": (previous or {}).get("created") or _now(),
             "updated": _now(),
             "settings": cfg.to_dict(),

@@ -165,6 +165,22 @@ def test_a_failing_cell_is_recorded_and_the_others_go_on(tmp_path, small_corpus,
     assert [p for p, _ in calls2] == ["pre"]
 
 
+def test_a_grown_sweep_records_every_invocation_in_order(tmp_path, small_corpus, monkeypatch):
+    """Axes grown by a second invocation: the manifest keeps both commands (a resume of the first
+    moves it to the end) and the report lists them all, so the directory can be reproduced."""
+    run, _ = _stub_cell({"pre": "ok", "peri": "ok"})
+    monkeypatch.setattr(sweep_mod, "run_cell_process", run)
+    out = tmp_path / "s"
+    first, second = _sweep_args(out, small_corpus, "pre"), _sweep_args(out, small_corpus, "peri")
+    assert main(first) == 0 and main(second) == 0
+    commands = json.loads((out / MANIFEST_FILE).read_text())["commands"]
+    assert len(commands) == 2 and "--placements pre " in commands[0] and "--placements peri " in commands[1]
+    report = (out / "report.md").read_text()
+    assert "grown by 2 invocations" in report and f"1. `{commands[0]}`" in report and f"2. `{commands[1]}`" in report
+    assert main(first) == 0  # resuming the first moves it last: the order they must run in to reproduce
+    assert json.loads((out / MANIFEST_FILE).read_text())["commands"] == [commands[1], commands[0]]
+
+
 def test_a_corrupt_results_json_is_redone(tmp_path, small_corpus, monkeypatch):
     run, calls = _stub_cell({"pre": "ok", "peri": "ok"})
     monkeypatch.setattr(sweep_mod, "run_cell_process", run)
