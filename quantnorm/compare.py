@@ -588,6 +588,12 @@ def _missing(sweep: Sweep, placements: Iterable[str]) -> list[str]:
     return [p for p in placements if p not in present]
 
 
+def _missing_why(sweep: Sweep, placements: Iterable[str]) -> str | None:
+    """Why a claim is not tested when placements it compares have no cells; None when all are there."""
+    missing = _missing(sweep, placements)
+    return f"no {' and '.join(missing)} cells in the sweep" if missing else None
+
+
 def _fmt_pct(est: Estimate) -> str:
     """A log-ratio estimate as a percentage change."""
     if est.mean is None:
@@ -615,8 +621,8 @@ def claim_warmup(sweep: Sweep) -> Finding:
     if 0 not in sweep.warmups or len(sweep.warmups) < 2:
         f.why = "the sweep has no warm-up axis with 0 and a positive value: run with --warmups 0,30"
         return f
-    if _missing(sweep, ("post", "pre")):
-        f.why = f"no {' and '.join(_missing(sweep, ('post', 'pre')))} cells in the sweep"
+    if why := _missing_why(sweep, ("post", "pre")):
+        f.why = why
         return f
     w = max(sweep.warmups)
     key = lambda c: (c.norm, c.depth, c.seed)  # noqa: E731
@@ -655,8 +661,8 @@ def claim_warmup(sweep: Sweep) -> Finding:
 def claim_grad_at_init(sweep: Sweep) -> Finding:
     f = Finding(2, "At initialization Post-LN's gradients are largest near the output and shrink toward the "
                    "input; Pre-LN's are even", "Xiong et al. 2020", NOT_TESTED)
-    if _missing(sweep, ("post", "pre")):
-        f.why = f"no {' and '.join(_missing(sweep, ('post', 'pre')))} cells in the sweep"
+    if why := _missing_why(sweep, ("post", "pre")):
+        f.why = why
         return f
 
     def slope(c: CellResult) -> float | None:
@@ -732,8 +738,8 @@ def _depth_shape(k: Estimate, ref: float | None) -> str:
 def claim_perturbation(sweep: Sweep) -> Finding:
     f = Finding(3, "Post-LN amplifies parameter perturbations (O(N) in depth) far more than Pre-LN (O(log N))",
                 "Liu et al. 2020", NOT_TESTED)
-    if _missing(sweep, ("post", "pre")):
-        f.why = f"no {' and '.join(_missing(sweep, ('post', 'pre')))} cells in the sweep"
+    if why := _missing_why(sweep, ("post", "pre")):
+        f.why = why
         return f
     if not any(c.perturbation for c in sweep.cells):
         f.why = ("results.json holds no weight-perturbation measurement (diagnostics.perturbation: evaluate "
@@ -841,8 +847,8 @@ def claim_residual_growth(sweep: Sweep) -> tuple[Finding, dict[str, dict]]:
 def claim_massive(sweep: Sweep) -> Finding:
     f = Finding(5, "Pre-LN develops massive activations; Peri-LN keeps them bounded", "Sun et al. 2024; Peri-LN paper",
                 NOT_TESTED)
-    if _missing(sweep, ("pre", "peri")):
-        f.why = f"no {' and '.join(_missing(sweep, ('pre', 'peri')))} cells in the sweep"
+    if why := _missing_why(sweep, ("pre", "peri")):
+        f.why = why
         return f
     pre, peri = sweep.select(placement="pre"), sweep.select(placement="peri")
     e_pre, e_peri = group_estimate(pre, CellResult.max_ratio), group_estimate(peri, CellResult.max_ratio)
@@ -865,8 +871,8 @@ def claim_massive(sweep: Sweep) -> Finding:
 def claim_peri_vs_pre(sweep: Sweep) -> Finding:
     f = Finding(6, "Peri-LN reaches lower loss with fewer gradient spikes and less seed-to-seed variance than Pre-LN",
                 "Peri-LN paper", NOT_TESTED)
-    if _missing(sweep, ("pre", "peri")):
-        f.why = f"no {' and '.join(_missing(sweep, ('pre', 'peri')))} cells in the sweep"
+    if why := _missing_why(sweep, ("pre", "peri")):
+        f.why = why
         return f
     key = lambda c: (c.norm, c.depth, c.warmup, c.seed)  # noqa: E731
     pre, peri = sweep.select(placement="pre"), sweep.select(placement="peri")
@@ -889,8 +895,8 @@ def claim_peri_vs_pre(sweep: Sweep) -> Finding:
 def claim_collapse(sweep: Sweep) -> Finding:
     f = Finding(7, "Deep Pre-LN stacks lose representation diversity (later layers' outputs become alike)",
                 "ResiDual paper (Xie et al. 2023)", NOT_TESTED)
-    if _missing(sweep, ("pre",)):
-        f.why = "no pre cells in the sweep"
+    if why := _missing_why(sweep, ("pre",)):
+        f.why = why
         return f
     measured = [c for c in sweep.cells if c.block_cosine]
     if not measured:
@@ -940,8 +946,8 @@ def claim_deepnorm(sweep: Sweep) -> Finding:
     if len(sweep.depths) < 2:
         f.why = "the sweep has no depth axis: run with --depths 2,8 (or deeper)"
         return f
-    if _missing(sweep, ("deepnorm", "post")):
-        f.why = f"no {' and '.join(_missing(sweep, ('deepnorm', 'post')))} cells in the sweep"
+    if why := _missing_why(sweep, ("deepnorm", "post")):
+        f.why = why
         return f
     key = lambda c: (c.norm, c.warmup, c.seed)  # noqa: E731
     for d in sweep.depths:
@@ -963,23 +969,28 @@ def claim_deepnorm(sweep: Sweep) -> Finding:
     return f
 
 
+def _norm_difference(sweep: Sweep, metric: Callable[[CellResult], float | None], first: str = "rms",
+                     second: str = "layer") -> Estimate:
+    """``metric`` of the ``first`` norm minus the ``second``'s, matched on placement, depth, warm-up and seed."""
+    key = lambda c: (c.placement, c.depth, c.warmup, c.seed)  # noqa: E731
+    return matched_difference(_keyed(sweep.select(norm=first), key, metric),
+                              _keyed(sweep.select(norm=second), key, metric))
+
+
 def claim_rms_speed(sweep: Sweep) -> Finding:
     f = Finding(9, "RMSNorm is faster than LayerNorm (7-64% reported); optimized LayerNorm closes the gap",
                 "Zhang & Sennrich 2019; Costello et al. 2025", NOT_TESTED)
     if {c.norm for c in sweep.cells} < {"layer", "rms"}:
         f.why = "the sweep needs both norms: --norms layer,rms"
         return f
-    key = lambda c: (c.placement, c.depth, c.warmup, c.seed)  # noqa: E731
     log_tps = lambda c: math.log(c.train["tokens_per_s"]) if (c.train.get("tokens_per_s") or 0) > 0 else None  # noqa: E731
-    train_speed = matched_difference(_keyed(sweep.select(norm="rms"), key, log_tps),
-                                     _keyed(sweep.select(norm="layer"), key, log_tps))
+    train_speed = _norm_difference(sweep, log_tps)
 
     def log_p50(c: CellResult) -> float | None:
         v = c.fp32_p50()[0]
         return math.log(v) if v else None
 
-    ort_speed = matched_difference(_keyed(sweep.select(norm="layer"), key, log_p50),
-                                   _keyed(sweep.select(norm="rms"), key, log_p50))
+    ort_speed = _norm_difference(sweep, log_p50, first="layer", second="rms")
     f.lines.append(f"training tokens/s, RMSNorm vs LayerNorm: {_fmt_pct(train_speed)}")
     f.lines.append(f"ONNX Runtime FP32 p50 latency, LayerNorm vs RMSNorm (CPU, largest batch; > 0 = RMSNorm faster): "
                    f"{_fmt_pct(ort_speed)}")
@@ -1001,12 +1012,9 @@ def claim_layer_friendlier(sweep: Sweep) -> Finding:
     if not recipes:
         f.why = "no recipe was measured"
         return f
-    key = lambda c: (c.placement, c.depth, c.warmup, c.seed)  # noqa: E731
     verdicts = {}
     for name in recipes:
-        metric = lambda c, n=name: c.accuracy(n, "ppl_ratio")  # noqa: E731
-        diff = matched_difference(_keyed(sweep.select(norm="rms"), key, metric),
-                                  _keyed(sweep.select(norm="layer"), key, metric))
+        diff = _norm_difference(sweep, lambda c, n=name: c.accuracy(n, "ppl_ratio"))
         verdicts[name] = verdict_sign(diff, +1)
         f.lines.append(f"`{name}`: PPL ratio RMSNorm minus LayerNorm {diff.format('+.4f')} (> 0 = LayerNorm quantizes better)")
     f.verdict = verdicts[recipes[0]]
@@ -1051,8 +1059,8 @@ def claim_outliers_predict(sweep: Sweep) -> tuple[Finding, dict[str, Correlation
 
 def claim_post_best(sweep: Sweep) -> Finding:
     f = Finding(12, "Post-LN, trained well, can end with better accuracy than Pre-LN", "seed articles", NOT_TESTED)
-    if _missing(sweep, ("post", "pre")):
-        f.why = f"no {' and '.join(_missing(sweep, ('post', 'pre')))} cells in the sweep"
+    if why := _missing_why(sweep, ("post", "pre")):
+        f.why = why
         return f
     best = {}
     for p in ("post", "pre"):

@@ -188,16 +188,10 @@ def evaluate(run_dir: RunDir, cfg: EvaluateConfig, *, command: str) -> dict:
             extra["smoothquant"] = smoothquant_section(run_dir.path, cfg, fp32_path, smoothed, window)
 
     with timed(stage_seconds, "latency"):
-        rows = bench_grid({"fp32": fp32_path, **int8_paths}, cfg.provider_list(), list(cfg.latency_batches), window,
-                          threads=cfg.threads, graph_optimization_level=cfg.graph_optimization_level,
-                          warmup=cfg.latency_warmup, iters=cfg.latency_iters, progress=cfg.progress)
+        rows = measure_latency(cfg, {"fp32": fp32_path, **int8_paths}, window)
 
     results = {
-        "schema_version": SCHEMA_VERSION,
-        "quantnorm_version": __version__,
-        "command": command,
-        "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "hardware": hardware_info(cfg.threads),
+        **results_header(command, cfg.threads),
         "model": {**run.model.to_dict(), "n_params": model.n_params(), "source": "trained",
                   "run_dir": str(run_dir.path)},
         "data": {**data.describe(), "n_eval_windows": int(len(eval_inputs)), "n_calib_windows": int(len(calib_inputs))},
@@ -221,6 +215,24 @@ def evaluate(run_dir: RunDir, cfg: EvaluateConfig, *, command: str) -> dict:
     write_json_atomic(run_dir.file(RESULTS_FILE), results)
     write_report(run_dir.path, results)
     return results
+
+
+def results_header(command: str, threads: int | None) -> dict:
+    """The keys every results.json starts with (RESULTS.md): schema, version, command, time, hardware."""
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "quantnorm_version": __version__,
+        "command": command,
+        "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "hardware": hardware_info(threads),
+    }
+
+
+def measure_latency(cfg: EvaluateConfig, models: dict[str, Path], seq: int) -> list:
+    """p50/p90 rows of every model x provider x batch size at ``seq`` tokens, as ``cfg`` asks."""
+    return bench_grid(models, cfg.provider_list(), list(cfg.latency_batches), seq, threads=cfg.threads,
+                      graph_optimization_level=cfg.graph_optimization_level, warmup=cfg.latency_warmup,
+                      iters=cfg.latency_iters, progress=cfg.progress)
 
 
 def measure_outliers(model, run_dir: RunDir, fp32_path: Path, int8_paths: dict[str, Path], inputs,

@@ -117,13 +117,7 @@ def _export_checked(model, out_path: Path, parity_inputs: np.ndarray, opset: int
                 raise ExportError(f"torch.onnx.export failed at opset {opset}: {exc}"
                                   + (f" (exporter said: {' | '.join(tail)})" if tail else "")) from exc
 
-        onnx_model = onnx.load(str(tmp))
-        _rename_nodes_by_module(onnx_model)
-        try:
-            onnx.checker.check_model(onnx_model)
-        except onnx.checker.ValidationError as exc:
-            raise ExportError(f"exported ONNX model fails onnx.checker: {exc}") from exc
-        onnx.save(onnx_model, str(tmp))
+        onnx_model = finish_onnx_file(tmp, _rename_nodes_by_module)
 
         with torch.no_grad():
             expected = model(torch.from_numpy(parity_inputs).to(device)).float().cpu().numpy()
@@ -175,6 +169,19 @@ def _quiet_exporter() -> Iterator[io.StringIO]:
     finally:
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)
+
+
+def finish_onnx_file(path: Path, name_nodes) -> onnx.ModelProto:
+    """Load a freshly exported file, name its nodes (``name_nodes(model)``), check it with
+    ``onnx.checker`` (an ``ExportError`` if it fails) and save it back; return the model."""
+    model = onnx.load(str(path))
+    name_nodes(model)
+    try:
+        onnx.checker.check_model(model)
+    except onnx.checker.ValidationError as exc:
+        raise ExportError(f"exported ONNX model fails onnx.checker: {exc}") from exc
+    onnx.save(model, str(path))
+    return model
 
 
 def _rename_nodes_by_module(model: onnx.ModelProto) -> None:
@@ -316,3 +323,22 @@ def _constant_values(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
                 elif attr.name in ("value_float", "value_int"):
                     values[node.output[0]] = np.asarray(attr.f if attr.name == "value_float" else attr.i)
     return values
+
+
+def torch_outputs(model, inputs: np.ndarray, batch_size: int = 16) -> list[np.ndarray]:
+    """Every output of ``model`` (a module taking int64 windows) on ``inputs``, in batches,
+    concatenated: a list even for a single logits tensor."""
+    import torch
+
+    was_training = model.training
+    model.eval()
+    parts: list[list[np.ndarray]] = []
+    try:
+        with torch.no_grad():
+            for lo in range(0, len(inputs), batch_size):
+                out = model(torch.from_numpy(np.ascontiguousarray(inputs[lo:lo + batch_size], dtype=np.int64)))
+                out = out if isinstance(out, (tuple, list)) else (out,)
+                parts.append([o.float().cpu().numpy() for o in out])
+    finally:
+        model.train(was_training)
+    return [np.concatenate([p[i] for p in parts]) for i in range(len(parts[0]))]

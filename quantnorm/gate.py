@@ -203,15 +203,20 @@ def _toml_type(value: Any) -> str:
     return {str: "string", int: "integer", float: "float"}.get(type(value), type(value).__name__) + f" ({value!r})"
 
 
+def _read_text(path: Path, error: type[Exception], what: str, missing_hint: str) -> str:
+    """A UTF-8 file's text; missing or unreadable -> ``error`` with one line naming ``what``."""
+    try:
+        return path.read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise error(f"{what} not found{missing_hint}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise error(f"{what} cannot be read ({_reason(exc)})") from None
+
+
 def load_policy(path: str | Path) -> Policy:
     """Read a TOML policy file; a missing file, invalid TOML, unknown keys or wrong types -> PolicyError."""
     path = Path(path)
-    try:
-        text = path.read_bytes().decode("utf-8")
-    except FileNotFoundError:
-        raise PolicyError(f"policy file {path} not found") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise PolicyError(f"policy file {path} cannot be read ({_reason(exc)})") from None
+    text = _read_text(path, PolicyError, f"policy file {path}", "")
     try:
         import tomllib  # Python 3.11+
     except ModuleNotFoundError:  # pragma: no cover - Python 3.10
@@ -485,12 +490,7 @@ def evaluate_gate(results: dict, policy: Policy, source: str = "results.json") -
 def load_results_file(path: str | Path) -> dict:
     """Read and schema-check one results.json; anything unreadable -> GateError (one line)."""
     path = Path(path)
-    try:
-        text = path.read_bytes().decode("utf-8")
-    except FileNotFoundError:
-        raise GateError(f"{path} not found: run `quantnorm evaluate` first") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise GateError(f"{path} cannot be read ({_reason(exc)})") from None
+    text = _read_text(path, GateError, str(path), ": run `quantnorm evaluate` first")
     try:
         results = json.loads(text)
     except json.JSONDecodeError as exc:

@@ -125,16 +125,10 @@ def render(results: dict, plots: dict[str, str]) -> str:
                          _fmt(100 * a["top1_agreement"], ".2f", "%"), _fmt(r.get("size_bytes", 0) / 1e6, ".2f", " MB")])
     L += _table(["recipe", "settings", "status", "PPL fp32", "PPL int8", "ratio", "KL mean / p99 / max (nats)",
                  "top-1", "size"], rows)
-    session = results["recipes"][0].get("session", {}) if results["recipes"] else {}
-    L += ["", f"Session: {session.get('provider')} with {session.get('graph_optimization_level')}."]
-    L += ["", "## Latency", ""]
-    L += latency_section(results)
+    L += session_and_latency(results)
     if "outliers" in results:
         L += outlier_section(results)
-    if "smoothquant" in results:
-        L += smoothquant_section(results["smoothquant"])
-    if "search" in results:
-        L += search_section(results["search"])
+    L += smoothquant_and_search(results)
     if "diagnostics" in results:
         L += diagnostics_section(results["diagnostics"])
     L += closing_sections(results, warnings_for(results), plots)
@@ -151,6 +145,23 @@ def closing_sections(results: dict, warn: list[str], plots: dict[str, str]) -> l
     if "stage_seconds" in results:
         L += ["", "## Where the time went", "",
               ", ".join(f"{k} {v:.1f} s" for k, v in results["stage_seconds"].items()) + "."]
+    return L
+
+
+def session_and_latency(results: dict) -> list[str]:
+    """The ONNX Runtime session the recipes ran in, then the latency section."""
+    session = results["recipes"][0].get("session", {}) if results["recipes"] else {}
+    return ["", f"Session: {session.get('provider')} with {session.get('graph_optimization_level')}.",
+            "", "## Latency", "", *latency_section(results)]
+
+
+def smoothquant_and_search(results: dict) -> list[str]:
+    """The SmoothQuant and accuracy-aware search sections, for the runs that have them."""
+    L: list[str] = []
+    if "smoothquant" in results:
+        L += smoothquant_section(results["smoothquant"])
+    if "search" in results:
+        L += search_section(results["search"])
     return L
 
 
@@ -202,14 +213,20 @@ def outlier_section(results: dict) -> list[str]:
     if o.get("bos_attention"):
         L.append("Mean attention on BOS per layer (queries after position 0): "
                  + ", ".join(f"{v:.2f}" for v in o["bos_attention"]) + ".")
+    return L + sqnr_tables(results)
+
+
+def sqnr_tables(results: dict) -> list[str]:
+    """Per static recipe: the rank correlation of outlier figures with SQNR and the worst tensors."""
+    L: list[str] = []
     for recipe, summary in results.get("sqnr_summary", {}).items():
         feeds = {r["tensor"]: ", ".join(r.get("modules", [])) for r in results.get("sqnr", {}).get(recipe, [])}
         L += ["", f"### Per-tensor SQNR, `{recipe}`", "",
               f"Spearman rank correlation with SQNR: ratio {_fmt(summary.get('spearman_ratio_sqnr'), '.2f')}, "
               f"kurtosis {_fmt(summary.get('spearman_kurtosis_sqnr'), '.2f')} (negative: bigger outliers, lower SQNR).", ""]
         L += _table(["worst tensor", "feeds", "SQNR dB", "max/median", "kurtosis", "inf-norm"], [
-            [f"`{w['tensor']}`", feeds.get(w["tensor"], ""), _fmt(w.get("sqnr_db"), ".1f"), _fmt(w.get("ratio"), ".1f"), _fmt(w.get("kurtosis"), ".1f"),
-             _fmt(w.get("inf_norm"), ".3g")] for w in summary.get("worst", [])])
+            [f"`{w['tensor']}`", feeds.get(w["tensor"], ""), _fmt(w.get("sqnr_db"), ".1f"), _fmt(w.get("ratio"), ".1f"),
+             _fmt(w.get("kurtosis"), ".1f"), _fmt(w.get("inf_norm"), ".3g")] for w in summary.get("worst", [])])
     return L
 
 

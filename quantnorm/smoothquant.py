@@ -64,6 +64,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .errors import ConfigError, ExportError, QuantizeError
+from .export import torch_outputs
 from .models import CausalLM
 from .models.norms import NORMS
 
@@ -438,22 +439,6 @@ def _replace_module(root: nn.Module, name: str, module: nn.Module) -> None:
     setattr(parent, child, module)
 
 
-def torch_outputs(model: nn.Module, inputs: np.ndarray, batch_size: int = 16) -> list[np.ndarray]:
-    """Every output of ``model`` on ``inputs`` (a list even for a single logits tensor)."""
-    was_training = model.training
-    model.eval()
-    parts: list[list[np.ndarray]] = []
-    try:
-        with torch.no_grad():
-            for b in _batches(inputs, batch_size):
-                out = model(b)
-                out = out if isinstance(out, (tuple, list)) else (out,)
-                parts.append([o.float().cpu().numpy() for o in out])
-    finally:
-        model.train(was_training)
-    return [np.concatenate([p[i] for p in parts]) for i in range(len(parts[0]))]
-
-
 def torch_logits(model: nn.Module, inputs: np.ndarray, batch_size: int = 16) -> np.ndarray:
     return torch_outputs(model, inputs, batch_size)[0]
 
@@ -461,12 +446,18 @@ def torch_logits(model: nn.Module, inputs: np.ndarray, batch_size: int = 16) -> 
 def max_abs_logit_diff(a: nn.Module, b: nn.Module, inputs: np.ndarray, *, relative: bool = False) -> float:
     """max |a - b| over every output; with ``relative`` each output's is divided by
     ``max(1, max |a|)`` (the scale-aware gate of the Hugging Face export)."""
+    return max_output_diff(torch_outputs(a, inputs), torch_outputs(b, inputs), relative=relative)
+
+
+def max_output_diff(reference: list[np.ndarray], other: list[np.ndarray], *, relative: bool = False) -> float:
+    """max |reference - other| over matching outputs; with ``relative`` each output's is divided by
+    ``max(1, max |reference|)``. NaN (a broken model) propagates: it fails every gate."""
     worst = 0.0
-    for la, lb in zip(torch_outputs(a, inputs), torch_outputs(b, inputs), strict=True):
-        d = float(np.max(np.abs(la.astype(np.float64) - lb.astype(np.float64))))
+    for ref, got in zip(reference, other, strict=True):
+        d = float(np.max(np.abs(ref.astype(np.float64) - got.astype(np.float64))))
         if relative:
-            d /= max(1.0, float(np.max(np.abs(la))))
-        if not d <= worst:  # NaN (a broken model) propagates: it fails every gate
+            d /= max(1.0, float(np.max(np.abs(ref))))
+        if not d <= worst:
             worst = d
         if np.isnan(worst):
             break
@@ -509,7 +500,7 @@ def export_smoothed(model: CausalLM, calib_inputs: np.ndarray, parity_inputs: np
     out_path = Path(out_path)
     exported = export_onnx(smoothed, out_path, parity_inputs, opset=opset)
     got = np.concatenate(list(run_logits(make_session(out_path, SessionSpec(threads=1)), np.asarray(parity_inputs))))
-    diff = float(np.max(np.abs(got.astype(np.float64) - torch_logits(model, np.asarray(parity_inputs)))))
+    diff = max_output_diff([torch_logits(model, np.asarray(parity_inputs))], [got])
     if not diff <= parity_tolerance:
         out_path.unlink(missing_ok=True)
         raise ExportError(f"smoothed ONNX model does not match the original model: max |delta logit| = {diff:.3g} "
@@ -559,9 +550,11 @@ class SmoothedModels:
         alpha = float(alpha)
         if alpha not in self.exports:
             name = SMOOTHED_ONNX_FILE if not self.exports else SMOOTHED_ONNX_FILE.replace(".onnx", f".a{alpha:g}.onnx")
-            self.exports[alpha] = export_smoothed(self.model, self.calib_inputs, self.parity_inputs,
-                                                  self.out_dir / name, alpha=alpha, opset=self.opset)
+            self.exports[alpha] = self._export(alpha, self.out_dir / name)
         return self.exports[alpha]
+
+    def _export(self, alpha: float, path: Path) -> SmoothQuantExport:
+        return export_smoothed(self.model, self.calib_inputs, self.parity_inputs, path, alpha=alpha, opset=self.opset)
 
     def fp32_for(self, recipe, default: Path) -> Path:
         """The FP32 model ``recipe`` quantizes: the smoothed export for a SmoothQuant recipe."""

@@ -17,24 +17,20 @@ from __future__ import annotations
 
 import shutil
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 from tqdm import tqdm
 
-from .. import __version__
 from ..data import BUILTIN_PYDOC
 from ..errors import ConfigError, QuantizeError
-from ..evaluate import AUTO, run_search, smoothquant_section  # AUTO: --recipes auto, the search
+from ..evaluate import AUTO, measure_latency, results_header, run_search, smoothquant_section
 from ..fileio import write_json_atomic
-from ..hardware import cpu_has_vnni, hardware_info
-from ..measure.latency import bench_grid
+from ..hardware import cpu_has_vnni
 from ..measure.sessions import SessionSpec, make_session
 from ..quantize import quantize
 from ..runs import FP32_ONNX_FILE, PLOTS_DIR, RESULTS_FILE, check_out_dir, int8_onnx_file
-
-SCHEMA_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -77,7 +73,6 @@ def evaluate_hf(opts: HFOptions, cfg, *, command: str) -> tuple[dict, Path]:
     from .data import mlm_windows, prepare_hf_data
     from .export import export_hf_onnx, make_wrapper, output_names
     from .loader import load_checkpoint
-    from .metrics import compare_tokens, encoder_compare, encoder_outputs
     from .report import write_hf_report
 
     stage_seconds: dict[str, float] = {}
@@ -120,10 +115,10 @@ def evaluate_hf(opts: HFOptions, cfg, *, command: str) -> tuple[dict, Path]:
     fp32_sources: dict[str, Path] = {}  # recipe -> the FP32 model it quantized, when not fp32_path
     recipes_out: list[dict] = []
     int8_paths: dict[str, Path] = {}
-    fp32_reference = None  # encoders: the FP32 outputs, computed once
+    accuracy = HFAccuracy(spec.kind, fp32_session, data, mlm, cfg.eval_batch_size, timed)
     bar = tqdm(recipes, desc="quantize+accuracy", unit="recipe", disable=not cfg.progress, leave=False)
     for name in bar:
-        recipe = cfg.recipe(name) if hasattr(cfg, "recipe") else _get_recipe(name)
+        recipe = cfg.recipe(name)
         name = recipe.name  # with --exclude: the mixed-precision variant's own name
         bar.set_postfix_str(name)
         source = timed(f"smooth:{name}", smoothed.fp32_for, recipe, fp32_path)
@@ -140,16 +135,7 @@ def evaluate_hf(opts: HFOptions, cfg, *, command: str) -> tuple[dict, Path]:
         if (q.status == "ok" or runs_anyway) and q.path is not None:
             entry["path"] = q.path.name
             entry["size_bytes"] = q.path.stat().st_size
-            int8_session = make_session(q.path, spec_session)
-            if spec.kind == "causal":
-                acc = timed(f"accuracy:{name}", compare_tokens, fp32_session, int8_session,
-                            data.eval_inputs, data.eval_targets)
-            else:
-                if fp32_reference is None:
-                    fp32_reference = timed("accuracy:fp32", encoder_outputs, fp32_session, data.eval_inputs,
-                                           cfg.eval_batch_size)
-                acc = timed(f"accuracy:{name}", encoder_compare, fp32_reference, int8_session, data.eval_inputs,
-                            batch_size=cfg.eval_batch_size, mlm=mlm, fp32_session=fp32_session)
+            acc = timed(f"accuracy:{name}", accuracy, make_session(q.path, spec_session))
             if q.status != "ok":
                 # Broken although it runs: record the damage, never as a deployable accuracy.
                 entry["problems"] = q.problems
@@ -165,23 +151,16 @@ def evaluate_hf(opts: HFOptions, cfg, *, command: str) -> tuple[dict, Path]:
         raise QuantizeError(f"recipe {recipes[0]} produced a broken model: {recipes_out[0]['status']}")
     extra: dict = {}
     if AUTO in cfg.recipes:
-        extra["search"] = timed("search", run_search_hf, run_dir, cfg, spec.kind, fp32_path, fp32_session, smoothed,
+        extra["search"] = timed("search", run_search_hf, run_dir, cfg, spec.kind, fp32_path, accuracy, smoothed,
                                 data, mlm, spec_session, vnni, recipes_out, int8_paths, fp32_sources)
     if smoothed.exports:
         extra["smoothquant"] = timed("smoothquant_latency", smoothquant_section, run_dir, cfg, fp32_path, smoothed,
                                      data.window)
 
-    rows = timed("latency", bench_grid, {"fp32": fp32_path, **int8_paths}, cfg.provider_list(),
-                 list(cfg.latency_batches), data.window, threads=cfg.threads,
-                 graph_optimization_level=cfg.graph_optimization_level, warmup=cfg.latency_warmup,
-                 iters=cfg.latency_iters, progress=cfg.progress)
+    rows = timed("latency", measure_latency, cfg, {"fp32": fp32_path, **int8_paths}, data.window)
 
     results = {
-        "schema_version": SCHEMA_VERSION,
-        "quantnorm_version": __version__,
-        "command": command,
-        "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "hardware": hardware_info(cfg.threads),
+        **results_header(command, cfg.threads),
         "model": model_section(loaded, opts, max_positions),
         "data": data.describe(),
         "train": {"pretrained": True, "diverged": False, "note": "pretrained checkpoint: not trained by quantnorm"},
@@ -203,38 +182,40 @@ def evaluate_hf(opts: HFOptions, cfg, *, command: str) -> tuple[dict, Path]:
     return results, run_dir
 
 
-def accuracy_hf(kind: str, fp32_session, int8_session, data, mlm, cfg, fp32_reference=None) -> dict:
-    """The accuracy dict of a recipe entry: token-level for causal LMs, embedding agreement (plus
-    MLM figures) for encoders."""
-    from .metrics import compare_tokens, encoder_compare, encoder_outputs
+class HFAccuracy:
+    """A recipe's accuracy dict from its INT8 session: token-level for causal LMs, embedding agreement
+    (plus MLM figures) for encoders, whose FP32 outputs are computed once, on first use."""
 
-    if kind == "causal":
-        return compare_tokens(fp32_session, int8_session, data.eval_inputs, data.eval_targets)
-    if fp32_reference is None:
-        fp32_reference = encoder_outputs(fp32_session, data.eval_inputs, cfg.eval_batch_size)
-    return encoder_compare(fp32_reference, int8_session, data.eval_inputs, batch_size=cfg.eval_batch_size, mlm=mlm,
-                           fp32_session=fp32_session)
+    def __init__(self, kind: str, fp32_session, data, mlm, batch_size: int, timed=None):
+        self.kind, self.fp32_session, self.data, self.mlm, self.batch_size = kind, fp32_session, data, mlm, batch_size
+        self.timed = timed or (lambda stage, fn, *args: fn(*args))
+        self.fp32_reference = None
+
+    def __call__(self, int8_session) -> dict:
+        from .metrics import compare_tokens, encoder_compare, encoder_outputs
+
+        if self.kind == "causal":
+            return compare_tokens(self.fp32_session, int8_session, self.data.eval_inputs, self.data.eval_targets)
+        if self.fp32_reference is None:
+            self.fp32_reference = self.timed("accuracy:fp32", encoder_outputs, self.fp32_session,
+                                             self.data.eval_inputs, self.batch_size)
+        return encoder_compare(self.fp32_reference, int8_session, self.data.eval_inputs, batch_size=self.batch_size,
+                               mlm=self.mlm, fp32_session=self.fp32_session)
 
 
-class TokenScore:
-    """What the search reads from a trial (``ppl_ratio``, ``kld_mean``, ``top1_agreement``)."""
-
-    def __init__(self, acc: dict):
-        self.ppl_ratio, self.kld_mean, self.top1_agreement = acc["ppl_ratio"], acc["kld_mean"], acc["top1_agreement"]
-
-
-def token_scorer(fp32_session, int8_session, inputs, targets) -> TokenScore:
-    """The search's scorer for ``--model``: FORMULAS.md's PPL ratio, KL and top-1 over tokens.
-    A negative target marks a position that is not scored (the unmasked positions of MLM windows)."""
+def token_scorer(fp32_session, int8_session, inputs, targets) -> SimpleNamespace:
+    """The search's scorer for ``--model``: FORMULAS.md's PPL ratio, KL and top-1 over tokens (the
+    fields the search reads). A negative target marks a position that is not scored (the unmasked
+    positions of MLM windows)."""
     from .metrics import compare_tokens
 
     targets = np.asarray(targets)
     scored = targets >= 0
-    return TokenScore(compare_tokens(fp32_session, int8_session, inputs, np.where(scored, targets, 0),
-                                     scored=None if scored.all() else scored))
+    return SimpleNamespace(**compare_tokens(fp32_session, int8_session, inputs, np.where(scored, targets, 0),
+                                            scored=None if scored.all() else scored))
 
 
-def run_search_hf(run_dir: Path, cfg, kind: str, fp32_path: Path, fp32_session, smoothed, data, mlm,
+def run_search_hf(run_dir: Path, cfg, kind: str, fp32_path: Path, accuracy: HFAccuracy, smoothed, data, mlm,
                   spec_session, vnni: bool, recipes_out: list[dict], int8_paths: dict[str, Path],
                   fp32_sources: dict[str, Path]) -> dict:
     """``--recipes auto`` on a checkpoint: the zoo's search scored over tokens (next tokens for causal
@@ -248,8 +229,7 @@ def run_search_hf(run_dir: Path, cfg, kind: str, fp32_path: Path, fp32_session, 
         inputs, targets = masked, np.where(scored, data.eval_inputs, -1)
     out = run_search(run_dir, cfg, fp32_path, smoothed, data.calib_inputs, inputs, targets, spec_session, vnni,
                      recipes_out, int8_paths, fp32_sources, scorer=token_scorer, level="token",
-                     measure=lambda path: accuracy_hf(kind, fp32_session, make_session(path, spec_session), data,
-                                                      mlm, cfg))
+                     measure=lambda path: accuracy(make_session(path, spec_session)))
     out["metric"] = ("1/ppl_ratio over next tokens (higher is better; FP32 baseline 1)" if kind == "causal" else
                      "1/ppl_ratio over the masked positions of the MLM windows (higher is better; FP32 baseline 1)")
     return out
@@ -267,12 +247,6 @@ def softmax_input_quantization(int8_path: Path) -> dict:
     problems = check_softmax_inputs(model)
     return {"quantized": len(quantized), "max_scale": max((q["scale"] for q in quantized), default=None),
             "tensors": quantized[:8], "problem": problems[0] if problems else None}
-
-
-def _get_recipe(name: str):
-    from ..quantize import get_recipe
-
-    return get_recipe(name)
 
 
 def _max_positions(config) -> int | None:

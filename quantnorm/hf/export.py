@@ -39,7 +39,7 @@ import numpy as np
 import onnx
 
 from ..errors import ConfigError, ExportError
-from ..export import _quiet_exporter, _rename_nodes_by_module, count_norm_ops
+from ..export import _quiet_exporter, _rename_nodes_by_module, count_norm_ops, finish_onnx_file, torch_outputs
 from ..fileio import atomic_path
 from ..measure.sessions import SessionSpec, make_session
 
@@ -96,19 +96,6 @@ def make_wrapper(loaded):
         wrapper = EncoderWrapper(loaded.model, files.pooling, files.mlm_head)
     assert hasattr(wrapper, WRAPPER_ATTR)
     return wrapper.eval().to(torch.float32)
-
-
-def torch_outputs(wrapper, inputs: np.ndarray, batch_size: int = 8) -> list[np.ndarray]:
-    """The wrapper's outputs (always a list) on ``inputs``, in batches, concatenated."""
-    import torch
-
-    parts: list[list[np.ndarray]] = []
-    with torch.no_grad():
-        for lo in range(0, len(inputs), batch_size):
-            out = wrapper(torch.from_numpy(np.ascontiguousarray(inputs[lo:lo + batch_size], dtype=np.int64)))
-            out = out if isinstance(out, tuple) else (out,)
-            parts.append([o.float().cpu().numpy() for o in out])
-    return [np.concatenate([p[i] for p in parts]) for i in range(len(parts[0]))]
 
 
 def onnx_outputs(path: Path, inputs: np.ndarray, batch_size: int = 8, session=None) -> list[np.ndarray]:
@@ -174,13 +161,7 @@ def export_hf_onnx(wrapper, out_path: Path, parity_inputs: np.ndarray, *, output
         if exporter is None:
             raise ExportError("torch.onnx.export failed with both exporters: "
                               + "; ".join(f"{a['exporter']} opset {a['opset']}: {a['status']}" for a in attempts))
-        model = onnx.load(str(tmp))
-        _name_nodes(model)
-        try:
-            onnx.checker.check_model(model)
-        except onnx.checker.ValidationError as exc:
-            raise ExportError(f"exported ONNX model fails onnx.checker: {_short(exc)}") from exc
-        onnx.save(model, str(tmp))
+        model = finish_onnx_file(tmp, _name_nodes)
 
         diffs, shapes = _parity(wrapper, tmp, parity_inputs, outputs, tolerance, used_opset)
         norm_ops = count_norm_ops(model)

@@ -75,6 +75,12 @@ class ArchSpec:
 _LLAMA_ROLES = {"input_layernorm": "attention input (pre-norm)",
                 "post_attention_layernorm": "MLP input (pre-norm; HF's name notwithstanding)"}
 _PRE_RMS_RULE = "x = x + F(N(x)), final norm before the head"
+# Gemma 2 and 3: placement, norm, formula, layers, roles, final norm, rule, check, sublayer outputs
+_GEMMA = ("peri", "rms", "rms_1p", "layers",
+          {"input_layernorm": "attention input", "post_attention_layernorm": "attention output, before the add",
+           "pre_feedforward_layernorm": "MLP input", "post_feedforward_layernorm": "MLP output, before the add"},
+          "norm", "x = x + N_out(F(N_in(x))), norm(x) * (1 + w), final norm before the head",
+          "sum_of_norm_outputs", ("post_attention_layernorm", "post_feedforward_layernorm"))
 
 _ARCH_LIST = [
     ArchSpec("gpt2", "GPT-2", "causal", "pre", "layer", "layer", "h",
@@ -86,17 +92,9 @@ _ARCH_LIST = [
              _PRE_RMS_RULE, "pre", ("self_attn.o_proj", "mlp.down_proj")),
     ArchSpec("qwen2", "Qwen2", "causal", "pre", "rms", "rms", "layers", _LLAMA_ROLES, "norm",
              _PRE_RMS_RULE, "pre", ("self_attn.o_proj", "mlp.down_proj")),
-    ArchSpec("gemma2", "Gemma 2", "causal", "peri", "rms", "rms_1p", "layers",
-             {"input_layernorm": "attention input", "post_attention_layernorm": "attention output, before the add",
-              "pre_feedforward_layernorm": "MLP input", "post_feedforward_layernorm": "MLP output, before the add"},
-             "norm", "x = x + N_out(F(N_in(x))), norm(x) * (1 + w), final norm before the head",
-             "sum_of_norm_outputs", ("post_attention_layernorm", "post_feedforward_layernorm"),
+    ArchSpec("gemma2", "Gemma 2", "causal", *_GEMMA,
              notes="embeddings scaled by sqrt(hidden); attention and final logit soft-capping"),
-    ArchSpec("gemma3_text", "Gemma 3 (text-only Gemma3ForCausalLM)", "causal", "peri", "rms", "rms_1p", "layers",
-             {"input_layernorm": "attention input", "post_attention_layernorm": "attention output, before the add",
-              "pre_feedforward_layernorm": "MLP input", "post_feedforward_layernorm": "MLP output, before the add"},
-             "norm", "x = x + N_out(F(N_in(x))), norm(x) * (1 + w), final norm before the head",
-             "sum_of_norm_outputs", ("post_attention_layernorm", "post_feedforward_layernorm"),
+    ArchSpec("gemma3_text", "Gemma 3 (text-only Gemma3ForCausalLM)", "causal", *_GEMMA,
              notes="embeddings scaled by sqrt(hidden); QK-norm", qk_norm=("self_attn.q_norm", "self_attn.k_norm")),
     ArchSpec("olmo2", "OLMo 2", "causal", "output-norm", "rms", "rms", "layers",
              {"post_attention_layernorm": "attention output, before the add (no input norm)",

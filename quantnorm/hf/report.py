@@ -18,10 +18,10 @@ from ..report import (
     _table,
     closing_sections,
     hardware_section,
-    latency_section,
     make_plots,
-    search_section,
-    smoothquant_section,
+    session_and_latency,
+    smoothquant_and_search,
+    sqnr_tables,
     warnings_for,
 )
 from ..runs import REPORT_FILE
@@ -86,14 +86,8 @@ def render_hf(results: dict, plots: dict[str, str]) -> str:
     if failed:
         L.append("Earlier attempts: " + "; ".join(f"{a['exporter']} opset {a['opset']}: {a['status']}" for a in failed) + ".")
     L += ["", *recipe_section(results), *softmax_note(results)]
-    if "smoothquant" in results:
-        L += smoothquant_section(results["smoothquant"])
-    if "search" in results:
-        L += search_section(results["search"])
-    session = results["recipes"][0].get("session", {}) if results["recipes"] else {}
-    L += ["", f"Session: {session.get('provider')} with {session.get('graph_optimization_level')}."]
-    L += ["", "## Latency", ""]
-    L += latency_section(results)
+    L += smoothquant_and_search(results)
+    L += session_and_latency(results)
     if "outliers" in results:
         L += outlier_section_hf(results)
     warn = warnings_for(results)
@@ -222,15 +216,7 @@ def outlier_section_hf(results: dict) -> list[str]:
     if o.get("sep_attention"):
         L.append("Mean attention on the last key ([SEP]) per layer: "
                  + ", ".join("–" if v is None else f"{v:.3f}" for v in o["sep_attention"]) + ".")
-    for recipe, summary in results.get("sqnr_summary", {}).items():
-        feeds = {r["tensor"]: ", ".join(r.get("modules", [])) for r in results.get("sqnr", {}).get(recipe, [])}
-        L += ["", f"### Per-tensor SQNR, `{recipe}`", "",
-              f"Spearman rank correlation with SQNR: ratio {_fmt(summary.get('spearman_ratio_sqnr'), '.2f')}, "
-              f"kurtosis {_fmt(summary.get('spearman_kurtosis_sqnr'), '.2f')} (negative: bigger outliers, lower SQNR).", ""]
-        L += _table(["worst tensor", "feeds", "SQNR dB", "max/median", "kurtosis", "inf-norm"], [
-            [f"`{w['tensor']}`", feeds.get(w["tensor"], ""), _fmt(w.get("sqnr_db"), ".1f"), _fmt(w.get("ratio"), ".1f"),
-             _fmt(w.get("kurtosis"), ".1f"), _fmt(w.get("inf_norm"), ".3g")] for w in summary.get("worst", [])])
-    return L
+    return L + sqnr_tables(results)
 
 
 def write_hf_report(run_dir: str | Path, results: dict) -> Path:

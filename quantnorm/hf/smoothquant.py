@@ -35,10 +35,11 @@ import numpy as np
 from ..errors import ExportError
 from ..smoothquant import (
     DEFAULT_PARITY_TOLERANCE,
-    SMOOTHED_ONNX_FILE,
+    SmoothedModels,
     SmoothQuantPlan,
     divide_norm_affine,
     divide_norm_one_plus,
+    max_output_diff,
     smooth_module,
 )
 
@@ -90,11 +91,7 @@ def smooth_and_export(loaded, wrapper, calib_inputs: np.ndarray, parity_inputs: 
     out_path = Path(out_path)
     exported = export_hf_onnx(smoothed, out_path, parity_inputs, outputs=outputs, max_positions=max_positions,
                               opset=opset)
-    diff = 0.0
-    for got, want in zip(onnx_outputs(out_path, parity_inputs), torch_outputs(wrapper, parity_inputs), strict=True):
-        d = float(np.max(np.abs(got.astype(np.float64) - want.astype(np.float64)))) / max(1.0, float(np.abs(want).max()))
-        if not d <= diff:  # NaN propagates
-            diff = d
+    diff = max_output_diff(torch_outputs(wrapper, parity_inputs), onnx_outputs(out_path, parity_inputs), relative=True)
     if not diff <= tolerance:
         out_path.unlink(missing_ok=True)
         raise ExportError(f"smoothed ONNX model does not match the original model: max relative |delta| = "
@@ -102,26 +99,15 @@ def smooth_and_export(loaded, wrapper, calib_inputs: np.ndarray, parity_inputs: 
     return HFSmoothQuantExport(out_path, plan, exported, diff, formula)
 
 
-class HFSmoothedModels:
-    """The Hugging Face counterpart of ``quantnorm.smoothquant.SmoothedModels``: one smoothed
-    export per alpha, made on first use, shared by the recipe loop and the search."""
+class HFSmoothedModels(SmoothedModels):
+    """``SmoothedModels`` for a checkpoint: one smoothed export per alpha, made on first use, shared by
+    the recipe loop and the search."""
 
     def __init__(self, loaded, wrapper, calib_inputs, parity_inputs, out_dir: Path, *, outputs: tuple[str, ...],
                  max_positions: int | None, opset: int):
-        self.loaded, self.wrapper = loaded, wrapper
-        self.calib_inputs, self.parity_inputs = calib_inputs, parity_inputs
-        self.out_dir, self.outputs, self.max_positions, self.opset = Path(out_dir), outputs, max_positions, opset
-        self.exports: dict[float, HFSmoothQuantExport] = {}
+        super().__init__(wrapper, calib_inputs, parity_inputs, out_dir, opset=opset)
+        self.loaded, self.outputs, self.max_positions = loaded, outputs, max_positions
 
-    def get(self, alpha: float) -> HFSmoothQuantExport:
-        alpha = float(alpha)
-        if alpha not in self.exports:
-            name = SMOOTHED_ONNX_FILE if not self.exports else SMOOTHED_ONNX_FILE.replace(".onnx", f".a{alpha:g}.onnx")
-            self.exports[alpha] = smooth_and_export(self.loaded, self.wrapper, self.calib_inputs, self.parity_inputs,
-                                                    self.out_dir / name, alpha=alpha, outputs=self.outputs,
-                                                    max_positions=self.max_positions, opset=self.opset)
-        return self.exports[alpha]
-
-    def fp32_for(self, recipe, default: Path) -> Path:
-        alpha = getattr(recipe, "smoothquant_alpha", None)
-        return default if alpha is None else self.get(alpha).path
+    def _export(self, alpha: float, path: Path) -> HFSmoothQuantExport:
+        return smooth_and_export(self.loaded, self.model, self.calib_inputs, self.parity_inputs, path, alpha=alpha,
+                                 outputs=self.outputs, max_positions=self.max_positions, opset=self.opset)
