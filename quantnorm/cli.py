@@ -140,8 +140,13 @@ def _command_line() -> str:
 @click.option("--checkpoint", type=click.Path(path_type=Path), default=None,
               help="Evaluate this trained run directory instead of training one (no training flags then).")
 @click.option("--model", type=click.Path(path_type=Path), default=None,
-              help="Evaluate a local Hugging Face checkpoint directory (config.json, safetensors, tokenizer; needs "
-                   "quantnorm[hf]); --context is then the window in tokens and --corpus the text.")
+              help="Evaluate a local checkpoint: a Hugging Face directory (config.json, safetensors, tokenizer; needs "
+                   "quantnorm[hf]) or a GGUF file (FILE.gguf, or the first part FILE.gguf.part00 of a split one; "
+                   "dequantized to FP32 once and cached in the run directory; needs quantnorm[gguf]). --context is "
+                   "then the window in tokens and --corpus the text.")
+@click.option("--eval-tokens", type=click.IntRange(min=2), default=None,
+              help="With --model: the evaluation budget in tokens (whole windows of --context tokens from the "
+                   "evaluation range). [default: 128 windows]")
 @click.option("--allow-pickle", is_flag=True,
               help="With --model: allow loading pickled pytorch_model.bin weights (unpickling can run code).")
 @click.option("--out", type=click.Path(path_type=Path), default=None,
@@ -203,6 +208,8 @@ def evaluate(checkpoint, out, recipes, sq_alpha, max_ppl_ratio, min_top1, search
         click.echo(evaluate_from_cli(model_path, cfg, flags, checkpoint=checkpoint, out=out, allow_pickle=allow_pickle,
                                      command=_command_line()))
         return
+    if flags.pop("eval_tokens", None) is not None:
+        raise click.UsageError("--eval-tokens applies to --model checkpoints; a zoo run scores its whole evaluation range")
     if checkpoint is not None:
         run_dir = open_run_dir(checkpoint)
     else:

@@ -301,10 +301,19 @@ def make_plots(run_dir: Path, results: dict) -> dict[str, str]:
     return made
 
 
+def is_checkpoint_results(results: dict) -> bool:
+    """Whether results.json is about a loaded checkpoint (``hf:<path>``, or a source object of
+    kind hf/gguf/onnx) rather than a zoo model trained here."""
+    source = results.get("model", {}).get("source", "")
+    if isinstance(source, dict):
+        return source.get("kind") in ("hf", "gguf", "onnx")
+    return str(source).startswith("hf:")
+
+
 def write_report(run_dir: str | Path, results: dict | None = None) -> Path:
     run_dir = Path(run_dir)
     results = results if results is not None else load_results(run_dir)
-    if str(results.get("model", {}).get("source", "")).startswith("hf:"):  # a Hugging Face checkpoint
+    if is_checkpoint_results(results):  # a Hugging Face checkpoint or a GGUF file
         from .hf.report import write_hf_report
 
         return write_hf_report(run_dir, results)

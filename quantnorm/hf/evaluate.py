@@ -31,6 +31,7 @@ from ..hardware import cpu_has_vnni
 from ..measure.sessions import SessionSpec, make_session
 from ..quantize import quantize
 from ..runs import FP32_ONNX_FILE, PLOTS_DIR, RESULTS_FILE, check_out_dir, int8_onnx_file
+from .gguf import gguf_checkpoint, is_gguf_path, package_reference, resolve_gguf, resolve_model_arg
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,9 @@ class HFOptions:
     window: int = 128                 # tokens per window (--context)
     max_eval_windows: int | None = 128
     out_dir: Path | None = None
+    # Where the checkpoint came from when it is not a plain directory (a GGUF file): the
+    # ``model.source`` object of results.json (RESULTS.md additions). None: ``hf:<path>``.
+    provenance: dict | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "path", Path(self.path))
@@ -121,7 +125,11 @@ def evaluate_hf(opts: HFOptions, cfg, *, command: str) -> tuple[dict, Path]:
         recipe = cfg.recipe(name)
         name = recipe.name  # with --exclude: the mixed-precision variant's own name
         bar.set_postfix_str(name)
-        source = timed(f"smooth:{name}", smoothed.fp32_for, recipe, fp32_path)
+        try:
+            source = timed(f"smooth:{name}", smoothed.fp32_for, recipe, fp32_path)
+        except ConfigError as exc:  # e.g. a rotation this architecture does not support: say why, go on
+            recipes_out.append({"name": name, "status": f"not applicable: {exc}", "settings": recipe.settings(vnni)})
+            continue
         if source != fp32_path:
             fp32_sources[name] = source
         q = timed(f"quantize:{name}", quantize, source, recipe, data.calib_inputs, run_dir / int8_onnx_file(name),
@@ -153,6 +161,8 @@ def evaluate_hf(opts: HFOptions, cfg, *, command: str) -> tuple[dict, Path]:
     if AUTO in cfg.recipes:
         extra["search"] = timed("search", run_search_hf, run_dir, cfg, spec.kind, fp32_path, accuracy, smoothed,
                                 data, mlm, spec_session, vnni, recipes_out, int8_paths, fp32_sources)
+    if smoothed.rotated is not None:
+        extra["rotation"] = smoothed.rotated.to_dict(run_dir)
     if smoothed.exports:
         extra["smoothquant"] = timed("smoothquant_latency", smoothquant_section, run_dir, cfg, fp32_path, smoothed,
                                      data.window)
@@ -262,7 +272,7 @@ def model_section(loaded, opts: HFOptions, max_positions: int | None) -> dict:
     config, spec, files = loaded.model.config, loaded.spec, loaded.files
     d_model = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
     return {
-        "source": f"hf:{opts.path}",
+        "source": opts.provenance if opts.provenance is not None else f"hf:{package_reference(opts.path) or opts.path}",
         "architecture": spec.model_type,
         "architectures": list(files.config.get("architectures") or []),
         "model_class": type(loaded.model).__name__,
@@ -310,10 +320,33 @@ def evaluate_from_cli(model_path: Path, cfg, flags: dict, *, checkpoint, out, al
         raise ConfigError("give either --model (a Hugging Face checkpoint) or --checkpoint (a trained run), not both")
     if flags.get("placement") is not None or flags.get("norm") is not None:
         raise ConfigError("--placement/--norm are detected from the checkpoint with --model; leave them out")
+    window = int(flags.get("context") or 128)
+    eval_tokens = flags.get("eval_tokens")
+    max_eval_windows = HFOptions.max_eval_windows if eval_tokens is None else max(2, int(eval_tokens) // window)
+    provenance = None
+    typed = str(model_path)
+    model_path = resolve_model_arg(model_path)
+    reference = package_reference(model_path) if model_path.exists() else None
+    if reference is not None and typed != reference:
+        # A packaged checkpoint: record the command with the package-relative form, which runs on
+        # any machine that has the package (no path of this machine in results or reports).
+        command = command.replace(typed, reference)
+    if is_gguf_path(model_path):
+        # A GGUF file: dequantize once into <run dir>/checkpoint, then the same pipeline reads it.
+        gguf = resolve_gguf(model_path, progress=cfg.progress)
+        out = check_out_dir(out or Path("runs") / f"gguf-{gguf_run_name(gguf.provenance.file)}")
+        model_path = gguf_checkpoint(gguf, out, progress=cfg.progress)
+        provenance = gguf.provenance.to_dict()
     opts = HFOptions(path=Path(model_path), allow_pickle=allow_pickle, corpus=flags.get("corpus") or BUILTIN_PYDOC,
-                     window=int(flags.get("context") or 128), out_dir=out)
+                     window=window, out_dir=out, max_eval_windows=max_eval_windows, provenance=provenance)
     results, run_dir = evaluate_hf(opts, cfg, command=command)
     return summary_lines_hf(results, run_dir)
+
+
+def gguf_run_name(file_name: str) -> str:
+    """``SmolLM2-135M-Instruct.Q4_1.gguf`` -> ``smollm2-135m-instruct.q4_1`` (a run directory name)."""
+    stem = file_name[: -len(".gguf")] if file_name.endswith(".gguf") else file_name
+    return "".join(c if c.isalnum() or c in "._-" else "-" for c in stem).lower()
 
 
 def summary_lines_hf(results: dict, run_dir: Path) -> str:

@@ -31,6 +31,27 @@ def is_hf_results(results: dict) -> bool:
     return str(results.get("model", {}).get("source", "")).startswith("hf:")
 
 
+def source_title(source) -> str:
+    """The checkpoint's name for a title: ``hf:<path>``, or a GGUF source's file and package."""
+    if isinstance(source, dict):
+        pkg = f" from {source['package']} {source.get('package_version')}" if source.get("package") else ""
+        return f"{source.get('file')}{pkg}"
+    return str(source)
+
+
+def source_rows(model: dict) -> list[list[str]]:
+    source = model["source"]
+    if not isinstance(source, dict):
+        return [["checkpoint", f"`{str(source)[3:]}` ({model.get('weights')} weights, float32, eager attention)"]]
+    pkg = (f"package {source['package']} {source.get('package_version')}" if source.get("package")
+           else "not from an installed package")
+    parts = f"; joined from {len(source['parts'])} parts ({', '.join(source['parts'])})" if source.get("parts") else ""
+    return [["checkpoint", f"{source.get('kind', '?').upper()} file `{source.get('file')}` ({pkg}{parts})"],
+            ["file SHA-256", f"`{source.get('sha256')}`"],
+            ["stored as", f"{source.get('quant_type')}; FP32 baseline: **{source.get('baseline')}** (every ratio "
+                          "below is against that dequantized model, not the original BF16 weights)"]]
+
+
 def _pct(value) -> str:
     return "–" if value is None else f"{100 * value:.2f}%"
 
@@ -38,7 +59,8 @@ def _pct(value) -> str:
 def render_hf(results: dict, plots: dict[str, str]) -> str:
     hw, model, data, ex = results["hardware"], results["model"], results["data"], results["export"]
     kind = model.get("kind")
-    L = [f"# quantnorm report: {model['source']} ({model['architecture']}, {model['placement']}/{model['norm']})", ""]
+    L = [f"# quantnorm report: {source_title(model['source'])} ({model['architecture']}, "
+         f"{model['placement']}/{model['norm']})", ""]
     L += [f"Reproduce: `{results['command']}`  ", f"Created {results['created']} by quantnorm "
           f"{results['quantnorm_version']} (results.json schema {results['schema_version']}).", ""]
     L += hardware_section(hw)
@@ -46,7 +68,7 @@ def render_hf(results: dict, plots: dict[str, str]) -> str:
     verified = "verified on block 0" if check.get("verified") else f"NOT verified ({check.get('reason', 'mismatch')})"
     L += ["", "## Model (pretrained checkpoint, detected)", ""]
     L += _table(["what", "value"], [
-        ["checkpoint", f"`{model['source'][3:]}` ({model.get('weights')} weights, float32, eager attention)"],
+        *source_rows(model),
         ["architecture", f"{model['architecture']} ({', '.join(model.get('architectures', [])) or '?'}; "
                          f"loaded as {model.get('model_class')})"],
         ["placement / norm", f"**{model['placement']} / {model['norm']}** — {model.get('rule')}"],

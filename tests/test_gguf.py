@@ -1,0 +1,134 @@
+"""GGUF files as a model source (quantnorm.hf.gguf): finding, joining, provenance, end to end.
+
+The files are written in the test with the gguf package's writer (tests/gguf_helpers.py).
+"""
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+from gguf_helpers import split_into_parts, write_tiny_llama_gguf
+
+from quantnorm.cli import main
+from quantnorm.errors import ConfigError
+from quantnorm.hf.gguf import SOURCE_FILE, gguf_checkpoint, is_gguf_path, resolve_gguf
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> Path:
+    return write_tiny_llama_gguf(tmp_path_factory.mktemp("gguf") / "Tiny-Llama.F32.gguf")
+
+
+def test_gguf_paths_are_recognized():
+    assert is_gguf_path("a/b/model.gguf") and is_gguf_path("x.gguf.part00")
+    assert not is_gguf_path("a/model") and not is_gguf_path("model.gguf.bak")
+
+
+def test_provenance_of_one_file(tiny_gguf):
+    found = resolve_gguf(tiny_gguf)
+    prov = found.provenance
+    assert found.path == tiny_gguf
+    assert prov.kind == "gguf" and prov.file == tiny_gguf.name and prov.parts == ()
+    assert prov.sha256 == hashlib.sha256(tiny_gguf.read_bytes()).hexdigest()
+    assert prov.quant_type == "ALL_F32"
+    assert prov.package is None and "/" not in json.dumps(prov.to_dict()).replace("\\/", "")
+
+
+def test_parts_are_joined_once_into_a_cache_named_by_sha(tiny_gguf, tmp_path):
+    parts = split_into_parts(tiny_gguf, tmp_path / "parts")
+    cache = tmp_path / "cache"
+    found = resolve_gguf(parts[0], cache_dir=cache)
+    sha = hashlib.sha256(tiny_gguf.read_bytes()).hexdigest()
+    assert found.path == cache / "gguf" / f"{sha}.gguf"
+    assert found.path.read_bytes() == tiny_gguf.read_bytes()
+    assert found.provenance.sha256 == sha and found.provenance.file == tiny_gguf.name
+    assert found.provenance.parts == tuple(p.name for p in parts)
+    mtime = found.path.stat().st_mtime_ns
+    assert resolve_gguf(parts[0], cache_dir=cache).path.stat().st_mtime_ns == mtime  # not joined again
+
+
+@pytest.mark.parametrize("case,needle", [
+    ("missing", "no such file"),
+    ("not_gguf", "not a GGUF file"),
+    ("later_part", "give the first part"),
+    ("missing_part", "incomplete"),
+])
+def test_bad_gguf_inputs_are_one_line_errors(tiny_gguf, tmp_path, case, needle):
+    if case == "missing":
+        target = tmp_path / "nope.gguf"
+    elif case == "not_gguf":
+        target = tmp_path / "fake.gguf"
+        target.write_bytes(b"PK\x03\x04 not a gguf")
+    else:
+        parts = split_into_parts(tiny_gguf, tmp_path / "parts")
+        if case == "later_part":
+            target = parts[1]
+        else:
+            parts[1].unlink()
+            target = parts[0]
+    with pytest.raises(ConfigError, match=needle) as info:
+        resolve_gguf(target, cache_dir=tmp_path / "cache")
+    assert "\n" not in str(info.value)
+
+
+def test_truncated_gguf_is_refused_before_anything_is_written(tiny_gguf, tmp_path, capsys):
+    broken = tmp_path / "cut.gguf"
+    broken.write_bytes(tiny_gguf.read_bytes()[: 200])
+    out = tmp_path / "run"
+    assert main(["evaluate", "--model", str(broken), "--out", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and "GGUF" in err and len(err.splitlines()) == 1
+    assert not (out / "results.json").exists() and not (out / "checkpoint").exists()
+
+
+def test_checkpoint_is_cached_and_reused(tiny_gguf, tmp_path):
+    found = resolve_gguf(tiny_gguf)
+    ckpt = gguf_checkpoint(found, tmp_path)
+    assert {"config.json", "model.safetensors", "tokenizer.json", SOURCE_FILE} <= {p.name for p in ckpt.iterdir()}
+    config = json.loads((ckpt / "config.json").read_text())
+    assert config["model_type"] == "llama" and "quantization_config" not in config
+    stamp = (ckpt / "model.safetensors").stat().st_mtime_ns
+    assert gguf_checkpoint(found, tmp_path) == ckpt
+    assert (ckpt / "model.safetensors").stat().st_mtime_ns == stamp  # reused, not converted again
+
+
+def test_gguf_end_to_end_through_the_cli(tiny_gguf, tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = ["evaluate", "--model", str(tiny_gguf), "--recipes", "pertoken,dynamic", "--context", "16",
+            "--eval-tokens", "96", "--calib-samples", "4", "--batches", "1", "--iters", "2", "--providers", "cpu",
+            "--threads", "1", "--out", str(out), "--quiet"]
+    assert main(argv) == 0, capsys.readouterr().err
+    results = json.loads((out / "results.json").read_text())
+    source = results["model"]["source"]
+    assert source["kind"] == "gguf" and source["file"] == tiny_gguf.name and source["quant_type"] == "ALL_F32"
+    assert "dequantized" in source["baseline"]
+    assert results["model"]["architecture"] == "llama" and results["model"]["placement"] == "pre"
+    assert results["data"]["n_eval_windows"] == 6  # 96 tokens / 16
+    names = {r["name"]: r for r in results["recipes"]}
+    assert names["pertoken"]["status"] == "ok" and names["pertoken"]["accuracy"]["ppl_ratio"] > 0
+    assert names["pertoken"]["settings"]["format"].startswith("per-token")
+    report = (out / "report.md").read_text()
+    assert tiny_gguf.name in report and source["sha256"] in report
+
+
+def test_packaged_checkpoints_are_named_by_package(tiny_gguf, tmp_path, monkeypatch):
+    """A file inside an importable package is recorded as pkg:<module>/<path>, never by its path."""
+    from quantnorm.hf.gguf import package_reference, resolve_model_arg
+
+    package = tmp_path / "site" / "tiny_gguf_pkg"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("raise ImportError('never imported')\n")
+    (package / tiny_gguf.name).write_bytes(tiny_gguf.read_bytes())
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    ref = f"pkg:tiny_gguf_pkg/{tiny_gguf.name}"
+    assert resolve_model_arg(ref) == package / tiny_gguf.name
+    with pytest.raises(ConfigError, match="no installed package"):
+        resolve_model_arg("pkg:no_such_pkg_here/x.gguf")
+    # A directory below site-packages is named by its top-level package too.
+    site = tmp_path / "venv" / "site-packages" / "tiny_dir_pkg" / "model"
+    site.mkdir(parents=True)
+    (site.parent / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path / "venv" / "site-packages"))
+    assert package_reference(site) == "pkg:tiny_dir_pkg/model"
+    assert package_reference(tmp_path) is None
