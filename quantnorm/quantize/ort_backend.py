@@ -30,7 +30,8 @@ from ..calibration import get_calibration_method
 from ..calibration.ranges import collect_ranges, method_details
 from ..errors import ConfigError, QuantizeError
 from ..fileio import atomic_path
-from .recipes import Recipe
+from .pertoken import quantize_per_token
+from .recipes import ONLINE_ROTATION_MARKER, Recipe
 from .sanity import sanity_check
 
 DEFAULT_CALIB_BATCH = 4
@@ -97,6 +98,13 @@ def quantize(fp32_path: Path, recipe: Recipe, calib_inputs: np.ndarray | None, o
 
         q_path = tmp / "quantized.onnx"
         problems: list[str] = []
+        if recipe.mode == "pertoken":
+            settings.update(quantize_per_token(pre_path, q_path, to_quantize, reduce_range=settings["reduce_range"]))
+            problems = sanity_check(q_path, probe_inputs)
+            with atomic_path(out_path, suffix=".onnx") as final_tmp:
+                shutil.copyfile(q_path, final_tmp)
+            status = "ok" if not problems else f"broken: {problems[0]}"
+            return QuantizeResult(recipe.name, out_path, settings, status, problems)
         try:
             problems += _run_quantizer(pre_path, q_path, recipe, settings, calib_inputs, to_quantize, excluded,
                                        calib_batch_size, progress)
@@ -126,7 +134,8 @@ def weight_matmuls(graph: onnx.GraphProto) -> list[str]:
     as ORT's own ``MatMulConstBOnly`` test; ``quant_pre_process`` folds Constant nodes into them.)
     """
     weights = {init.name for init in graph.initializer}
-    return [n.name for n in graph.node if n.op_type == "MatMul" and len(n.input) == 2 and n.input[1] in weights]
+    return [n.name for n in graph.node if n.op_type == "MatMul" and len(n.input) == 2 and n.input[1] in weights
+            and ONLINE_ROTATION_MARKER not in n.name]
 
 
 def resolve_exclusions(graph: onnx.GraphProto, patterns: tuple[str, ...]) -> list[str]:

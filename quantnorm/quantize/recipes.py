@@ -12,12 +12,18 @@ from dataclasses import dataclass, replace
 from ..calibration import CALIBRATION_METHODS
 from ..errors import ConfigError
 
-MODES = ("static", "dynamic")
+# "pertoken": weights INT8 per output channel offline, activations quantized per row (token) at
+#             run time with standard ONNX ops (quantize/pertoken.py); the massive-activation remedy.
+MODES = ("static", "dynamic", "pertoken")
 # "matmul": only MatMuls whose second input is a weight initializer (the Linear layers and the
 #           LM head). Activation x activation MatMuls (q @ k^T, probs @ v) and everything else
 #           stay FP32, so the attention scores and the softmax are never calibrated (PITFALLS.md 1).
 # "all":    ONNX Runtime's default op list (Add, Mul, MatMul, Softmax, Where, Gather, ...).
 OP_SCOPES = ("matmul", "all")
+# Modules of this name are online rotations inside the FP32 model (quantnorm.hf.rotation): their
+# MatMuls multiply by a constant Hadamard matrix and are never quantized by any recipe.
+ONLINE_ROTATION_MARKER = "online_hadamard"
+ROTATIONS = (None, "hadamard")
 
 
 @dataclass(frozen=True)
@@ -34,6 +40,9 @@ class Recipe:
     # SmoothQuant migration strength; None = no smoothing. A recipe with an alpha quantizes the
     # smoothed FP32 model (quantnorm.smoothquant.export_smoothed), not the plain export.
     smoothquant_alpha: float | None = None
+    # "hadamard": quantize the rotated FP32 model (residual stream rotated, online Hadamard before
+    # each down-projection; quantnorm.hf.rotation), not the plain export. None: no rotation.
+    rotation: str | None = None
 
     def __post_init__(self) -> None:
         # The name goes into file names (model.int8.<name>.onnx) and results.json.
@@ -51,7 +60,10 @@ class Recipe:
                 )
         else:
             if self.calibration is not None:
-                raise ConfigError(f"recipe {self.name}: dynamic quantization takes no calibration method")
+                raise ConfigError(f"recipe {self.name}: {self.mode} quantization takes no calibration method")
+            if self.mode == "pertoken" and (self.op_scope != "matmul" or not self.per_channel):
+                raise ConfigError(f"recipe {self.name}: per-token quantization covers weight MatMuls with "
+                                  "per-channel weights only")
             if self.symmetric_activations:
                 raise ConfigError(f"recipe {self.name}: dynamic quantization uses ORT's asymmetric uint8 activations only")
         if self.reduce_range not in ("auto", True, False):
@@ -60,6 +72,10 @@ class Recipe:
             raise ConfigError(f"recipe {self.name}: percentile must be in (0, 100], got {self.percentile}")
         if isinstance(self.excluded, str) or not all(isinstance(p, str) and p for p in self.excluded):
             raise ConfigError(f"recipe {self.name}: excluded must be a tuple of non-empty node names or patterns")
+        if self.rotation not in ROTATIONS:
+            raise ConfigError(f"recipe {self.name}: rotation must be one of {ROTATIONS}, got {self.rotation!r}")
+        if self.rotation is not None and self.smoothquant_alpha is not None:
+            raise ConfigError(f"recipe {self.name}: rotation and SmoothQuant are alternatives, not combined here")
         if self.smoothquant_alpha is not None and not 0.0 <= self.smoothquant_alpha <= 1.0:
             raise ConfigError(f"recipe {self.name}: smoothquant_alpha must be in [0, 1], got {self.smoothquant_alpha}")
 
@@ -73,7 +89,7 @@ class Recipe:
             return ["MatMul"]
         from onnxruntime.quantization.registry import IntegerOpsRegistry, QDQRegistry, QLinearOpsRegistry
 
-        if self.mode == "dynamic":
+        if self.mode != "static":
             return sorted(IntegerOpsRegistry)
         return sorted(set(QLinearOpsRegistry) | set(QDQRegistry))
 
@@ -81,7 +97,8 @@ class Recipe:
         """The ``recipes[].settings`` object of results.json (everything needed to redo it)."""
         static = self.mode == "static"
         out = {
-            "format": "QDQ" if static else "QOperator",
+            "format": "QDQ" if static else ("QOperator" if self.mode == "dynamic" else
+                                            "per-token (standard ONNX ops: MatMulInteger + per-row scales)"),
             "mode": self.mode,
             "calibration": self.calibration,
             "per_channel": self.per_channel,
@@ -90,7 +107,8 @@ class Recipe:
             "op_scope": self.op_scope,
             "op_types": self.op_types(),
             "weight_matmuls_only": self.op_scope == "matmul",
-            "activation_type": ("QInt8" if self.symmetric_activations else "QUInt8") if static else "QUInt8 (dynamic)",
+            "activation_type": ("QInt8" if self.symmetric_activations else "QUInt8") if static else
+                               ("QUInt8 (dynamic)" if self.mode == "dynamic" else "QUInt8 per token, zero point 128"),
             "weight_type": "QInt8",
             "symmetric_activations": self.symmetric_activations,
             "symmetric_weights": True,
@@ -100,6 +118,8 @@ class Recipe:
             out["percentile"] = self.percentile
         if self.smoothquant_alpha is not None:
             out["smoothquant_alpha"] = self.smoothquant_alpha
+        if self.rotation is not None:
+            out["rotation"] = self.rotation
         return out
 
 
@@ -123,6 +143,11 @@ _RECIPE_LIST = [
     _static("static-minmax-matmul-symact", "minmax", symmetric_activations=True),
     # Weights INT8 offline, activations quantized per batch at run time (MatMulInteger).
     Recipe("dynamic", "dynamic", None, True, "matmul", False, "auto"),
+    # Activations quantized per token at run time (standard ONNX ops): one massive token no longer
+    # sets the step of every other token (quantize/pertoken.py).
+    Recipe("pertoken", "pertoken", None, True, "matmul", False, "auto"),
+    # The same on the Hadamard-rotated model (QuaRot-style; Pre-RMSNorm checkpoints, hf/rotation.py).
+    Recipe("rotated-pertoken", "pertoken", None, True, "matmul", False, "auto", rotation="hadamard"),
     # The baseline on the SmoothQuant-smoothed FP32 model (outliers moved into the weights).
     _static("smoothquant", "minmax", smoothquant_alpha=0.5),
 ]

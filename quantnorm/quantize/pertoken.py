@@ -1,0 +1,136 @@
+"""Per-token dynamic INT8 written with standard ONNX operators (W8A8, any ONNX runtime).
+
+Why: a static activation scale, and ONNX Runtime's own ``dynamic`` recipe, are one number per
+tensor. Where one token's MatMul input is thousands of times larger than the rest (the massive
+activation on the first token of SmolLM2 and Gemma 3), that token sets the step for every other
+token, and they round to zero (PITFALLS.md 15). A scale per row (LLM.int8()'s vector-wise and
+ZeroQuant's token-wise activation quantization) confines the damage to the row that holds it.
+
+Each MatMul ``Y = X @ W`` whose ``W`` is a weight initializer ([K, N]) becomes
+
+    s_x  = max(ReduceMax(|X|, axis=-1, keepdims), eps) / 127            [..., 1]   per token
+    X_q  = Cast<uint8>(Clip(Round(X / s_x) + 128, 0, 255))                          zero point 128
+    W_q  = round(W / s_w), s_w = max|W[:, n]| / q_max                    [K, N] int8 per output channel
+    Y    = Cast<float>(MatMulInteger(X_q, W_q, 128)) * s_x * s_w
+
+The activation zero point is one scalar (128), so the u8 x s8 ``MatMulInteger`` kernel runs:
+ORT's CPU ``MatMulInteger`` refuses a per-row zero point, and s8 x s8 is 3.3x slower than FP32
+there, while u8 x s8 runs at about 0.35x (PITFALLS.md 14). Symmetric rows around 128 use 255 of
+the 256 codes. ``q_max`` is 63 (7-bit weights) where the CPU lacks VNNI: u8 x s8 pairs summed in
+int16 saturate otherwise (PITFALLS.md 2).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+ACT_ZERO_POINT = 128
+ACT_QMAX = 127.0
+EPS = 1e-8  # an all-zero row (padding) gets a tiny scale instead of a division by zero
+
+
+def weight_scales(weight: np.ndarray, qmax: int) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric per-output-channel INT8 weights: (W_q int8 [K, N], s_w float32 [N])."""
+    weight = np.asarray(weight, dtype=np.float32)
+    amax = np.abs(weight).max(axis=0)
+    scale = np.where(amax > 0, amax / qmax, 1.0).astype(np.float32)
+    q = np.clip(np.rint(weight / scale), -qmax, qmax).astype(np.int8)
+    return q, scale
+
+
+def fake_quantize_rows(x: np.ndarray) -> np.ndarray:
+    """What the graph computes for one activation, in numpy (the tests' reference)."""
+    x = np.asarray(x, dtype=np.float32)
+    s = np.maximum(np.abs(x).max(axis=-1, keepdims=True), EPS) / np.float32(ACT_QMAX)
+    q = np.clip(np.rint(x / s) + ACT_ZERO_POINT, 0, 255)
+    return (q - ACT_ZERO_POINT) * s
+
+
+def quantize_per_token(src: Path, dst: Path, nodes: list[str], *, reduce_range: bool) -> dict:
+    """Rewrite the MatMuls named in ``nodes`` of the model at ``src`` into per-token INT8; save to
+    ``dst``. Returns what was done (for ``recipes[].settings``)."""
+    model = onnx.load(str(src))
+    graph = model.graph
+    qmax = 63 if reduce_range else 127
+    initializers = {init.name: init for init in graph.initializer}
+    wanted = set(nodes)
+    shared = _shared_constants(graph)
+    new_nodes: list[onnx.NodeProto] = []
+    new_inits: list[onnx.TensorProto] = [shared["eps"], shared["qmax"], shared["zp_f"], shared["lo"], shared["hi"],
+                                         shared["zp_u8"], shared["axes"]]
+    replaced: list[str] = []
+    quantized_inputs: dict[str, tuple[str, str]] = {}  # activation -> (its uint8 tensor, its row scales)
+    for node in graph.node:
+        if not (node.op_type == "MatMul" and node.name in wanted and node.input[1] in initializers):
+            new_nodes.append(node)
+            continue
+        x, w_name = node.input[0], node.input[1]
+        weight = numpy_helper.to_array(initializers[w_name])
+        if weight.ndim != 2:
+            new_nodes.append(node)
+            continue
+        p = node.name or f"matmul_{len(replaced)}"
+        w_q, s_w = weight_scales(weight, qmax)
+        new_inits += [numpy_helper.from_array(w_q, f"{p}/pertoken/W_quantized"),
+                      numpy_helper.from_array(s_w, f"{p}/pertoken/W_scale")]
+        t = f"{p}/pertoken/"
+        if x not in quantized_inputs:
+            # One quantization per activation: q/k/v (and gate/up) read the same normed tensor.
+            quantized_inputs[x] = (t + "x_quantized", t + "x_scale")
+            new_nodes += [
+                helper.make_node("Abs", [x], [t + "abs"], name=t + "Abs"),
+                helper.make_node("ReduceMax", [t + "abs", "pertoken_axes"], [t + "amax"], name=t + "ReduceMax",
+                                 keepdims=1),
+                helper.make_node("Max", [t + "amax", "pertoken_eps"], [t + "amax_safe"], name=t + "Max"),
+                helper.make_node("Div", [t + "amax_safe", "pertoken_qmax"], [t + "x_scale"], name=t + "ScaleDiv"),
+                helper.make_node("Div", [x, t + "x_scale"], [t + "x_div"], name=t + "Div"),
+                helper.make_node("Round", [t + "x_div"], [t + "x_round"], name=t + "Round"),
+                helper.make_node("Add", [t + "x_round", "pertoken_zp_f"], [t + "x_shift"], name=t + "Shift"),
+                helper.make_node("Clip", [t + "x_shift", "pertoken_lo", "pertoken_hi"], [t + "x_clip"],
+                                 name=t + "Clip"),
+                helper.make_node("Cast", [t + "x_clip"], [t + "x_quantized"], name=t + "Cast", to=TensorProto.UINT8),
+            ]
+        x_q, x_scale = quantized_inputs[x]
+        new_nodes += [
+            helper.make_node("MatMulInteger", [x_q, f"{p}/pertoken/W_quantized", "pertoken_zp_u8"],
+                             [t + "y_int32"], name=t + "MatMulInteger"),
+            helper.make_node("Cast", [t + "y_int32"], [t + "y_float"], name=t + "CastFloat", to=TensorProto.FLOAT),
+            helper.make_node("Mul", [t + "y_float", x_scale], [t + "y_rows"], name=t + "MulRows"),
+            helper.make_node("Mul", [t + "y_rows", f"{p}/pertoken/W_scale"], [node.output[0]], name=t + "MulCols"),
+        ]
+        replaced.append(node.name)
+    # FP32 weights that no node reads any more are dropped (the INT8 copy replaces them).
+    still_read = {i for n in new_nodes for i in n.input}
+    kept = [init for init in graph.initializer if init.name in still_read]
+    del graph.node[:]
+    graph.node.extend(new_nodes)
+    del graph.initializer[:]
+    graph.initializer.extend(kept + new_inits)
+    _ensure_opset(model)
+    onnx.checker.check_model(model)
+    onnx.save(model, str(dst))
+    return {"pertoken_matmuls": replaced, "weight_qmax": qmax, "activation_zero_point": ACT_ZERO_POINT,
+            "activation_scale": "per row: max|x| / 127 (computed at run time)",
+            "kernel": "MatMulInteger (u8 activations x s8 weights, int32 accumulate) + float rescale"}
+
+
+def _shared_constants(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
+    def f(name, value):
+        return numpy_helper.from_array(np.asarray(value, dtype=np.float32), name)
+
+    return {"eps": f("pertoken_eps", EPS), "qmax": f("pertoken_qmax", ACT_QMAX),
+            "zp_f": f("pertoken_zp_f", float(ACT_ZERO_POINT)), "lo": f("pertoken_lo", 0.0),
+            "hi": f("pertoken_hi", 255.0),
+            "zp_u8": numpy_helper.from_array(np.asarray(ACT_ZERO_POINT, dtype=np.uint8), "pertoken_zp_u8"),
+            "axes": numpy_helper.from_array(np.asarray([-1], dtype=np.int64), "pertoken_axes")}
+
+
+def _ensure_opset(model: onnx.ModelProto) -> None:
+    """ReduceMax with axes as an input needs opset 18 of the default domain."""
+    for imp in model.opset_import:
+        if imp.domain in ("", "ai.onnx") and imp.version < 18:
+            raise ValueError(f"per-token INT8 needs opset >= 18, the model has {imp.version}")

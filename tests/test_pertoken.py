@@ -1,0 +1,108 @@
+"""Per-token dynamic INT8 in standard ONNX ops (quantnorm.quantize.pertoken)."""
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from quantnorm.errors import ConfigError
+from quantnorm.quantize import get_recipe, quantize
+from quantnorm.quantize.pertoken import fake_quantize_rows, quantize_per_token, weight_scales
+from quantnorm.quantize.recipes import Recipe
+
+K, N = 64, 96
+
+
+def matmul_model(path, weight, shared_input=False):
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["y"], name="mm")]
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, None, N])]
+    if shared_input:  # a second MatMul reading the same activation (q/k/v do)
+        nodes.append(helper.make_node("MatMul", ["x", "W2"], ["y2"], name="mm2"))
+        outputs.append(helper.make_tensor_value_info("y2", TensorProto.FLOAT, [None, None, N]))
+    inits = [numpy_helper.from_array(weight, "W")] + ([numpy_helper.from_array(weight * 2, "W2")] if shared_input else [])
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, None, K])],
+                              outputs, inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 9  # ORT 1.31 refuses onnx 1.23's default IR version (PITFALLS.md 14)
+    onnx.save(model, str(path))
+    return path
+
+
+def run(path, x):
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+
+
+@pytest.fixture()
+def planted():
+    rng = np.random.default_rng(0)
+    weight = (rng.standard_normal((K, N)) * 0.1).astype(np.float32)
+    x = rng.standard_normal((2, 32, K)).astype(np.float32)
+    x[:, 0, 5] = 25_000.0  # a massive activation on the first token, one channel
+    return weight, x
+
+
+def rel(a, b):
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def test_graph_matches_the_numpy_reference(tmp_path, planted):
+    weight, x = planted
+    src = matmul_model(tmp_path / "mm.onnx", weight)
+    info = quantize_per_token(src, tmp_path / "pt.onnx", ["mm"], reduce_range=False)
+    assert info["pertoken_matmuls"] == ["mm"] and info["weight_qmax"] == 127
+    w_q, s_w = weight_scales(weight, 127)
+    expected = fake_quantize_rows(x) @ (w_q.astype(np.float32) * s_w)
+    got = run(tmp_path / "pt.onnx", x)[0]
+    assert np.allclose(got, expected, rtol=1e-4, atol=1e-3 * np.abs(expected).max())
+    ops = {n.op_type for n in onnx.load(str(tmp_path / "pt.onnx")).graph.node}
+    assert "MatMulInteger" in ops and "MatMul" not in ops and not ops & {"DynamicQuantizeLinear", "QuantizeLinear"}
+
+
+def test_a_massive_token_breaks_per_tensor_scales_not_per_token(tmp_path, planted):
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    weight, x = planted
+    src = matmul_model(tmp_path / "mm.onnx", weight)
+    reference = x @ weight
+    quantize_dynamic(str(src), str(tmp_path / "dyn.onnx"), weight_type=QuantType.QInt8, per_channel=True)
+    quantize_per_token(src, tmp_path / "pt.onnx", ["mm"], reduce_range=False)
+    others = (slice(None), slice(1, None))
+    per_tensor_err = rel(run(tmp_path / "dyn.onnx", x)[0][others], reference[others])
+    per_token_err = rel(run(tmp_path / "pt.onnx", x)[0][others], reference[others])
+    assert per_tensor_err > 0.5     # the other tokens round to (almost) nothing
+    assert per_token_err < 0.02     # each row has its own step
+    massive_row = (slice(None), 0)
+    assert rel(run(tmp_path / "pt.onnx", x)[0][massive_row], reference[massive_row]) < 0.05
+
+
+def test_one_quantization_per_shared_input_and_reduce_range(tmp_path, planted):
+    weight, x = planted
+    src = matmul_model(tmp_path / "mm.onnx", weight, shared_input=True)
+    info = quantize_per_token(src, tmp_path / "pt.onnx", ["mm", "mm2"], reduce_range=True)
+    model = onnx.load(str(tmp_path / "pt.onnx"))
+    assert info["weight_qmax"] == 63
+    assert sum(n.op_type == "ReduceMax" for n in model.graph.node) == 1
+    assert sum(n.op_type == "MatMulInteger" for n in model.graph.node) == 2
+    assert {i.name for i in model.graph.initializer}.isdisjoint({"W", "W2"})  # FP32 weights dropped
+    y, y2 = run(tmp_path / "pt.onnx", x)
+    assert rel(y2, 2 * (x @ weight)) < 0.05 and rel(y, x @ weight) < 0.05
+
+
+def test_recipe_validation():
+    recipe = get_recipe("pertoken")
+    assert recipe.mode == "pertoken" and recipe.calibration is None
+    assert recipe.settings(vnni=True)["format"].startswith("per-token")
+    with pytest.raises(ConfigError, match="per-channel"):
+        Recipe("bad", "pertoken", None, False, "matmul", False, "auto")
+    with pytest.raises(ConfigError, match="calibration"):
+        Recipe("bad", "pertoken", "minmax", True, "matmul", False, "auto")
+
+
+def test_quantize_runs_the_recipe_and_checks_the_model(tmp_path, planted):
+    weight, x = planted
+    src = matmul_model(tmp_path / "mm.onnx", weight)
+    probe = np.zeros((1, 4), dtype=np.int64)  # unused by this float-input graph's sanity run
+    result = quantize(src, get_recipe("pertoken"), None, tmp_path / "out.onnx", vnni=True, probe_inputs=probe)
+    assert result.path.is_file() and result.settings["quantized_nodes"] == ["mm"]
+    assert result.settings["pertoken_matmuls"] == ["mm"]
