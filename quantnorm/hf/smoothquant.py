@@ -43,6 +43,8 @@ from ..smoothquant import (
     smooth_module,
 )
 
+ROTATED_ONNX_FILE = "model.fp32.rotated.onnx"
+
 
 def is_hf_norm(module) -> bool:
     from torch import nn
@@ -107,6 +109,20 @@ class HFSmoothedModels(SmoothedModels):
                  max_positions: int | None, opset: int):
         super().__init__(wrapper, calib_inputs, parity_inputs, out_dir, opset=opset)
         self.loaded, self.outputs, self.max_positions = loaded, outputs, max_positions
+        self.rotated = None  # the Hadamard-rotated FP32 export (quantnorm.hf.rotation), made on first use
+
+    def fp32_for(self, recipe, default: Path) -> Path:
+        """The FP32 model ``recipe`` quantizes: the rotated export for a rotation recipe, the
+        smoothed one for a SmoothQuant recipe, else ``default``."""
+        if getattr(recipe, "rotation", None) is None:
+            return super().fp32_for(recipe, default)
+        if self.rotated is None:
+            from .rotation import rotate_and_export  # imports torch: only when a rotation recipe runs
+
+            self.rotated = rotate_and_export(self.loaded, self.model, self.parity_inputs,
+                                             self.out_dir / ROTATED_ONNX_FILE, outputs=self.outputs,
+                                             max_positions=self.max_positions, opset=self.opset)
+        return self.rotated.path
 
     def _export(self, alpha: float, path: Path) -> HFSmoothQuantExport:
         return smooth_and_export(self.loaded, self.model, self.calib_inputs, self.parity_inputs, path, alpha=alpha,

@@ -1,0 +1,281 @@
+"""Rotating a Pre-RMSNorm checkpoint's residual stream (QuaRot-style, Hadamard), exactly in FP32.
+
+Why: per-token INT8 gives each token its own scale, but inside one row a few outlier channels
+still set the step for all the others. An orthogonal rotation ``Q`` of the residual stream
+spreads every channel's energy over all of them (a Hadamard matrix does so evenly: each entry is
+``+-1/sqrt(d)``), and the model computes the same function:
+
+- each norm's weight ``g`` is first folded into the Linears that read the norm's output
+  (``W <- W diag(g)``, then ``g = 1``), because ``RMSNorm(x Q) = RMSNorm(x) Q`` holds only for
+  a norm without a per-channel weight;
+- the embedding rows are rotated (``E <- E Q``), every Linear that reads the stream gets
+  ``W <- W Q`` (q, k, v, gate, up, the head) and every Linear that writes into it gets
+  ``W <- Q^T W`` (o, down; a bias ``b <- b Q``);
+- the head is untied from the embedding (the final norm's weight folds into the head only);
+- the down-projection input, where SmolLM2's largest MatMul input lives (about 3,000 on the first
+  token), is not part of the stream: it gets an *online* Hadamard, ``h -> h H`` computed in the
+  graph, with ``W_down <- W_down H``. ``H = H_a (x) H_b`` is applied as two small MatMuls on an
+  ``[a, b]`` view of ``h`` (and a transpose), ``O(a + b)`` work per element instead of ``O(a b)``. Those MatMuls are
+  part of the FP32 model: their module is named ``online_hadamard`` and no recipe quantizes them.
+
+This is exact for the Pre-RMSNorm dataflow (LLaMA, Mistral, Qwen2). For Peri-LN (Gemma 2/3) the
+stream rotation is exact too but measured harmful here (issue 15: the model discards a component
+of the normalized stream before every Linear, and rotation spreads it over every input), so it
+is refused for them with the reason; ``rotation_support`` says which form applies where.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..errors import ConfigError, ExportError
+from ..quantize.recipes import ONLINE_ROTATION_MARKER
+
+ROTATABLE_FAMILIES = ("llama", "mistral", "qwen2")
+PALEY_PRIMES = (11, 19, 23, 43, 47, 59, 67, 71, 79, 83)  # q = 3 mod 4: Hadamard order q + 1
+PALEY_ORDERS = tuple(q + 1 for q in PALEY_PRIMES)        # (the powers of two come from Sylvester)
+DEFAULT_PARITY_TOLERANCE = 1e-3   # relative to each output's scale, as the SmoothQuant export gate
+
+
+# ---------------------------------------------------------------------------------------------
+# Hadamard matrices
+
+
+def sylvester(n: int) -> np.ndarray:
+    h = np.ones((1, 1))
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return h
+
+
+def paley(q: int) -> np.ndarray:
+    """Paley's construction I: a Hadamard matrix of order q + 1 for a prime q = 3 (mod 4)."""
+    residues = {(i * i) % q for i in range(1, q)}
+    chi = np.array([0] + [1 if i in residues else -1 for i in range(1, q)])
+    jac = np.array([[chi[(j - i) % q] for j in range(q)] for i in range(q)])
+    s = np.zeros((q + 1, q + 1))
+    s[0, 1:] = 1
+    s[1:, 0] = -1
+    s[1:, 1:] = jac
+    return s + np.eye(q + 1)
+
+
+def hadamard_factors(n: int) -> list[int] | None:
+    """Orders whose Kronecker product is n (Paley orders, then one power of two), or None."""
+    if _is_power_of_two(n):
+        return [n]
+    for order in PALEY_ORDERS:
+        if n % order == 0:
+            rest = hadamard_factors(n // order)
+            if rest is not None:
+                return [order] + rest
+    return None
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+def hadamard_block(order: int) -> np.ndarray:
+    if _is_power_of_two(order):
+        return sylvester(order)
+    return paley(order - 1)
+
+
+def hadamard(n: int) -> np.ndarray:
+    """An orthonormal Hadamard matrix of order n (entries +-1/sqrt(n)), float64."""
+    factors = hadamard_factors(n)
+    if factors is None:
+        raise ConfigError(f"no Hadamard matrix of order {n} from Sylvester and Paley blocks")
+    h = np.ones((1, 1))
+    for order in factors:
+        h = np.kron(h, hadamard_block(order))
+    h = h / np.sqrt(n)
+    if not np.allclose(h @ h.T, np.eye(n), atol=1e-9):
+        raise AssertionError(f"Hadamard construction of order {n} is not orthogonal")
+    return h
+
+
+def randomized_hadamard(n: int, seed: int = 0) -> np.ndarray:
+    """``diag(+-1) H``: QuaRot's randomized Hadamard (still orthogonal, entries +-1/sqrt(n))."""
+    signs = np.random.default_rng(seed).choice([-1.0, 1.0], size=n)
+    return signs[:, None] * hadamard(n)
+
+
+def split_for_online(n: int) -> tuple[int, int]:
+    """``n = a * b`` with a Hadamard of each order and ``a`` small: the online rotation's two steps."""
+    best = None
+    for a in range(1, n + 1):
+        if n % a:
+            continue
+        b = n // a
+        if hadamard_factors(a) is not None and _is_power_of_two(b):
+            if best is None or a + b < sum(best):
+                best = (a, b)
+    if best is None:
+        raise ConfigError(f"no two-step Hadamard for the down-projection input of width {n}")
+    return best
+
+
+# ---------------------------------------------------------------------------------------------
+# The rotation on a checkpoint
+
+
+def rotation_support(spec) -> str | None:
+    """None when the residual-stream rotation applies to this architecture, else why not."""
+    if spec.model_type not in ROTATABLE_FAMILIES:
+        if spec.placement == "peri":
+            return (f"{spec.family} is Peri-LN with (1 + w) norms: the stream rotation is exact but measured "
+                    "harmful (the model discards a normalized-stream component before every Linear; rotation "
+                    "spreads it into every input's per-token scale)")
+        return f"{spec.family} ({spec.placement}/{spec.norm}): residual-stream rotation is implemented for " \
+               f"Pre-RMSNorm {', '.join(ROTATABLE_FAMILIES)} only"
+    return None
+
+
+@dataclass
+class RotationPlan:
+    d_model: int
+    stream: str
+    online: str
+    layers: int
+    untied_head: bool
+    folded_norms: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"d_model": self.d_model, "stream_rotation": self.stream, "online_rotation": self.online,
+                "layers": self.layers, "untied_head": self.untied_head, "folded_norms": len(self.folded_norms)}
+
+
+def rotate_wrapper(wrapper, spec, seed: int = 0):
+    """A rotated deep copy of ``wrapper`` (the CausalLMWrapper around a LLaMA-family model) and its plan."""
+    why = rotation_support(spec)
+    if why is not None:
+        raise ConfigError(f"rotation: {why}")
+    rotated = copy.deepcopy(wrapper)
+    lm = rotated.model
+    base = lm.base_model
+    embed = base.embed_tokens
+    d = embed.weight.shape[1]
+    q = torch.from_numpy(randomized_hadamard(d, seed))
+    head = lm.lm_head
+    untied = head.weight is embed.weight or head.weight.data_ptr() == embed.weight.data_ptr()
+    if untied:
+        head.weight = nn.Parameter(embed.weight.detach().clone())
+        lm.config.tie_word_embeddings = False
+    plan = RotationPlan(d, f"randomized Hadamard {'x'.join(map(str, hadamard_factors(d)))} (order {d}, seed {seed})",
+                        "", len(base.layers), untied)
+
+    def fold(norm, linears):
+        g = norm.weight.detach().double()
+        for lin in linears:
+            lin.weight.data = (lin.weight.detach().double() * g[None, :]).float()
+        norm.weight.data.fill_(1.0)
+        plan.folded_norms.append(type(norm).__name__)
+
+    def read(lin):   # a Linear reading the stream: W <- W Q
+        lin.weight.data = (lin.weight.detach().double() @ q).float()
+
+    def write(lin):  # a Linear writing into the stream: W <- Q^T W, b <- b Q
+        lin.weight.data = (q.T @ lin.weight.detach().double()).float()
+        if lin.bias is not None:
+            lin.bias.data = (lin.bias.detach().double() @ q).float()
+
+    with torch.no_grad():
+        width = None
+        for layer in base.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            fold(layer.input_layernorm, [attn.q_proj, attn.k_proj, attn.v_proj])
+            fold(layer.post_attention_layernorm, [mlp.gate_proj, mlp.up_proj])
+            for lin in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
+                read(lin)
+            write(attn.o_proj)
+            width = mlp.down_proj.in_features
+            a, b = split_for_online(width)
+            online = OnlineHadamard(a, b)
+            mlp.down_proj.weight.data = (mlp.down_proj.weight.detach().double() @ online.matrix()).float()
+            write(mlp.down_proj)
+            mlp.down_proj = RotatedInput(online, mlp.down_proj)
+        fold(base.norm, [head])
+        read(head)
+        embed.weight.data = (embed.weight.detach().double() @ q).float()
+    plan.online = f"Hadamard {a}x{b} (order {width}) before each down-projection, two MatMuls in the graph"
+    return rotated.eval(), plan
+
+
+class OnlineHadamard(nn.Module):
+    """``h -> h M`` with ``M = (H_a (x) H_b) P``: on an ``[a, b]`` view of ``h``, ``X H_b``, then a
+    transpose and ``H_a`` on the other axis. Both MatMuls have the constant on the right, so ONNX
+    Runtime runs each as one large GEMM over all tokens (a constant on the left becomes thousands of
+    tiny batched products, slower than the FP32 model). The transpose leaves the output in
+    ``[b, a]`` order, a channel permutation ``P`` that ``matrix()`` includes and the weight absorbs."""
+
+    def __init__(self, a: int, b: int):
+        super().__init__()
+        self.a, self.b = a, b
+        self.register_buffer("left", torch.from_numpy(hadamard(a).copy()).float())
+        self.register_buffer("right", torch.from_numpy(hadamard(b).copy()).float())
+
+    def matrix(self) -> torch.Tensor:
+        """``M`` in float64, read off the module itself (rows: the images of the basis vectors)."""
+        eye = torch.eye(self.a * self.b, dtype=torch.float64)
+        x = torch.matmul(eye.reshape(-1, self.a, self.b), self.right.double())
+        return torch.matmul(x.transpose(-1, -2), self.left.double()).reshape(-1, self.a * self.b)
+
+    def forward(self, h):
+        shape = h.shape
+        x = torch.matmul(h.reshape(*shape[:-1], self.a, self.b), self.right)
+        return torch.matmul(x.transpose(-1, -2), self.left).reshape(shape)
+
+
+class RotatedInput(nn.Module):
+    """A Linear whose input is rotated online first (the rotation's module carries the marker
+    name, so its MatMuls keep FP32 in every recipe)."""
+
+    def __init__(self, rotation: OnlineHadamard, linear: nn.Linear):
+        super().__init__()
+        setattr(self, ONLINE_ROTATION_MARKER, rotation)
+        self.linear = linear
+
+    def forward(self, h):
+        return self.linear(getattr(self, ONLINE_ROTATION_MARKER)(h))
+
+
+# ---------------------------------------------------------------------------------------------
+# Export, with parity against the original
+
+
+@dataclass(frozen=True)
+class RotatedExport:
+    path: Path
+    plan: RotationPlan
+    export: object
+    onnx_vs_original_max_rel_diff: float
+
+    def to_dict(self, run_dir: Path | None = None) -> dict:
+        return {**self.plan.to_dict(), "path": Path(self.path).name, "export": self.export.to_dict(run_dir),
+                "onnx_vs_original_max_rel_diff": self.onnx_vs_original_max_rel_diff,
+                "parity_rule": "max |delta| / max(1, max |original|) per output, max over outputs"}
+
+
+def rotate_and_export(loaded, wrapper, parity_inputs: np.ndarray, out_path: Path, *, outputs, max_positions,
+                      opset: int, tolerance: float = DEFAULT_PARITY_TOLERANCE) -> RotatedExport:
+    from ..smoothquant import max_output_diff
+    from .export import export_hf_onnx, onnx_outputs, torch_outputs
+
+    rotated, plan = rotate_wrapper(wrapper, loaded.spec)
+    out_path = Path(out_path)
+    exported = export_hf_onnx(rotated, out_path, parity_inputs, outputs=outputs, max_positions=max_positions,
+                              opset=opset)
+    diff = max_output_diff(torch_outputs(wrapper, parity_inputs), onnx_outputs(out_path, parity_inputs), relative=True)
+    if not diff <= tolerance:
+        out_path.unlink(missing_ok=True)
+        raise ExportError(f"rotated ONNX model does not match the original: max relative |delta| = {diff:.3g} > "
+                          f"{tolerance:g}; no file kept")
+    return RotatedExport(out_path, plan, exported, diff)

@@ -1,0 +1,120 @@
+"""Hadamard rotation of a Pre-RMSNorm checkpoint (quantnorm.hf.rotation): exact in FP32, and it
+shrinks per-token INT8 error where outlier channels are planted."""
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from quantnorm.errors import ConfigError
+from quantnorm.hf.loader import ARCHITECTURES
+from quantnorm.hf.rotation import (
+    OnlineHadamard,
+    hadamard,
+    hadamard_factors,
+    paley,
+    rotate_wrapper,
+    rotation_support,
+    split_for_online,
+)
+from quantnorm.quantize.pertoken import fake_quantize_rows
+
+
+class Wrapper(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids):
+        return self.model(input_ids=input_ids, use_cache=False).logits
+
+
+def tiny_llama(d=48, ff=96, seed=0, plant=True):
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=d, intermediate_size=ff, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      tie_word_embeddings=True)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:  # non-trivial norm weights, so the fold is exercised
+            layer.input_layernorm.weight.uniform_(0.5, 1.5)
+            layer.post_attention_layernorm.weight.uniform_(0.5, 1.5)
+        model.model.norm.weight.uniform_(0.5, 1.5)
+        if plant:
+            # An outlier channel of the residual stream (every token), and one of the down-projection input.
+            model.model.embed_tokens.weight[:, 7] = 0.5
+            model.model.layers[0].mlp.up_proj.weight[11] *= 30.0
+    return Wrapper(model).eval()
+
+
+@pytest.mark.parametrize("n", [4, 12, 48, 576, 640, 1536])
+def test_hadamard_is_orthonormal_with_flat_entries(n):
+    h = hadamard(n)
+    assert np.allclose(h @ h.T, np.eye(n), atol=1e-9)
+    assert np.allclose(np.abs(h), 1 / np.sqrt(n))
+
+
+def test_paley_and_factors():
+    assert np.allclose(paley(11) @ paley(11).T, 12 * np.eye(12))
+    assert hadamard_factors(576) == [48, 12] or np.prod(hadamard_factors(576)) == 576
+    assert hadamard_factors(9) is None
+    a, b = split_for_online(1536)
+    assert a * b == 1536
+
+
+def test_online_hadamard_is_the_matrix_it_reports():
+    rot = OnlineHadamard(12, 8)
+    h = torch.randn(3, 5, 96, dtype=torch.float32)
+    m = rot.matrix()
+    assert torch.allclose(m @ m.T, torch.eye(96, dtype=torch.float64), atol=1e-6)
+    assert torch.allclose(rot(h).double(), h.double() @ m, atol=1e-5)
+
+
+def test_rotation_is_exact_in_fp32():
+    wrapper = tiny_llama()
+    ids = torch.randint(0, 64, (2, 16))
+    rotated, plan = rotate_wrapper(wrapper, ARCHITECTURES["llama"])
+    with torch.no_grad():
+        ref, got = wrapper(ids), rotated(ids)
+    assert (got - ref).abs().max() / ref.abs().max() < 1e-4
+    assert plan.untied_head and plan.layers == 2 and len(plan.folded_norms) == 5
+    # The original is untouched, and its head is still tied to the embedding.
+    assert wrapper.model.lm_head.weight is wrapper.model.model.embed_tokens.weight
+
+
+def per_token_input_error(wrapper, ids) -> float:
+    """Worst relative error ||x - q(x)|| / ||x|| over the Linear inputs when each is quantized per
+    token (the numpy reference of the per-token recipe)."""
+    errors, handles = [], []
+
+    def hook(module, args):
+        x = args[0].detach().numpy()
+        errors.append(float(np.linalg.norm(x - fake_quantize_rows(x)) / np.linalg.norm(x)))
+
+    for module in wrapper.modules():
+        if isinstance(module, torch.nn.Linear):
+            handles.append(module.register_forward_pre_hook(hook))
+    try:
+        with torch.no_grad():
+            wrapper(ids)
+    finally:
+        for h in handles:
+            h.remove()
+    return max(errors)
+
+
+def test_rotation_shrinks_per_token_error_of_planted_outlier_channels():
+    ids = torch.randint(0, 64, (4, 16))
+    planted, clean = tiny_llama(), tiny_llama(plant=False)
+    plain_err = per_token_input_error(planted, ids)
+    assert plain_err > 2 * per_token_input_error(clean, ids)  # the planted channels hurt INT8
+    rotated, _ = rotate_wrapper(planted, ARCHITECTURES["llama"])
+    assert per_token_input_error(rotated, ids) < 0.5 * plain_err
+
+
+def test_rotation_is_refused_where_it_does_not_apply():
+    assert rotation_support(ARCHITECTURES["llama"]) is None
+    assert "Peri-LN" in rotation_support(ARCHITECTURES["gemma3_text"])
+    assert "Pre-RMSNorm" in rotation_support(ARCHITECTURES["bert"])
+    with pytest.raises(ConfigError, match="rotation"):
+        rotate_wrapper(tiny_llama(plant=False), ARCHITECTURES["gemma3_text"])
