@@ -14,11 +14,26 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from . import WindowCalibrationReader, get_calibration_method
 from .entropy import ENTROPY_NUM_BINS, ENTROPY_QUANTIZED_BINS, fast_entropy_collector
 
 HISTOGRAM_BINS = 2048  # percentile and distribution: ORT's defaults
+CALIBRATION_BUFFER_BYTES = 1 << 30  # collected tensors held at once before they are folded in
+
+
+def batch_bytes(session, inputs: np.ndarray, batch_size: int) -> int:
+    """Bytes of one batch's outputs of the (augmented) calibration session: every output's static
+    dimensions times batch x sequence for its symbolic ones (float32)."""
+    rows = int(batch_size) * int(np.asarray(inputs).shape[1])
+    total = 0
+    for out in session.get_outputs():
+        dims = [d for d in (out.shape or []) if isinstance(d, int) and d > 0]
+        symbolic = len(out.shape or []) - len(dims)
+        size = int(np.prod(dims)) if dims else 1
+        total += size * (rows if symbolic else 1) * 4
+    return total
 
 
 def method_details(method: str, percentile: float = 99.999) -> dict:
@@ -35,7 +50,8 @@ def method_details(method: str, percentile: float = 99.999) -> dict:
 
 
 def collect_ranges(model_path: str | Path, method: str, inputs: np.ndarray, *, op_types: list[str] | None,
-                   percentile: float = 99.999, batch_size: int = 4, progress: bool = False):
+                   percentile: float = 99.999, batch_size: int = 4, progress: bool = False,
+                   buffer_bytes: int = CALIBRATION_BUFFER_BYTES):
     """Calibrate ``model_path`` on ``inputs`` [n, seq] and return ORT's ``TensorsData``.
 
     ``op_types``: the node types whose inputs/outputs are calibrated (None: ORT's default list).
@@ -52,8 +68,7 @@ def collect_ranges(model_path: str | Path, method: str, inputs: np.ndarray, *, o
         extra = {"num_bins": HISTOGRAM_BINS, "percentile": percentile}
     elif method == "distribution":
         extra = {"num_bins": HISTOGRAM_BINS}
-    reader = WindowCalibrationReader(inputs, batch_size=batch_size, progress=progress,
-                                     description=f"calibrating ({method})")
+    reader = WindowCalibrationReader(inputs, batch_size=batch_size)
     with tempfile.TemporaryDirectory(prefix="quantnorm-calib-") as tmp:
         calibrator = create_calibrator(
             Path(model_path), op_types, augmented_model_path=str(Path(tmp) / "augmented.onnx"),
@@ -61,8 +76,49 @@ def collect_ranges(model_path: str | Path, method: str, inputs: np.ndarray, *, o
         )
         if method == "entropy":
             calibrator.collector = fast_entropy_collector(calibrator)
+        # Streamed: ORT's calibrators keep every batch's tensors (the logits too) until
+        # ``collect_data`` returns, which peaked near 21 GB on SmolLM2 (PITFALLS.md 11). Each call
+        # gets as many batches as fit in ``buffer_bytes`` and folds them into the running ranges /
+        # histograms. (Merging histograms re-bins them, so a model that fits gets one call: exact.)
+        per_call = max(1, int(buffer_bytes // max(1, batch_bytes(calibrator.infer_session, inputs, batch_size))))
+        starts = range(0, len(reader), per_call)
+        if method != "minmax" and len(starts) > 1:
+            # Histograms merged chunk by chunk are re-binned when a later chunk widens the range,
+            # which changes what entropy and percentile pick. A streamed MinMax pass first gives
+            # every tensor its final range; histograms seeded with it only ever add counts.
+            extremes = collect_ranges(model_path, "minmax", inputs, op_types=op_types, batch_size=batch_size,
+                                      progress=progress, buffer_bytes=buffer_bytes)
+            seed_histograms(calibrator, extremes)
         with contextlib.redirect_stdout(io.StringIO()):  # ORT prints progress lines
-            calibrator.collect_data(reader)
+            for start in tqdm(starts, desc=f"calibrating ({method})", unit="chunk", disable=not progress, leave=False):
+                reader.set_range(start, start + per_call)
+                calibrator.collect_data(reader)
             ranges = calibrator.compute_data()
         del calibrator  # holds an inference session on the augmented model inside tmp
     return ranges
+
+
+def seed_histograms(calibrator, extremes) -> None:
+    """Empty histograms spanning each tensor's final range, in the layout ORT's
+    ``HistogramCollector`` keeps (``collect_value``: symmetric, ``collect_absolute_value``: |x|)."""
+    from onnxruntime.quantization.calibrate import HistogramCollector
+
+    if not calibrator.collector:
+        calibrator.collector = HistogramCollector(
+            method=calibrator.method, symmetric=calibrator.symmetric, num_bins=calibrator.num_bins,
+            num_quantized_bins=calibrator.num_quantized_bins, percentile=calibrator.percentile,
+            scenario=calibrator.scenario)
+    collector = calibrator.collector
+    absolute = collector.method == "percentile" and collector.symmetric  # ORT's collect() dispatch
+    for name, value in extremes.data.items():
+        lo = np.array(np.min(value.range_value[0]), dtype=np.float32)
+        hi = np.array(np.max(value.range_value[1]), dtype=np.float32)
+        bins = collector.num_bins
+        if absolute:
+            top = np.float32(max(abs(lo), abs(hi)))
+            edges = np.linspace(0.0, top, bins + 1).astype(np.float32)
+            collector.histogram_dict[name] = (np.zeros(bins, dtype=np.int64), edges, lo, hi)
+        else:
+            threshold = np.array(max(abs(lo), abs(hi)), dtype=np.float32)
+            _, edges = np.histogram(np.zeros(0, dtype=np.float32), bins, range=(-threshold, threshold))
+            collector.histogram_dict[name] = (np.zeros(bins, dtype=np.int64), edges, lo, hi, threshold)
