@@ -57,6 +57,7 @@ class EvaluateConfig:
     sq_alpha: float | None = None       # overrides the alpha of SmoothQuant recipes
     max_ppl_ratio: float = 1.01         # the search's target (--recipes auto)
     min_top1: float | None = None       # the search's optional top-1 agreement floor
+    max_kld: float | None = None        # the search's optional mean-KL ceiling
     search_pick: str = "fastest"        # the search's pick: fastest or first passing model
     exclude: tuple[str, ...] = ()       # node names / fnmatch patterns kept in FP32 by every recipe
 
@@ -80,7 +81,7 @@ class EvaluateConfig:
     def search_config(self):
         from .search import SearchConfig
 
-        return SearchConfig(max_ppl_ratio=self.max_ppl_ratio, min_top1=self.min_top1, pick=self.search_pick,
+        return SearchConfig(max_ppl_ratio=self.max_ppl_ratio, min_top1=self.min_top1, max_kld=self.max_kld, pick=self.search_pick,
                             sq_alpha=self.sq_alpha, latency_iters=min(self.latency_iters, 10))
 
     def recipe(self, name: str):
@@ -155,7 +156,12 @@ def evaluate(run_dir: RunDir, cfg: EvaluateConfig, *, command: str) -> dict:
         name = recipe.name
         bar.set_postfix_str(name)
         with timed(stage_seconds, f"quantize:{name}"):
-            source = smoothed.fp32_for(recipe, fp32_path)
+            try:
+                source = smoothed.fp32_for(recipe, fp32_path)
+            except ConfigError as exc:  # a recipe this model cannot take (rotation on a zoo model)
+                recipes_out.append({"name": name, "status": f"not applicable: {exc}",
+                                    "settings": recipe.settings(vnni)})
+                continue
             q = quantize(source, recipe, calib_inputs, run_dir.file(int8_onnx_file(name)), vnni=vnni,
                          probe_inputs=eval_inputs[:2])
         if source != fp32_path:

@@ -131,6 +131,7 @@ def _quiet_inc() -> Iterator[None]:
 class SearchConfig:
     max_ppl_ratio: float = DEFAULT_MAX_PPL_RATIO
     min_top1: float | None = None             # also require this top-1 agreement (None: PPL ratio only)
+    max_kld: float | None = None              # also require this mean KL divergence (None: not required)
     pick: str = "fastest"                     # "fastest" or "first"
     max_trials: int | None = None             # None: the whole space and the whole fallback
     space: tuple[str, ...] | None = None      # recipe names; None: default_space()
@@ -147,6 +148,8 @@ class SearchConfig:
             raise ConfigError(f"--max-ppl-ratio must be a finite number > 0, got {self.max_ppl_ratio}")
         if self.min_top1 is not None and not 0.0 <= self.min_top1 <= 1.0:
             raise ConfigError(f"--min-top1 must be in [0, 1], got {self.min_top1}")
+        if self.max_kld is not None and not (self.max_kld > 0 and math.isfinite(self.max_kld)):
+            raise ConfigError(f"--max-kld must be a finite number > 0, got {self.max_kld}")
         if self.pick not in PICKS:
             raise ConfigError(f"search pick must be one of {', '.join(PICKS)}, got {self.pick!r}")
         if self.max_trials is not None and self.max_trials < 1:
@@ -284,9 +287,10 @@ class _Runner:
                 acc = self.scorer(self.fp32_session, make_session(q.path, self.spec), self.eval_inputs,
                                   self.eval_targets)
                 latency = self.latency_fn(q.path, recipe.name)
-                top1_ok = self.cfg.min_top1 is None or acc.top1_agreement >= self.cfg.min_top1
-                # A trial below the top-1 floor scores 0, so INC's own pass rule (metric vs
-                # tolerable_loss) and ours agree: both targets must hold.
+                top1_ok = (self.cfg.min_top1 is None or acc.top1_agreement >= self.cfg.min_top1) and \
+                    (self.cfg.max_kld is None or acc.kld_mean <= self.cfg.max_kld)
+                # A trial below the top-1 floor (or above the KL ceiling) scores 0, so INC's own
+                # pass rule (metric vs tolerable_loss) and ours agree: every target must hold.
                 metric = 1.0 / acc.ppl_ratio if acc.ppl_ratio > 0 and top1_ok else 0.0
                 trial = Trial(**common, status="ok", settings=q.settings, ppl_ratio=acc.ppl_ratio,
                               kld_mean=acc.kld_mean, top1_agreement=acc.top1_agreement, latency_p50_ms=latency,

@@ -558,5 +558,8 @@ class SmoothedModels:
 
     def fp32_for(self, recipe, default: Path) -> Path:
         """The FP32 model ``recipe`` quantizes: the smoothed export for a SmoothQuant recipe."""
+        if getattr(recipe, "rotation", None) is not None:
+            raise ConfigError(f"recipe {recipe.name}: rotation is implemented for Pre-RMSNorm Hugging Face and GGUF "
+                              "checkpoints (quantnorm.hf.rotation), not for zoo models")
         alpha = getattr(recipe, "smoothquant_alpha", None)
         return default if alpha is None else self.get(alpha).path

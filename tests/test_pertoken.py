@@ -106,3 +106,20 @@ def test_quantize_runs_the_recipe_and_checks_the_model(tmp_path, planted):
     result = quantize(src, get_recipe("pertoken"), None, tmp_path / "out.onnx", vnni=True, probe_inputs=probe)
     assert result.path.is_file() and result.settings["quantized_nodes"] == ["mm"]
     assert result.settings["pertoken_matmuls"] == ["mm"]
+
+
+def test_zoo_pipeline_runs_pertoken_and_says_rotation_does_not_apply(tmp_path, capsys):
+    import json
+
+    from quantnorm.cli import main
+
+    out = tmp_path / "run"
+    argv = ["evaluate", "--placement", "pre", "--norm", "rms", "--layers", "1", "--d-model", "16", "--heads", "2",
+            "--context", "16", "--steps", "3", "--recipes", "pertoken,rotated-pertoken", "--calib-samples", "4",
+            "--batches", "1", "--iters", "2", "--providers", "cpu", "--threads", "1", "--no-outliers", "--quiet",
+            "--out", str(out)]
+    assert main(argv) == 0, capsys.readouterr().err
+    recipes = {r["name"]: r for r in json.loads((out / "results.json").read_text())["recipes"]}
+    assert recipes["pertoken"]["status"] == "ok" and recipes["pertoken"]["accuracy"]["kld_mean"] >= 0
+    assert recipes["rotated-pertoken"]["status"].startswith("not applicable: ")
+    assert "accuracy" not in recipes["rotated-pertoken"]
