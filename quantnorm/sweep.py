@@ -37,12 +37,11 @@ from tqdm import tqdm
 from .data import BUILTIN_PYDOC, DataConfig
 from .errors import ConfigError, RunDirError
 from .fileio import write_json_atomic
+from .manifest import MANIFEST_FILE, MANIFEST_VERSION, read_manifest
 from .models import NORMS, PLACEMENTS, ModelConfig
 from .runs import CONFIG_FILE, RESULTS_FILE, TRAIN_SUMMARY_FILE
 
-MANIFEST_FILE = "sweep.json"
 CELL_LOG_FILE = "evaluate.log"
-MANIFEST_VERSION = 1
 LOG_TAIL_LINES = 15
 EXECUTORS = ("local", "ray")
 RAY_HINT = "pip install 'quantnorm[ray]'"
@@ -418,19 +417,6 @@ class _Manifest:
 
 def _now() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def read_manifest(out_dir: Path) -> dict | None:
-    path = Path(out_dir) / MANIFEST_FILE
-    if not path.is_file():
-        return None
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise RunDirError(f"{path} is not valid JSON ({exc}); delete it to start the sweep's manifest afresh") from None
-    if not isinstance(data, dict) or "settings" not in data:
-        raise RunDirError(f"{path} is not a quantnorm sweep manifest; use another --out")
-    return data
 
 
 def check_compatible(previous: dict | None, cfg: SweepConfig, out_dir: Path) -> None:
