@@ -290,9 +290,12 @@ def bench(models, providers, batches, seq, iters, warmup, threads, opt_level, js
 @click.argument("run_dir", type=click.Path(path_type=Path))
 def report(run_dir):
     """Regenerate RUN_DIR/report.md and its plots from RUN_DIR/results.json."""
-    from .report import write_report
+    from .hf.report import is_hf_results, write_hf_report
+    from .report import load_results, write_report
 
-    click.echo(str(write_report(run_dir)))
+    results = load_results(run_dir)
+    write = write_hf_report if is_hf_results(results) else write_report
+    click.echo(str(write(run_dir, results)))
 
 
 @cli.command()

@@ -302,12 +302,10 @@ def make_plots(run_dir: Path, results: dict) -> dict[str, str]:
 
 
 def write_report(run_dir: str | Path, results: dict | None = None) -> Path:
+    """report.md of a zoo run (a Hugging Face run's is ``quantnorm.hf.report.write_hf_report``;
+    ``quantnorm report`` picks between them, so that this stage never imports a model source)."""
     run_dir = Path(run_dir)
     results = results if results is not None else load_results(run_dir)
-    if str(results.get("model", {}).get("source", "")).startswith("hf:"):  # a Hugging Face checkpoint
-        from .hf.report import write_hf_report
-
-        return write_hf_report(run_dir, results)
     plots = make_plots(run_dir, results)
     target = run_dir / REPORT_FILE
     write_text_atomic(target, render(results, plots))

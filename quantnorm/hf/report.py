@@ -4,8 +4,8 @@ Same sections as the zoo's report, with what differs for a real checkpoint: the 
 architecture, placement and norm (and the check that verified them), the token-level protocol,
 encoder metrics (embedding cosine, nearest-neighbour agreement, MLM perplexity) instead of the
 perplexity table for encoders, and an outlier table that names the token at each position.
-``quantnorm.report.write_report`` hands such a results.json here, so ``quantnorm report`` works
-on these runs too. Reads only results.json.
+``quantnorm report`` hands such a results.json here (``is_hf_results``), so it works on these
+runs too. Reads only results.json.
 """
 
 from __future__ import annotations
