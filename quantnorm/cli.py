@@ -305,7 +305,7 @@ def recipes():
 
     for name, recipe in RECIPES.items():
         mark = "*" if name in DEFAULT_RECIPES else " "
-        click.echo(f"{mark} {name:<36} {recipe.describe() if hasattr(recipe, 'describe') else ''}")
+        click.echo(f"{mark} {name:<36} {recipe.describe()}")
     click.echo("(* = in the default set)")
 
 
