@@ -50,6 +50,7 @@ from typing import Any
 from .errors import ConfigError, QuantnormError
 from .fileio import write_text_atomic
 from .manifest import MANIFEST_FILE
+from .measure.sessions import normalize_provider
 from .runs import CONFIG_FILE, RESULTS_FILE, TRAIN_SUMMARY_FILE
 
 SUPPORTED_SCHEMA = 1
@@ -80,8 +81,6 @@ def _short_provider(provider: str) -> str:
 
 def normalize_provider_name(name: str) -> str:
     """``cpu``/``cuda``/``tensorrt`` or an ORT provider name -> the ORT name (PolicyError if unknown)."""
-    from .measure.sessions import normalize_provider  # imports onnxruntime: only when a provider is named
-
     try:
         return normalize_provider(name)
     except ConfigError as exc:

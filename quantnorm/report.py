@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from . import plots
 from .errors import RunDirError
 from .fileio import write_text_atomic
 from .runs import PLOTS_DIR, REPORT_FILE, RESULTS_FILE
@@ -277,8 +278,6 @@ def diagnostics_section(d: dict) -> list[str]:
 
 def make_plots(run_dir: Path, results: dict) -> dict[str, str]:
     """Render the report's plots into run_dir/plots; returns {title: relative path}."""
-    from . import plots
-
     out_dir = run_dir / PLOTS_DIR
     made: dict[str, str] = {}
     # encoders (Hugging Face) have accuracy without a perplexity ratio: nothing to plot there

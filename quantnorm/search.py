@@ -48,6 +48,11 @@ import numpy as np
 import onnx
 
 from .errors import ConfigError, QuantnormError
+from .fileio import atomic_path
+from .measure.accuracy import compare
+from .measure.latency import bench_model
+from .measure.sessions import make_session
+from .measure.sqnr import activation_sqnr
 from .quantize import RECIPES, Recipe, get_recipe, quantize, with_exclusions
 
 PICKS = ("fastest", "first")
@@ -260,8 +265,6 @@ class _Runner:
 
     def __init__(self, fp32_path, work_dir, calib_inputs, eval_inputs, eval_targets, cfg, spec, vnni,
                  fp32_for, latency_fn, scorer):
-        from .measure.sessions import make_session
-
         self.scorer = scorer
         self.fp32_path, self.work_dir, self.cfg, self.spec, self.vnni = fp32_path, work_dir, cfg, spec, vnni
         self.calib_inputs, self.eval_inputs, self.eval_targets = calib_inputs, eval_inputs, eval_targets
@@ -270,8 +273,6 @@ class _Runner:
         self.trials: list[Trial] = []
 
     def run(self, recipe: Recipe, phase: str, base: str, k: int = 0, nodes: tuple[str, ...] = ()) -> Trial:
-        from .measure.sessions import make_session
-
         index = len(self.trials) + 1
         common = dict(index=index, phase=phase, recipe=base, name=recipe.name, exclude_worst=k, excluded_nodes=nodes)
         try:
@@ -300,8 +301,6 @@ class _Runner:
 
 
 def _bench_latency(spec, seq: int, cfg: SearchConfig) -> Callable[[Path, str], float | None]:
-    from .measure.latency import bench_model
-
     def latency(path: Path, variant: str) -> float | None:
         row = bench_model(path, variant=variant, spec=spec, batch=cfg.latency_batch, seq=seq,
                           warmup=cfg.latency_warmup, iters=cfg.latency_iters, record_placement=False)
@@ -343,7 +342,7 @@ def search_recipes(fp32_path: Path, work_dir: Path, calib_inputs: np.ndarray, ev
     if latency_fn is None:
         latency_fn = _bench_latency(spec, int(inputs.shape[1]), cfg)
     if scorer is None:
-        from .measure.accuracy import compare as scorer
+        scorer = compare
     runner = _Runner(fp32_path, work_dir, calib_inputs, inputs, targets, cfg, spec, vnni, fp32_for, latency_fn, scorer)
     budget = cfg.max_trials if cfg.max_trials is not None else 10**6
 
@@ -410,8 +409,6 @@ def _tune(config_set, budget: int, cfg: SearchConfig, evaluator, TuningConfig, i
 def _worst_tensors(trials: list[Trial], fp32_for, cfg: SearchConfig, inputs: np.ndarray) -> list[dict]:
     """Weight-MatMul input tensors of the best static (QDQ) trial, worst SQNR first, each with the
     MatMul nodes it feeds (node names as the quantizer resolves exclusions)."""
-    from .measure.sqnr import activation_sqnr
-
     static = [t for t in trials if t.status == "ok" and t.settings.get("mode") == "static" and t.path is not None]
     if not static:
         return []
@@ -484,8 +481,6 @@ def keep_trial_model(trial: Trial, dest: Path) -> Path:
     """Copy a trial's model to ``dest`` (evaluate keeps the chosen one, then drops the work dir)."""
     if trial.path is None:
         raise ConfigError(f"trial {trial.index} ({trial.name}) has no model file")
-    from .fileio import atomic_path
-
     dest = Path(dest)
     with atomic_path(dest, suffix=".onnx") as tmp:
         shutil.copyfile(trial.path, tmp)

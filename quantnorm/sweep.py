@@ -34,12 +34,17 @@ from typing import IO
 
 from tqdm import tqdm
 
-from .data import BUILTIN_PYDOC, DataConfig
+from .compare import write_comparison
+from .data import BUILTIN_PYDOC, DataConfig, prepare_data
 from .errors import ConfigError, RunDirError
+from .evaluate import EvaluateConfig
 from .fileio import write_json_atomic
 from .manifest import MANIFEST_FILE, MANIFEST_VERSION, read_manifest
 from .models import NORMS, PLACEMENTS, ModelConfig
+from .quantize import DEFAULT_RECIPES
+from .report import load_results
 from .runs import CONFIG_FILE, RESULTS_FILE, TRAIN_SUMMARY_FILE
+from .train import RunConfig, TrainConfig
 
 CELL_LOG_FILE = "evaluate.log"
 LOG_TAIL_LINES = 15
@@ -118,8 +123,6 @@ class SweepConfig:
 
     def default_warmup(self) -> int:
         # The rule of `quantnorm train` when --warmup is not given (cli.build_run_config).
-        from .train import TrainConfig
-
         return min(TrainConfig.warmup, max(self.steps, 0) // 4)
 
     def cells(self) -> list[Cell]:
@@ -148,8 +151,6 @@ class Cell:
         return f"{self.placement}-{self.norm}-L{self.depth}-w{self.warmup}-seed{self.seed}"
 
     def run_config(self, cfg: SweepConfig):
-        from .train import RunConfig, TrainConfig
-
         return RunConfig(
             model=ModelConfig(placement=self.placement, norm=self.norm, n_layers=self.depth, d_model=cfg.d_model,
                               n_heads=cfg.heads, context=cfg.context),
@@ -183,10 +184,6 @@ class Cell:
 def validate(cfg: SweepConfig) -> list[Cell]:
     """Check everything a cell would check (model and training configs, recipes, providers, the
     corpus) before anything is written; returns the cells."""
-    from .data import prepare_data
-    from .evaluate import EvaluateConfig
-    from .quantize import DEFAULT_RECIPES
-
     cells = cfg.cells()
     for cell in cells:
         cell.run_config(cfg)  # ConfigError on e.g. heads not dividing d_model, warm-up longer than training
@@ -203,8 +200,6 @@ def validate(cfg: SweepConfig) -> list[Cell]:
 
 def cell_status(cell_dir: Path, cell: Cell | None = None) -> str | None:
     """"done" (valid results.json of this cell), "diverged" (training diverged) or None (to do)."""
-    from .report import load_results
-
     results_path = cell_dir / RESULTS_FILE
     if results_path.is_file():
         try:
@@ -532,8 +527,6 @@ def run_sweep(cfg: SweepConfig, out_dir: str | Path, *, jobs: int | None = None,
     report_path = None
     finished = [o for o in outcomes.values() if o.status in ("done", "diverged", "skipped")]
     if report and finished:
-        from .compare import write_comparison
-
         report_path = write_comparison(out_dir)
     ordered = [outcomes[c.name] for c in cells]
     return SweepOutcome(out_dir, ordered, report_path)
