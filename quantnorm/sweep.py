@@ -130,10 +130,6 @@ class SweepConfig:
         return [Cell(p, n, d, w, s) for d in self.depths for w in warmups for p in self.placements
                 for n in self.norms for s in range(self.seeds)]
 
-    def shared_settings(self) -> dict:
-        d = asdict(self)
-        return {k: (list(d[k]) if isinstance(d[k], tuple) else d[k]) for k in _SHARED_SETTINGS}
-
     def to_dict(self) -> dict:
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items()}
 
