@@ -72,6 +72,7 @@ def default_space() -> tuple[str, ...]:
 
 
 def _register_config_class():
+    # neural-compressor: slow to import, and only --recipes auto needs it
     from neural_compressor.common.base_config import BaseConfig, register_config
     from neural_compressor.common.tuning_param import TuningParam
     from neural_compressor.common.utils import DEFAULT_WHITE_LIST
@@ -325,6 +326,7 @@ def search_recipes(fp32_path: Path, work_dir: Path, calib_inputs: np.ndarray, ev
     ``kld_mean`` and ``top1_agreement`` (default: the zoo's byte-level ``measure.accuracy.compare``;
     ``--model`` passes a token-level one and ``level="token"``).
     """
+    # neural-compressor: slow to import, and only --recipes auto needs it
     from neural_compressor.common.base_tuning import EvaluationFuncWrapper, TuningConfig, init_tuning
 
     fp32_path, work_dir = Path(fp32_path), Path(work_dir)

@@ -253,7 +253,7 @@ def cell_lock(cell_dir: Path, on_wait: Callable[[str], None] | None = None) -> I
     directory. None on systems without ``fcntl``.
     """
     try:
-        import fcntl
+        import fcntl  # POSIX only
     except ImportError:  # not POSIX: no locking
         yield None
         return
@@ -338,7 +338,7 @@ def _append_log(path: Path, line: str) -> None:
 
 def _ray_module():
     try:
-        import ray
+        import ray  # the optional quantnorm[ray] extra, only for --executor ray
     except ImportError:
         raise ConfigError(f"--executor ray needs Ray, which is not installed: {RAY_HINT}") from None
     return ray

@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+from onnxruntime.quantization.calibrate import create_calibrator
 
 from . import WindowCalibrationReader, get_calibration_method
 from .entropy import ENTROPY_NUM_BINS, ENTROPY_QUANTIZED_BINS, fast_entropy_collector
@@ -42,8 +43,6 @@ def collect_ranges(model_path: str | Path, method: str, inputs: np.ndarray, *, o
     Raises ORT's ``ValueError`` ("... range of [-inf, inf] is not finite") when a histogram
     method meets an infinite tensor; callers turn that into a broken recipe.
     """
-    from onnxruntime.quantization.calibrate import create_calibrator
-
     calibrate_method = get_calibration_method(method)
     extra: dict = {}
     if method == "entropy":

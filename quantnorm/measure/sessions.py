@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import onnxruntime as ort
 
 from ..errors import ConfigError, MeasureError
@@ -170,7 +171,7 @@ def _capture_native_output() -> Iterator[list[str]]:
 
 def _probe_model_bytes() -> bytes:
     """A one-node float model (y = x + x): every provider can run it, and it builds in no time."""
-    from onnx import TensorProto, helper
+    from onnx import TensorProto, helper  # ~1 s to import (ml_dtypes): the gate imports this module without it
 
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])
@@ -193,8 +194,6 @@ def _reason_from_log(text: str) -> str | None:
 
 def _probe(provider: str) -> str | None:
     """Create a tiny session with ``provider`` and report why it did not load, or None."""
-    import numpy as np
-
     chain = [provider, *_FALLBACK_CHAIN[provider]]
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
