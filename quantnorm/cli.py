@@ -5,29 +5,42 @@ Every error a user can fix becomes one line on stderr and exit code 2 (traceback
 
 from __future__ import annotations
 
+import shlex
 import sys
 import traceback
 from pathlib import Path
 
 import click
+import onnxruntime as ort
 
 from . import __version__
-from .data import BUILTIN_PYDOC, DataConfig
+from .compare import write_comparison, write_findings
+from .data import BUILTIN_PYDOC, DataConfig, evaluation_windows, prepare_data
 from .errors import QuantnormError
+from .evaluate import EvaluateConfig, ensure_trained
+from .evaluate import evaluate as run_evaluate
+from .export import export_onnx
+from .fileio import write_json_atomic
+from .gate import Policy, append_summary, load_policy, run_gate, write_error_outputs, write_junit
+from .hf.evaluate import evaluate_from_cli  # imports no transformers until a checkpoint is loaded
+from .hf.report import is_hf_results, write_hf_report
+from .measure.latency import bench_grid
+from .measure.sessions import PROVIDERS, resolve_providers
 from .models import NORMS, PLACEMENTS, ModelConfig
+from .quantize import DEFAULT_RECIPES, RECIPES
+from .report import load_results, write_report
+from .runs import FP32_ONNX_FILE, check_out_dir, open_run_dir
+from .sweep import SweepConfig, run_sweep
+from .train import RunConfig, TrainConfig, load_model
+from .train import train as run_training
 
 DEFAULT_MODEL = ModelConfig()
-
-
-def _default_train():
-    from .train import TrainConfig
-
-    return TrainConfig()
+DEFAULT_TRAIN = TrainConfig()
 
 
 def training_options(required: bool):
     """The flags that define a trained model (shared by ``train`` and ``evaluate``)."""
-    t = _default_train()
+    t = DEFAULT_TRAIN
     options = [
         click.option("--placement", type=click.Choice(list(PLACEMENTS)), required=required,
                      help="Where the norm sits: post, pre, peri, deepnorm (DeepNet) or residual (ResiDual)."),
@@ -59,8 +72,6 @@ def training_options(required: bool):
 
 
 def build_run_config(placement, norm, layers, d_model, heads, context, steps, batch_size, lr, warmup, seed, corpus):
-    from .train import RunConfig, TrainConfig
-
     if warmup is None:
         warmup = min(TrainConfig.warmup, max(steps, 0) // 4)
     return RunConfig(
@@ -99,9 +110,6 @@ def train(out, quiet, **flags):
 
     Example: quantnorm train --placement pre --norm rms --steps 400
     """
-    from .runs import check_out_dir
-    from .train import train as run_training
-
     run = build_run_config(**flags)
     out = check_out_dir(out or default_run_dir(run))
     result = run_training(run, out, progress=not quiet)
@@ -129,8 +137,6 @@ _invocation: list[str] | None = None  # the arguments main() was given (None: sy
 
 def _command_line() -> str:
     """The command as the user typed it (recorded in results.json, sweep.json and reports)."""
-    import shlex
-
     args = sys.argv[1:] if _invocation is None else _invocation
     return "quantnorm " + " ".join(shlex.quote(a) for a in args)
 
@@ -190,12 +196,6 @@ def evaluate(checkpoint, out, recipes, sq_alpha, max_ppl_ratio, min_top1, max_kl
 
     Example: quantnorm evaluate --placement pre --norm rms
     """
-    from .data import prepare_data
-    from .evaluate import EvaluateConfig, ensure_trained
-    from .evaluate import evaluate as run_evaluate
-    from .quantize import DEFAULT_RECIPES
-    from .runs import open_run_dir
-
     model_path, allow_pickle = flags.pop("model", None), flags.pop("allow_pickle", False)
     cfg = EvaluateConfig(
         recipes=tuple(_csv(recipes)) if recipes else DEFAULT_RECIPES,
@@ -207,8 +207,6 @@ def evaluate(checkpoint, out, recipes, sq_alpha, max_ppl_ratio, min_top1, max_kl
         exclude=tuple(exclude),
     )
     if model_path is not None:  # a local Hugging Face checkpoint (quantnorm.hf)
-        from .hf.evaluate import evaluate_from_cli
-
         click.echo(evaluate_from_cli(model_path, cfg, flags, checkpoint=checkpoint, out=out, allow_pickle=allow_pickle,
                                      command=_command_line()))
         return
@@ -243,11 +241,6 @@ def summary_lines(results: dict, run_dir: Path) -> str:
 @click.option("--opset", type=int, default=18, show_default=True, help="ONNX opset (18 or later).")
 def export(run_dir, opset):
     """Export a trained run to RUN_DIR/model.fp32.onnx with a parity check against PyTorch."""
-    from .data import evaluation_windows, prepare_data
-    from .export import export_onnx
-    from .runs import FP32_ONNX_FILE, open_run_dir
-    from .train import load_model
-
     run = open_run_dir(run_dir)
     model, cfg = load_model(run)
     data = prepare_data(cfg.data, cfg.model.context)
@@ -269,12 +262,6 @@ def export(run_dir, opset):
 @click.option("--json", "json_out", type=click.Path(path_type=Path), default=None, help="Also write the rows as JSON.")
 def bench(models, providers, batches, seq, iters, warmup, threads, opt_level, json_out):
     """Latency of ONNX models (p50/p90/p99, tokens/s) per execution provider and batch size."""
-    import onnxruntime as ort
-
-    from .fileio import write_json_atomic
-    from .measure.latency import bench_grid
-    from .measure.sessions import PROVIDERS, resolve_providers
-
     if not models:
         raise click.UsageError("give at least one .onnx file")
     for path in models:
@@ -301,19 +288,17 @@ def bench(models, providers, batches, seq, iters, warmup, threads, opt_level, js
 @click.argument("run_dir", type=click.Path(path_type=Path))
 def report(run_dir):
     """Regenerate RUN_DIR/report.md and its plots from RUN_DIR/results.json."""
-    from .report import write_report
-
-    click.echo(str(write_report(run_dir)))
+    results = load_results(run_dir)
+    write = write_hf_report if is_hf_results(results) else write_report
+    click.echo(str(write(run_dir, results)))
 
 
 @cli.command()
 def recipes():
     """List the INT8 recipes and which ones evaluate runs by default."""
-    from .quantize import DEFAULT_RECIPES, RECIPES
-
     for name, recipe in RECIPES.items():
         mark = "*" if name in DEFAULT_RECIPES else " "
-        click.echo(f"{mark} {name:<36} {recipe.describe() if hasattr(recipe, 'describe') else ''}")
+        click.echo(f"{mark} {name:<36} {recipe.describe()}")
     click.echo("(* = in the default set)")
 
 
@@ -344,8 +329,6 @@ def gate(ctx, inputs, policy, require_provider, recipes, summary, junit, **thres
 
     Example: quantnorm gate runs/pre-rms --policy examples/gate-policy.toml --junit gate.xml
     """
-    from .gate import Policy, append_summary, load_policy, run_gate, write_error_outputs, write_junit
-
     try:
         pol = load_policy(policy) if policy is not None else Policy()
         pol = pol.override(**thresholds,
@@ -377,9 +360,9 @@ def gate(ctx, inputs, policy, require_provider, recipes, summary, junit, **thres
 @click.option("--d-model", type=int, default=DEFAULT_MODEL.d_model, show_default=True, help="Hidden size.")
 @click.option("--heads", type=int, default=DEFAULT_MODEL.n_heads, show_default=True, help="Attention heads.")
 @click.option("--context", type=int, default=DEFAULT_MODEL.context, show_default=True, help="Context length in bytes.")
-@click.option("--steps", type=int, default=_default_train().steps, show_default=True, help="Training steps.")
-@click.option("--batch-size", type=int, default=_default_train().batch_size, show_default=True, help="Windows per step.")
-@click.option("--lr", type=float, default=_default_train().lr, show_default=True, help="Peak learning rate (AdamW).")
+@click.option("--steps", type=int, default=DEFAULT_TRAIN.steps, show_default=True, help="Training steps.")
+@click.option("--batch-size", type=int, default=DEFAULT_TRAIN.batch_size, show_default=True, help="Windows per step.")
+@click.option("--lr", type=float, default=DEFAULT_TRAIN.lr, show_default=True, help="Peak learning rate (AdamW).")
 @click.option("--corpus", type=str, default=BUILTIN_PYDOC, show_default=True,
               help="Training text: a file, a directory of files, or builtin:pydoc.")
 @click.option("--recipes", default=None, help="Comma-separated INT8 recipes. [default: evaluate's default set]")
@@ -414,8 +397,6 @@ def sweep(ctx, placements, norms, seeds, warmups, depths, d_model, heads, contex
 
     Example: quantnorm sweep --placements post,pre,peri --norms layer,rms --seeds 3 --warmups 0,30 --out sweeps/a
     """
-    from .sweep import SweepConfig, run_sweep
-
     if executor != "ray" and ray_address:
         raise click.UsageError("--ray-address needs --executor ray")
     cfg = SweepConfig(
@@ -446,8 +427,6 @@ def sweep(ctx, placements, norms, seeds, warmups, depths, d_model, heads, contex
 @click.argument("sweep_dir", type=click.Path(path_type=Path))
 def compare(sweep_dir):
     """Regenerate SWEEP_DIR/report.md (and plots) from its cells' results.json."""
-    from .compare import write_comparison
-
     click.echo(str(write_comparison(sweep_dir)))
 
 
@@ -456,8 +435,6 @@ def compare(sweep_dir):
 def findings(sweep_dir):
     """Print the findings section (Markdown: a verdict per claim of shared CLAIMS.md) of SWEEP_DIR
     and write it to SWEEP_DIR/findings.md (the same section as in SWEEP_DIR/report.md)."""
-    from .compare import write_findings
-
     _, text = write_findings(sweep_dir)
     click.echo(text)
 

@@ -456,7 +456,7 @@ def load_cell(cell_dir: Path) -> CellResult | None:
 
 def load_sweep(sweep_dir: str | Path) -> Sweep:
     """Every finished cell under ``sweep_dir``; unusable and unfinished cells are listed as problems."""
-    from .sweep import MANIFEST_FILE, read_manifest
+    from .manifest import MANIFEST_FILE, read_manifest
 
     sweep_dir = Path(sweep_dir)
     if not sweep_dir.is_dir():

@@ -11,6 +11,7 @@ evaluation must stay disjoint: a quantization score measured on calibration text
 from __future__ import annotations
 
 import hashlib
+import pydoc_data.topics
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,8 +45,6 @@ def load_corpus(source: str | Path | None = None) -> Corpus:
     A directory's files are joined in sorted path order with a newline between them.
     """
     if source is None or str(source) == BUILTIN_PYDOC:
-        import pydoc_data.topics
-
         text = "".join(pydoc_data.topics.topics.values())
         return Corpus(BUILTIN_PYDOC, text.encode("utf-8"))
     path = Path(source)

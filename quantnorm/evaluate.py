@@ -23,10 +23,10 @@ from .data import PreparedData, evaluation_windows, prepare_data
 from .errors import ConfigError, QuantizeError
 from .export import export_onnx
 from .fileio import write_json_atomic
-from .hardware import cpu_has_vnni, hardware_info
+from .hardware import cpu_has_vnni
 from .measure.accuracy import compare
 from .measure.latency import bench_grid
-from .measure.sessions import PROVIDERS, SessionSpec, make_session, resolve_providers
+from .measure.sessions import PROVIDERS, SessionSpec, hardware_info, make_session, resolve_providers
 from .quantize import DEFAULT_RECIPES, get_recipe, quantize, with_exclusions
 from .runs import FP32_ONNX_FILE, PLOTS_DIR, RESULTS_FILE, TRAIN_SUMMARY_FILE, RunDir, check_out_dir, int8_onnx_file
 from .smoothquant import SmoothedModels

@@ -19,6 +19,7 @@ models share that interface (FORMULAS.md, "The evaluation protocol").
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import io
 import logging
@@ -30,6 +31,8 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import torch
+from onnx import numpy_helper
 
 from .errors import ConfigError, ExportError
 from .fileio import atomic_path
@@ -95,8 +98,6 @@ def export_onnx(model, out_path: Path, parity_inputs: np.ndarray, *, opset: int 
 
 
 def _export_checked(model, out_path: Path, parity_inputs: np.ndarray, opset: int, tolerance: float) -> ExportResult:
-    import torch
-
     context = model.cfg.context
     device = next(model.parameters()).device
     # Batch 2 and the full context: torch.export specializes axes of size 0 or 1.
@@ -189,8 +190,6 @@ def _rename_nodes_by_module(model: onnx.ModelProto) -> None:
 
     Nodes without that metadata keep their name. Names stay unique within the graph.
     """
-    import ast
-
     taken: dict[str, int] = {}
     for node in model.graph.node:
         scopes = next((p.value for p in node.metadata_props if p.key == "pkg.torch.onnx.name_scopes"), None)
@@ -307,8 +306,6 @@ def _squared_tensor(node: onnx.NodeProto | None, constants: dict[str, np.ndarray
 
 def _constant_values(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
     """Initializers and ``Constant`` node outputs that are small enough to matter (scalars, eps)."""
-    from onnx import numpy_helper
-
     values = {}
     for init in graph.initializer:
         if np.prod(init.dims, dtype=np.int64) <= 16:
@@ -328,8 +325,6 @@ def _constant_values(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
 def torch_outputs(model, inputs: np.ndarray, batch_size: int = 16) -> list[np.ndarray]:
     """Every output of ``model`` (a module taking int64 windows) on ``inputs``, in batches,
     concatenated: a list even for a single logits tensor."""
-    import torch
-
     was_training = model.training
     model.eval()
     parts: list[list[np.ndarray]] = []

@@ -45,8 +45,3 @@ def write_text_atomic(target: str | os.PathLike, text: str) -> None:
 
 def write_json_atomic(target: str | os.PathLike, data: Any) -> None:
     write_text_atomic(target, json.dumps(data, indent=2, sort_keys=False) + "\n")
-
-
-def write_bytes_atomic(target: str | os.PathLike, data: bytes) -> None:
-    with atomic_path(target) as tmp:
-        tmp.write_bytes(data)

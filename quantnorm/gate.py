@@ -49,6 +49,8 @@ from typing import Any
 
 from .errors import ConfigError, QuantnormError
 from .fileio import write_text_atomic
+from .manifest import MANIFEST_FILE
+from .measure.sessions import normalize_provider
 from .runs import CONFIG_FILE, RESULTS_FILE, TRAIN_SUMMARY_FILE
 
 SUPPORTED_SCHEMA = 1
@@ -79,8 +81,6 @@ def _short_provider(provider: str) -> str:
 
 def normalize_provider_name(name: str) -> str:
     """``cpu``/``cuda``/``tensorrt`` or an ORT provider name -> the ORT name (PolicyError if unknown)."""
-    from .measure.sessions import normalize_provider  # imports onnxruntime: only when a provider is named
-
     try:
         return normalize_provider(name)
     except ConfigError as exc:
@@ -515,8 +515,6 @@ def _diverged_cell(cell: Path) -> RunVerdict | None:
 def _manifest_cells(sweep_dir: Path) -> set[Path]:
     """The cell directories a sweep manifest (``quantnorm sweep``'s sweep.json) names; a manifest
     that cannot be read is an error (fail closed: it may be the only record of a failed cell)."""
-    from .sweep import MANIFEST_FILE
-
     manifest = sweep_dir / MANIFEST_FILE
     if not manifest.exists():
         return set()

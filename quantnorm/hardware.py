@@ -2,7 +2,9 @@
 
 Every latency and accuracy number in ``results.json`` depends on this (pitfall 2: the same INT8
 model loses accuracy under ORT_ENABLE_ALL on an AVX2 CPU without VNNI), so the run records it in
-the ``hardware`` section (see ``shared/RESULTS.md``).
+the ``hardware`` section (see ``shared/RESULTS.md``). That section is assembled by
+``quantnorm.measure.sessions.hardware_info``: it also says which providers really load, which
+takes an ONNX Runtime session, and the sessions depend on this module, not the reverse.
 """
 
 from __future__ import annotations
@@ -98,47 +100,3 @@ def gpu_device_present() -> bool:
     if gpu_names():
         return True
     return Path("/dev/nvidia0").exists() or any(Path("/proc/driver/nvidia/gpus").glob("*"))
-
-
-def _version(module: str) -> str | None:
-    try:
-        mod = __import__(module)
-    except Exception:  # noqa: BLE001 -- a broken optional install must not stop the report
-        return None
-    return getattr(mod, "__version__", None)
-
-
-def hardware_info(threads: int | None = None, *, probe_providers: bool = True) -> dict:
-    """The ``hardware`` section of ``results.json``.
-
-    ``threads`` is the intra-op thread count the measurements used; when None (ONNX Runtime's own
-    default) the number of CPUs available to the process is recorded instead, and ``cpu_count``
-    always says how many there were. With ``probe_providers`` each listed provider is checked
-    (a tiny session per GPU provider, cached) and ``providers_status`` says why one is unusable.
-    """
-    import onnxruntime as ort
-
-    available = list(ort.get_available_providers())
-    names = gpu_names()
-    info: dict = {
-        "cpu": cpu_model(),
-        "cpu_flags": cpu_flags(),
-        "vnni": cpu_has_vnni(),
-        "threads": threads if threads is not None else available_cpus(),
-        "cpu_count": available_cpus(),
-        "onnxruntime": ort.__version__,
-        "torch": _version("torch"),
-        "onnx": _version("onnx"),
-        "numpy": _version("numpy"),
-        "python": platform.python_version(),
-        "providers_available": available,
-        "gpu": ", ".join(names) if names else None,
-        "os": platform.platform(),
-    }
-    if probe_providers:
-        from .measure.sessions import provider_status
-
-        # "usable" or the reason: get_available_providers() lists what the wheel was built with,
-        # not what works here (pitfall 3).
-        info["providers_status"] = {p: provider_status(p) or "usable" for p in available}
-    return info

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from . import plots
 from .errors import RunDirError
 from .fileio import write_text_atomic
 from .runs import PLOTS_DIR, REPORT_FILE, RESULTS_FILE
@@ -277,8 +278,6 @@ def diagnostics_section(d: dict) -> list[str]:
 
 def make_plots(run_dir: Path, results: dict) -> dict[str, str]:
     """Render the report's plots into run_dir/plots; returns {title: relative path}."""
-    from . import plots
-
     out_dir = run_dir / PLOTS_DIR
     made: dict[str, str] = {}
     # encoders (Hugging Face) have accuracy without a perplexity ratio: nothing to plot there
@@ -301,22 +300,11 @@ def make_plots(run_dir: Path, results: dict) -> dict[str, str]:
     return made
 
 
-def is_checkpoint_results(results: dict) -> bool:
-    """Whether results.json is about a loaded checkpoint (``hf:<path>``, or a source object of
-    kind hf/gguf/onnx) rather than a zoo model trained here."""
-    source = results.get("model", {}).get("source", "")
-    if isinstance(source, dict):
-        return source.get("kind") in ("hf", "gguf", "onnx")
-    return str(source).startswith("hf:")
-
-
 def write_report(run_dir: str | Path, results: dict | None = None) -> Path:
+    """report.md of a zoo run (a Hugging Face run's is ``quantnorm.hf.report.write_hf_report``;
+    ``quantnorm report`` picks between them, so that this stage never imports a model source)."""
     run_dir = Path(run_dir)
     results = results if results is not None else load_results(run_dir)
-    if is_checkpoint_results(results):  # a Hugging Face checkpoint or a GGUF file
-        from .hf.report import write_hf_report
-
-        return write_hf_report(run_dir, results)
     plots = make_plots(run_dir, results)
     target = run_dir / REPORT_FILE
     write_text_atomic(target, render(results, plots))

@@ -48,6 +48,11 @@ import numpy as np
 import onnx
 
 from .errors import ConfigError, QuantnormError
+from .fileio import atomic_path
+from .measure.accuracy import compare
+from .measure.latency import bench_model
+from .measure.sessions import make_session
+from .measure.sqnr import activation_sqnr
 from .quantize import RECIPES, Recipe, get_recipe, quantize, with_exclusions
 
 PICKS = ("fastest", "first")
@@ -67,6 +72,7 @@ def default_space() -> tuple[str, ...]:
 
 
 def _register_config_class():
+    # neural-compressor: slow to import, and only --recipes auto needs it
     from neural_compressor.common.base_config import BaseConfig, register_config
     from neural_compressor.common.tuning_param import TuningParam
     from neural_compressor.common.utils import DEFAULT_WHITE_LIST
@@ -263,8 +269,6 @@ class _Runner:
 
     def __init__(self, fp32_path, work_dir, calib_inputs, eval_inputs, eval_targets, cfg, spec, vnni,
                  fp32_for, latency_fn, scorer):
-        from .measure.sessions import make_session
-
         self.scorer = scorer
         self.fp32_path, self.work_dir, self.cfg, self.spec, self.vnni = fp32_path, work_dir, cfg, spec, vnni
         self.calib_inputs, self.eval_inputs, self.eval_targets = calib_inputs, eval_inputs, eval_targets
@@ -273,8 +277,6 @@ class _Runner:
         self.trials: list[Trial] = []
 
     def run(self, recipe: Recipe, phase: str, base: str, k: int = 0, nodes: tuple[str, ...] = ()) -> Trial:
-        from .measure.sessions import make_session
-
         index = len(self.trials) + 1
         common = dict(index=index, phase=phase, recipe=base, name=recipe.name, exclude_worst=k, excluded_nodes=nodes)
         try:
@@ -304,8 +306,6 @@ class _Runner:
 
 
 def _bench_latency(spec, seq: int, cfg: SearchConfig) -> Callable[[Path, str], float | None]:
-    from .measure.latency import bench_model
-
     def latency(path: Path, variant: str) -> float | None:
         row = bench_model(path, variant=variant, spec=spec, batch=cfg.latency_batch, seq=seq,
                           warmup=cfg.latency_warmup, iters=cfg.latency_iters, record_placement=False)
@@ -330,6 +330,7 @@ def search_recipes(fp32_path: Path, work_dir: Path, calib_inputs: np.ndarray, ev
     ``kld_mean`` and ``top1_agreement`` (default: the zoo's byte-level ``measure.accuracy.compare``;
     ``--model`` passes a token-level one and ``level="token"``).
     """
+    # neural-compressor: slow to import, and only --recipes auto needs it
     from neural_compressor.common.base_tuning import EvaluationFuncWrapper, TuningConfig, init_tuning
 
     fp32_path, work_dir = Path(fp32_path), Path(work_dir)
@@ -347,7 +348,7 @@ def search_recipes(fp32_path: Path, work_dir: Path, calib_inputs: np.ndarray, ev
     if latency_fn is None:
         latency_fn = _bench_latency(spec, int(inputs.shape[1]), cfg)
     if scorer is None:
-        from .measure.accuracy import compare as scorer
+        scorer = compare
     runner = _Runner(fp32_path, work_dir, calib_inputs, inputs, targets, cfg, spec, vnni, fp32_for, latency_fn, scorer)
     budget = cfg.max_trials if cfg.max_trials is not None else 10**6
 
@@ -414,8 +415,6 @@ def _tune(config_set, budget: int, cfg: SearchConfig, evaluator, TuningConfig, i
 def _worst_tensors(trials: list[Trial], fp32_for, cfg: SearchConfig, inputs: np.ndarray) -> list[dict]:
     """Weight-MatMul input tensors of the best static (QDQ) trial, worst SQNR first, each with the
     MatMul nodes it feeds (node names as the quantizer resolves exclusions)."""
-    from .measure.sqnr import activation_sqnr
-
     static = [t for t in trials if t.status == "ok" and t.settings.get("mode") == "static" and t.path is not None]
     if not static:
         return []
@@ -488,8 +487,6 @@ def keep_trial_model(trial: Trial, dest: Path) -> Path:
     """Copy a trial's model to ``dest`` (evaluate keeps the chosen one, then drops the work dir)."""
     if trial.path is None:
         raise ConfigError(f"trial {trial.index} ({trial.name}) has no model file")
-    from .fileio import atomic_path
-
     dest = Path(dest)
     with atomic_path(dest, suffix=".onnx") as tmp:
         shutil.copyfile(trial.path, tmp)

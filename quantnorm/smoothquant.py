@@ -64,7 +64,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .errors import ConfigError, ExportError, QuantizeError
-from .export import torch_outputs
+from .export import export_onnx, torch_outputs
+from .measure.accuracy import run_logits
+from .measure.latency import bench_model
+from .measure.sessions import SessionSpec, make_session
 from .models import CausalLM
 from .models.norms import NORMS
 
@@ -492,10 +495,6 @@ def export_smoothed(model: CausalLM, calib_inputs: np.ndarray, parity_inputs: np
     check that matters: the INT8 model is judged against the original FP32 one). A failure
     removes the file and raises ``ExportError``.
     """
-    from .export import export_onnx
-    from .measure.accuracy import run_logits
-    from .measure.sessions import SessionSpec, make_session
-
     smoothed, plan = smooth_model(model, calib_inputs, alpha, parity_tolerance=parity_tolerance)
     out_path = Path(out_path)
     exported = export_onnx(smoothed, out_path, parity_inputs, opset=opset)
@@ -515,8 +514,6 @@ def fp32_latency_cost(fp32_path: Path, smoothed_path: Path, spec, *, seq: int, b
     The two are timed in alternating rounds and the ratio is the median of the per-round ratios,
     so a neighbour's load drifting during the measurement shifts both sides alike.
     """
-    from .measure.latency import bench_model
-
     per_round = max(3, iters // rounds)
     p50s: dict[str, list[float]] = {"fp32": [], "fp32_smoothquant": []}
     for _ in range(rounds):

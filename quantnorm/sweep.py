@@ -34,15 +34,19 @@ from typing import IO
 
 from tqdm import tqdm
 
-from .data import BUILTIN_PYDOC, DataConfig
+from .compare import write_comparison
+from .data import BUILTIN_PYDOC, DataConfig, prepare_data
 from .errors import ConfigError, RunDirError
+from .evaluate import EvaluateConfig
 from .fileio import write_json_atomic
+from .manifest import MANIFEST_FILE, MANIFEST_VERSION, read_manifest
 from .models import NORMS, PLACEMENTS, ModelConfig
+from .quantize import DEFAULT_RECIPES
+from .report import load_results
 from .runs import CONFIG_FILE, RESULTS_FILE, TRAIN_SUMMARY_FILE
+from .train import RunConfig, TrainConfig
 
-MANIFEST_FILE = "sweep.json"
 CELL_LOG_FILE = "evaluate.log"
-MANIFEST_VERSION = 1
 LOG_TAIL_LINES = 15
 EXECUTORS = ("local", "ray")
 RAY_HINT = "pip install 'quantnorm[ray]'"
@@ -119,18 +123,12 @@ class SweepConfig:
 
     def default_warmup(self) -> int:
         # The rule of `quantnorm train` when --warmup is not given (cli.build_run_config).
-        from .train import TrainConfig
-
         return min(TrainConfig.warmup, max(self.steps, 0) // 4)
 
     def cells(self) -> list[Cell]:
         warmups = self.warmups if self.warmups is not None else (self.default_warmup(),)
         return [Cell(p, n, d, w, s) for d in self.depths for w in warmups for p in self.placements
                 for n in self.norms for s in range(self.seeds)]
-
-    def shared_settings(self) -> dict:
-        d = asdict(self)
-        return {k: (list(d[k]) if isinstance(d[k], tuple) else d[k]) for k in _SHARED_SETTINGS}
 
     def to_dict(self) -> dict:
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items()}
@@ -149,8 +147,6 @@ class Cell:
         return f"{self.placement}-{self.norm}-L{self.depth}-w{self.warmup}-seed{self.seed}"
 
     def run_config(self, cfg: SweepConfig):
-        from .train import RunConfig, TrainConfig
-
         return RunConfig(
             model=ModelConfig(placement=self.placement, norm=self.norm, n_layers=self.depth, d_model=cfg.d_model,
                               n_heads=cfg.heads, context=cfg.context),
@@ -184,10 +180,6 @@ class Cell:
 def validate(cfg: SweepConfig) -> list[Cell]:
     """Check everything a cell would check (model and training configs, recipes, providers, the
     corpus) before anything is written; returns the cells."""
-    from .data import prepare_data
-    from .evaluate import EvaluateConfig
-    from .quantize import DEFAULT_RECIPES
-
     cells = cfg.cells()
     for cell in cells:
         cell.run_config(cfg)  # ConfigError on e.g. heads not dividing d_model, warm-up longer than training
@@ -204,8 +196,6 @@ def validate(cfg: SweepConfig) -> list[Cell]:
 
 def cell_status(cell_dir: Path, cell: Cell | None = None) -> str | None:
     """"done" (valid results.json of this cell), "diverged" (training diverged) or None (to do)."""
-    from .report import load_results
-
     results_path = cell_dir / RESULTS_FILE
     if results_path.is_file():
         try:
@@ -263,7 +253,7 @@ def cell_lock(cell_dir: Path, on_wait: Callable[[str], None] | None = None) -> I
     directory. None on systems without ``fcntl``.
     """
     try:
-        import fcntl
+        import fcntl  # POSIX only
     except ImportError:  # not POSIX: no locking
         yield None
         return
@@ -348,7 +338,7 @@ def _append_log(path: Path, line: str) -> None:
 
 def _ray_module():
     try:
-        import ray
+        import ray  # the optional quantnorm[ray] extra, only for --executor ray
     except ImportError:
         raise ConfigError(f"--executor ray needs Ray, which is not installed: {RAY_HINT}") from None
     return ray
@@ -418,19 +408,6 @@ class _Manifest:
 
 def _now() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def read_manifest(out_dir: Path) -> dict | None:
-    path = Path(out_dir) / MANIFEST_FILE
-    if not path.is_file():
-        return None
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise RunDirError(f"{path} is not valid JSON ({exc}); delete it to start the sweep's manifest afresh") from None
-    if not isinstance(data, dict) or "settings" not in data:
-        raise RunDirError(f"{path} is not a quantnorm sweep manifest; use another --out")
-    return data
 
 
 def check_compatible(previous: dict | None, cfg: SweepConfig, out_dir: Path) -> None:
@@ -546,8 +523,6 @@ def run_sweep(cfg: SweepConfig, out_dir: str | Path, *, jobs: int | None = None,
     report_path = None
     finished = [o for o in outcomes.values() if o.status in ("done", "diverged", "skipped")]
     if report and finished:
-        from .compare import write_comparison
-
         report_path = write_comparison(out_dir)
     ordered = [outcomes[c.name] for c in cells]
     return SweepOutcome(out_dir, ordered, report_path)

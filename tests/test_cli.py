@@ -42,3 +42,25 @@ def test_train_every_combination(tmp_path, placement, norm, capsys):
 def test_help_lists_commands(capsys):
     assert main(["--help"]) == 0
     assert "train" in capsys.readouterr().out
+
+
+def test_recipes_lists_every_recipe_with_its_description(capsys):
+    from quantnorm.quantize import DEFAULT_RECIPES, RECIPES, with_exclusions
+
+    assert main(["recipes"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    by_name = {line[2:].split()[0]: line for line in lines[:-1]}
+    assert list(by_name) == list(RECIPES)
+    for name, line in by_name.items():
+        assert line.startswith("*" if name in DEFAULT_RECIPES else " ")
+        description = line[2:].split(None, 1)[1]
+        assert description == RECIPES[name].describe()
+    # The description says what sets the recipes apart.
+    assert "MinMax ranges" in by_name["static-minmax-matmul"] and "per-channel" in by_name["static-minmax-matmul"]
+    assert "one scale per weight" in by_name["static-minmax-matmul-pertensor"]
+    assert "99.999th-percentile" in by_name["static-percentile-matmul"]
+    assert "default op list" in by_name["static-minmax-all"]
+    assert by_name["dynamic"].split(None, 2)[2].startswith("dynamic:")
+    assert "SmoothQuant-smoothed model (alpha 0.5)" in by_name["smoothquant"]
+    assert "signed symmetric activations" in by_name["static-minmax-matmul-symact"]
+    assert "2 node pattern(s) kept in FP32" in with_exclusions(RECIPES["dynamic"], ("head/*", "a")).describe()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from quantnorm import hardware
+from quantnorm.measure import sessions
 
 CPUINFO_VNNI = """processor\t: 0
 model name\t: Test CPU 9000
@@ -68,7 +69,7 @@ def test_real_machine_flags_are_consistent():
 def test_hardware_info_has_the_contract_keys():
     import onnxruntime as ort
 
-    info = hardware.hardware_info(threads=2)
+    info = sessions.hardware_info(threads=2)
     for key in ("cpu", "cpu_flags", "vnni", "threads", "onnxruntime", "torch", "onnx", "numpy", "python",
                 "providers_available", "gpu", "os"):
         assert key in info, key
@@ -79,7 +80,7 @@ def test_hardware_info_has_the_contract_keys():
     # Each listed provider is either usable or has a reason; CPU is always usable.
     assert info["providers_status"]["CPUExecutionProvider"] == "usable"
     assert set(info["providers_status"]) == set(info["providers_available"])
-    assert hardware.hardware_info()["threads"] == hardware.available_cpus()
+    assert sessions.hardware_info()["threads"] == hardware.available_cpus()
 
 
 def test_gpu_is_none_without_nvidia_smi(monkeypatch):
@@ -87,7 +88,7 @@ def test_gpu_is_none_without_nvidia_smi(monkeypatch):
     hardware.gpu_names.cache_clear()
     try:
         assert hardware.gpu_names() == ()
-        assert hardware.hardware_info(probe_providers=False)["gpu"] is None
+        assert sessions.hardware_info(probe_providers=False)["gpu"] is None
     finally:
         hardware.gpu_names.cache_clear()
 
@@ -101,7 +102,7 @@ def test_gpu_name_from_nvidia_smi(monkeypatch):
     monkeypatch.setattr(hardware.subprocess, "run", lambda *a, **k: Done())
     hardware.gpu_names.cache_clear()
     try:
-        assert hardware.hardware_info(probe_providers=False)["gpu"] == "NVIDIA H200"
+        assert sessions.hardware_info(probe_providers=False)["gpu"] == "NVIDIA H200"
         assert hardware.gpu_device_present()
     finally:
         hardware.gpu_names.cache_clear()

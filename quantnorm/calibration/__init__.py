@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod
+from tqdm import tqdm
 
 from ..data import window_starts, windows_at
 from ..errors import ConfigError
@@ -114,8 +115,6 @@ class WindowCalibrationReader(CalibrationDataReader):
             self._close_bar()
             return None
         if self.progress and self._bar is None:
-            from tqdm import tqdm
-
             self._bar = tqdm(total=self._end - self._start, desc=self.description, unit="batch", leave=False)
         batch = self._batches[self._next]
         self._next += 1

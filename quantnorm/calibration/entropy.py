@@ -17,6 +17,7 @@ and picks each threshold with ``entropy_threshold`` below: the TensorRT / MXNet 
 from __future__ import annotations
 
 import numpy as np
+from onnxruntime.quantization.calibrate import HistogramCollector
 
 ENTROPY_NUM_BINS = 2048       # histogram resolution (TensorRT's default)
 ENTROPY_QUANTIZED_BINS = 256  # 8-bit levels across the symmetric window [-T, T]
@@ -107,8 +108,6 @@ def fast_entropy_collector(calibrator, num_quantized_bins: int = ENTROPY_QUANTIZ
     Installed on the calibrator before ``collect_data`` (which only creates its own collector
     when none is set); the histograms themselves are ORT's.
     """
-    from onnxruntime.quantization.calibrate import HistogramCollector
-
     class _Collector(HistogramCollector):
         def get_entropy_threshold(self, histogram, _num_quantized_bins):
             hist, edges, min_value, max_value = histogram[:4]

@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+from onnxruntime.quantization.calibrate import HistogramCollector, create_calibrator
 from tqdm import tqdm
 
 from . import WindowCalibrationReader, get_calibration_method
@@ -58,8 +59,6 @@ def collect_ranges(model_path: str | Path, method: str, inputs: np.ndarray, *, o
     Raises ORT's ``ValueError`` ("... range of [-inf, inf] is not finite") when a histogram
     method meets an infinite tensor; callers turn that into a broken recipe.
     """
-    from onnxruntime.quantization.calibrate import create_calibrator
-
     calibrate_method = get_calibration_method(method)
     extra: dict = {}
     if method == "entropy":
@@ -101,8 +100,6 @@ def collect_ranges(model_path: str | Path, method: str, inputs: np.ndarray, *, o
 def seed_histograms(calibrator, extremes) -> None:
     """Empty histograms spanning each tensor's final range, in the layout ORT's
     ``HistogramCollector`` keeps (``collect_value``: symmetric, ``collect_absolute_value``: |x|)."""
-    from onnxruntime.quantization.calibrate import HistogramCollector
-
     if not calibrator.collector:
         calibrator.collector = HistogramCollector(
             method=calibrator.method, symmetric=calibrator.symmetric, num_bins=calibrator.num_bins,

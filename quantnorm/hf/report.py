@@ -4,8 +4,8 @@ Same sections as the zoo's report, with what differs for a real checkpoint: the 
 architecture, placement and norm (and the check that verified them), the token-level protocol,
 encoder metrics (embedding cosine, nearest-neighbour agreement, MLM perplexity) instead of the
 perplexity table for encoders, and an outlier table that names the token at each position.
-``quantnorm.report.write_report`` hands such a results.json here, so ``quantnorm report`` works
-on these runs too. Reads only results.json.
+``quantnorm report`` hands such a results.json here (``is_hf_results``), so it works on these
+runs too. Reads only results.json.
 """
 
 from __future__ import annotations
@@ -28,7 +28,12 @@ from ..runs import REPORT_FILE
 
 
 def is_hf_results(results: dict) -> bool:
-    return str(results.get("model", {}).get("source", "")).startswith("hf:")
+    """A loaded checkpoint's results (``hf:<path>``, or a source object of kind hf/gguf/onnx),
+    not a zoo model trained here."""
+    source = results.get("model", {}).get("source", "")
+    if isinstance(source, dict):
+        return source.get("kind") in ("hf", "gguf", "onnx")
+    return str(source).startswith("hf:")
 
 
 def source_title(source) -> str:

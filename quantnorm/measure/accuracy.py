@@ -215,6 +215,7 @@ def torch_perplexity(model, inputs: np.ndarray, targets: np.ndarray, scored_from
     Runs under torch.no_grad on the model's device, in eval mode (restored afterwards), with the
     log-softmax in float64 like the ONNX path so the two agree to rounding.
     """
+    # torch only for this reference path: the gate imports measure (and so this module) without torch
     import torch
     import torch.nn.functional as F
 

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from ..data import BOS
 from ..errors import MeasureError
@@ -98,7 +99,7 @@ def not_measured(provider: str, variant: str, batch: int, seq: int, reason: str,
 
 def quant_format(path: str | os.PathLike) -> str | None:
     """``"qdq"``, ``"operator"`` (integer kernels such as MatMulInteger) or None for a float model."""
-    import onnx
+    import onnx  # ~1 s to import (ml_dtypes): the gate imports measure without it
 
     try:
         model = onnx.load(str(path), load_external_data=False)
@@ -215,8 +216,6 @@ def bench_model(path: str | os.PathLike, *, variant: str, spec: SessionSpec, bat
 
     feed = random_input_ids(session, batch, seq, seed)
     times = np.empty(iters, dtype=np.float64)
-    from tqdm import tqdm
-
     label = f"{variant} {spec.provider.replace('ExecutionProvider', '')} b{batch}x{seq}"
     with tqdm(total=warmup + iters, desc=label, disable=not progress, leave=False, unit="run") as bar:
         for _ in range(warmup):

@@ -3,12 +3,14 @@
 onnxruntime-gpu lists the CUDA and TensorRT providers even where no GPU or CUDA library exists,
 and a session asked for them quietly runs on the CPU (pitfall 3). Everything here therefore
 checks the providers a session actually got, and turns a fallback into ``ProviderUnavailable``
-so that no CPU timing is ever labelled as a GPU one.
+so that no CPU timing is ever labelled as a GPU one. ``hardware_info`` (results.json's hardware
+section) lives here for the same reason: it records which providers really load.
 """
 
 from __future__ import annotations
 
 import os
+import platform
 import re
 import sys
 import tempfile
@@ -17,9 +19,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import onnxruntime as ort
 
 from ..errors import ConfigError, MeasureError
+from ..hardware import available_cpus, cpu_flags, cpu_has_vnni, cpu_model, gpu_device_present, gpu_names
 
 PROVIDERS: dict[str, str] = {
     "cpu": "CPUExecutionProvider",
@@ -167,7 +171,7 @@ def _capture_native_output() -> Iterator[list[str]]:
 
 def _probe_model_bytes() -> bytes:
     """A one-node float model (y = x + x): every provider can run it, and it builds in no time."""
-    from onnx import TensorProto, helper
+    from onnx import TensorProto, helper  # ~1 s to import (ml_dtypes): the gate imports this module without it
 
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])
@@ -190,8 +194,6 @@ def _reason_from_log(text: str) -> str | None:
 
 def _probe(provider: str) -> str | None:
     """Create a tiny session with ``provider`` and report why it did not load, or None."""
-    import numpy as np
-
     chain = [provider, *_FALLBACK_CHAIN[provider]]
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
@@ -222,8 +224,6 @@ def provider_status(provider: str) -> str | None:
     provider = normalize_provider(provider)
     if provider in _STATUS_CACHE:
         return _STATUS_CACHE[provider]
-    from ..hardware import gpu_device_present
-
     status: str | None
     if provider == CPU:
         status = None
@@ -235,6 +235,48 @@ def provider_status(provider: str) -> str | None:
         status = _probe(provider)
     _STATUS_CACHE[provider] = status
     return status
+
+
+# --- the results.json hardware section ----------------------------------------------------
+
+def _version(module: str) -> str | None:
+    try:
+        mod = __import__(module)
+    except Exception:  # noqa: BLE001 -- a broken optional install must not stop the report
+        return None
+    return getattr(mod, "__version__", None)
+
+
+def hardware_info(threads: int | None = None, *, probe_providers: bool = True) -> dict:
+    """The ``hardware`` section of ``results.json``.
+
+    ``threads`` is the intra-op thread count the measurements used; when None (ONNX Runtime's own
+    default) the number of CPUs available to the process is recorded instead, and ``cpu_count``
+    always says how many there were. With ``probe_providers`` each listed provider is checked
+    (a tiny session per GPU provider, cached) and ``providers_status`` says why one is unusable.
+    """
+    available = list(ort.get_available_providers())
+    names = gpu_names()
+    info: dict = {
+        "cpu": cpu_model(),
+        "cpu_flags": cpu_flags(),
+        "vnni": cpu_has_vnni(),
+        "threads": threads if threads is not None else available_cpus(),
+        "cpu_count": available_cpus(),
+        "onnxruntime": ort.__version__,
+        "torch": _version("torch"),
+        "onnx": _version("onnx"),
+        "numpy": _version("numpy"),
+        "python": platform.python_version(),
+        "providers_available": available,
+        "gpu": ", ".join(names) if names else None,
+        "os": platform.platform(),
+    }
+    if probe_providers:
+        # "usable" or the reason: get_available_providers() lists what the wheel was built with,
+        # not what works here (pitfall 3).
+        info["providers_status"] = {p: provider_status(p) or "usable" for p in available}
+    return info
 
 
 # --- sessions -------------------------------------------------------------------------------

@@ -38,6 +38,7 @@ from onnxruntime.quantization import qdq_loss_debug
 from scipy import stats as scipy_stats
 
 from ..errors import MeasureError
+from .latency import quant_format
 from .outliers import TensorAccumulator
 
 # The suffix qdq_loss_debug gives the flattened copies it adds as graph outputs.
@@ -307,8 +308,6 @@ def sqnr_sections(fp32_path: Path, int8_paths: dict[str, Path], inputs: np.ndarr
     A model quantized from another FP32 model (SmoothQuant) is compared with that model
     (``fp32_sources``); dynamic (QOperator) models have no QDQ pairs and are skipped.
     """
-    from .latency import quant_format
-
     sqnr: dict[str, list[dict]] = {}
     summaries: dict[str, dict] = {}
     for name, path in int8_paths.items():

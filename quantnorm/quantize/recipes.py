@@ -122,6 +122,28 @@ class Recipe:
             out["rotation"] = self.rotation
         return out
 
+    def describe(self) -> str:
+        """One line saying what the recipe does (``quantnorm recipes``), built from the fields so
+        that a new recipe describes itself."""
+        if self.mode == "dynamic":
+            parts = ["dynamic: INT8 weights, activations quantized per batch at run time"]
+        else:
+            ranges = {"minmax": "MinMax ranges", "entropy": "entropy calibration (KL-optimal clipping)",
+                      "percentile": f"{self.percentile:g}th-percentile clipping",
+                      "distribution": "distribution calibration (symmetric ranges)"}
+            parts = [f"static QDQ, {ranges.get(self.calibration, f'{self.calibration} calibration')}"]
+        parts.append("weight MatMuls only" if self.op_scope == "matmul" else "ONNX Runtime's default op list")
+        parts.append("per-channel weights" if self.per_channel else "one scale per weight")
+        if self.symmetric_activations:
+            parts.append("signed symmetric activations")
+        if self.reduce_range != "auto":
+            parts.append("7-bit weights" if self.reduce_range else "8-bit weights even without VNNI")
+        if self.smoothquant_alpha is not None:
+            parts.append(f"on the SmoothQuant-smoothed model (alpha {self.smoothquant_alpha:g})")
+        if self.excluded:
+            parts.append(f"{len(self.excluded)} node pattern(s) kept in FP32")
+        return ", ".join(parts)
+
 
 def _static(name: str, calibration: str, *, per_channel: bool = True, op_scope: str = "matmul",
             symmetric_activations: bool = False, **kw) -> Recipe:
