@@ -34,6 +34,9 @@ from ..runs import FP32_ONNX_FILE, PLOTS_DIR, RESULTS_FILE, check_out_dir, int8_
 from .gguf import gguf_checkpoint, is_gguf_path, package_reference, resolve_gguf, resolve_model_arg
 
 
+FP16_CHECK_WINDOWS = 4  # torch float16 on a CPU is slow; the overflow shows on any window with BOS
+
+
 @dataclass(frozen=True)
 class HFOptions:
     """What to load and which text to use; the CLI builds it from --model and friends."""
@@ -186,6 +189,11 @@ def evaluate_hf(opts: HFOptions, cfg, *, command: str) -> tuple[dict, Path]:
     if cfg.outliers:
         results.update(timed("outliers", measure_outliers_hf, loaded, run_dir, fp32_path, int8_paths,
                              data.eval_inputs[: cfg.probe_windows], fp32_sources))
+    if cfg.outliers and spec.kind == "causal":
+        from .fp16 import fp16_check  # torch forwards in three dtypes: only when the probe runs
+
+        n = min(FP16_CHECK_WINDOWS, len(data.eval_inputs))
+        results["fp16"] = timed("fp16_check", fp16_check, loaded, data.eval_inputs[:n], data.eval_targets[:n])
     results["stage_seconds"] = stage_seconds
     write_json_atomic(run_dir / RESULTS_FILE, results)
     write_hf_report(run_dir, results)

@@ -29,6 +29,7 @@ from collections import Counter
 import numpy as np
 
 from ..errors import MeasureError
+from ..quantize.pertoken import fake_quantize_rows
 from ..measure.outliers import (
     MASSIVE_ABS,
     MASSIVE_LIMIT,
@@ -99,6 +100,60 @@ def probe_hf(loaded, inputs: np.ndarray, *, batch_size: int = 8, keep_first_wind
     for i, block in enumerate(layers):
         handles.append(block.register_forward_hook(lambda mod, args, out, i=i: residual(str(i), _first(out))))
 
+    # Where massive values are born: a block whose output has a massive entry its input lacks made
+    # it; the sublayer whose output is largest there (attention or MLP, as the table names them) did.
+    born: list[dict] = []
+    block_inputs: dict[int, np.ndarray] = {}
+    sub_outputs: dict[int, dict[str, np.ndarray]] = {}
+
+    def block_in_hook(mod, args, kwargs, i):
+        x = args[0] if args else kwargs.get("hidden_states")
+        if x is not None:
+            block_inputs[i] = _np(x)
+
+    def sub_hook(mod, args, out, i, role):
+        sub_outputs.setdefault(i, {})[role] = _np(_first(out))
+
+    def block_out_hook(mod, args, out, i):
+        x_in, x_out = block_inputs.pop(i, None), _np(_first(out))
+        subs = sub_outputs.pop(i, {})
+        if x_in is None or x_in.shape != x_out.shape:
+            return
+        before = {(r["sample"], r["position"], r["channel"]) for r in find_massive(x_in, i, 0)}
+        for r in find_massive(x_out, i, 0):
+            key = (r["sample"], r["position"], r["channel"])
+            if key in before:
+                continue
+            s_, p_, c_ = key
+            parts = {role: float(v[s_, p_, c_]) for role, v in subs.items() if v.shape == x_out.shape}
+            origin = max(parts, key=lambda k: abs(parts[k])) if parts else None
+            born.append({"layer": i, "sample": int(state["first_sample"] + s_), "position": int(p_), "channel": int(c_),
+                         "value": r["value"], "ratio": r["ratio"], "input_value": float(x_in[s_, p_, c_]),
+                         "born_in": f"{spec.layers}.{i}.{origin}" if origin else None, "sublayer_values": parts})
+
+    for i, block in enumerate(layers):
+        handles.append(block.register_forward_pre_hook(
+            lambda mod, args, kwargs, i=i: block_in_hook(mod, args, kwargs, i), with_kwargs=True))
+        handles.append(block.register_forward_hook(lambda mod, args, out, i=i: block_out_hook(mod, args, out, i)))
+        for role in (r for r in spec.sublayer_outputs if r):
+            try:
+                sub = block.get_submodule(role)
+            except AttributeError:
+                continue
+            handles.append(sub.register_forward_hook(lambda mod, args, out, i=i, role=role: sub_hook(mod, args, out, i,
+                                                                                                      role)))
+
+    # What per-token and per-tensor INT8 do to each Linear input (fake quantization in numpy,
+    # the pertoken recipe's and ORT's dynamic recipe's arithmetic): SQNR sums per input.
+    sqnr_sums: dict[str, list[float]] = {}
+
+    def input_sqnr(name: str, x: np.ndarray) -> None:
+        sums = sqnr_sums.setdefault(name, [0.0, 0.0, 0.0])
+        flat = x.reshape(-1, x.shape[-1]).astype(np.float64)
+        sums[0] += float((flat ** 2).sum())
+        sums[1] += float(((flat - fake_quantize_rows(flat)) ** 2).sum())
+        sums[2] += float(((flat - fake_quantize_tensor_asym(flat)) ** 2).sum())
+
     names = {m: n for n, m in model.named_modules()}
     for module in model.modules():
         if _is_norm(module):
@@ -121,7 +176,9 @@ def probe_hf(loaded, inputs: np.ndarray, *, batch_size: int = 8, keep_first_wind
                         return
                 state["linear_inputs"].append((x, name))
                 modules_of.setdefault(name, [name])
-                add("matmul", name, _np(x))
+                arr = _np(x)
+                add("matmul", name, arr)
+                input_sqnr(name, arr)
             handles.append(module.register_forward_pre_hook(linear_hook))
 
     attn_sum: dict[int, float] = {}
@@ -171,6 +228,8 @@ def probe_hf(loaded, inputs: np.ndarray, *, batch_size: int = 8, keep_first_wind
                 row = {key: name, **metrics}
                 if kind_ == "matmul":
                     row["modules"] = modules_of.get(name, [name])
+                    sig, n_tok, n_ten = sqnr_sums.get(name, (0.0, 0.0, 0.0))
+                    row["sqnr_db_fake"] = {"per_token": _db(sig, n_tok), "per_tensor_dynamic": _db(sig, n_ten)}
                 out.append(row)
         return out
 
@@ -181,12 +240,23 @@ def probe_hf(loaded, inputs: np.ndarray, *, batch_size: int = 8, keep_first_wind
         r["token"] = token(r["sample"], r["position"])
     n_layers = len(layers)
     residual_rows = rows("residual", "layer")
+    born.sort(key=lambda r: (r["layer"], -abs(r["value"])))
+    for r in born:
+        r["token"] = token(r["sample"], r["position"])
+    matmul_rows = rows("matmul")
+    massive_positions = {m["position"] for m in massive}
+    for row in matmul_rows:
+        top = row["top"][0] if row.get("top") else None
+        # Carries the massive values: its largest |a| sits on a position that holds a massive
+        # residual entry and is itself past Sun et al.'s absolute bar.
+        row["carries_massive"] = bool(top and top["position"] in massive_positions and abs(top["value"]) > MASSIVE_ABS)
     report = {
         "residual": residual_rows,
+        "massive_born": _first_births(born),
         "residual_skip": [],
         "norm_outputs": rows("norm"),
         "norm_inputs": rows("norm_input"),
-        "matmul_inputs": rows("matmul"),
+        "matmul_inputs": matmul_rows,
         "massive": massive,
         "massive_total": massive_total,
         "bos_attention": [attn_sum[i] / attn_count[i] if attn_count.get(i) else None for i in range(n_layers)],
@@ -200,6 +270,33 @@ def probe_hf(loaded, inputs: np.ndarray, *, batch_size: int = 8, keep_first_wind
     if kind != "causal":
         report["sep_attention"] = [sep_sum[i] / sep_count[i] if sep_count.get(i) else None for i in range(n_layers)]
     return report, first_window
+
+
+def _db(signal: float, noise: float) -> float | None:
+    if signal <= 0:
+        return None
+    return float("inf") if noise <= 0 else float(10 * np.log10(signal / noise))
+
+
+def fake_quantize_tensor_asym(x: np.ndarray) -> np.ndarray:
+    """ORT's dynamic recipe on one tensor: asymmetric uint8, one scale and zero point for all of it."""
+    lo, hi = min(float(x.min()), 0.0), max(float(x.max()), 0.0)
+    scale = (hi - lo) / 255.0 or 1.0
+    zp = np.clip(np.rint(-lo / scale), 0, 255)
+    return (np.clip(np.rint(x / scale) + zp, 0, 255) - zp) * scale
+
+
+def _first_births(born: list[dict], limit: int = 20) -> list[dict]:
+    """The first block at which each (position, channel) became massive (largest value first)."""
+    seen, out = set(), []
+    for r in born:
+        key = (r["position"], r["channel"])
+        if key in seen:
+            continue
+        seen.add(key)
+        out.append(r)
+    out.sort(key=lambda r: -abs(r["value"]))
+    return out[:limit]
 
 
 def _token_namer(tokenizer, windows: np.ndarray):

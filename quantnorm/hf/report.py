@@ -112,6 +112,8 @@ def render_hf(results: dict, plots: dict[str, str]) -> str:
     failed = [a for a in ex.get("attempts", []) if a.get("status") != "ok"]
     if failed:
         L.append("Earlier attempts: " + "; ".join(f"{a['exporter']} opset {a['opset']}: {a['status']}" for a in failed) + ".")
+    L += massive_section(results)
+    L += fp16_section(results)
     L += ["", *recipe_section(results), *softmax_note(results)]
     L += smoothquant_and_search(results)
     L += session_and_latency(results)
@@ -122,6 +124,73 @@ def render_hf(results: dict, plots: dict[str, str]) -> str:
         warn.insert(0, f"The detected placement did not pass its check on this checkpoint: {check}.")
     L += closing_sections(results, warn, plots)
     return "\n".join(L) + "\n"
+
+
+def massive_section(results: dict, limit: int = 12) -> list[str]:
+    """The first question: where the massive activations are born, and which quantized MatMul
+    inputs see them, with what each recipe does to those inputs (SQNR, dB)."""
+    o = results.get("outliers")
+    if not o or "matmul_inputs" not in o:
+        return []
+    L = ["", "## Massive activations and the quantized tensors that see them", ""]
+    born = o.get("massive_born", [])
+    if born:
+        L += ["Where they are born (the first block whose output holds a massive entry its input lacks; "
+              "the sublayer with the largest output there):", ""]
+        L += _table(["block", "position (token)", "channel", "value", "max/median", "block input there", "born in"], [
+            [b["layer"], f"{b['position']}{_tok(b)}", b["channel"], _fmt(b["value"], ".4g"), _fmt(b.get("ratio"), ".0f"),
+             _fmt(b.get("input_value"), ".3g"), f"`{b.get('born_in')}`"] for b in born[:6]])
+    else:
+        L.append("No massive activation (|a| > 100 and >= 1000x the median) in the residual stream.")
+    static = {name: rows for name, rows in results.get("sqnr", {}).items()}
+    recipes = list(static)
+
+    def static_sqnr(modules: list[str], rows: list[dict]):
+        for r in rows:
+            if set(r.get("modules") or []) & set(modules):
+                return r.get("sqnr_db")
+        return None
+
+    inputs = o["matmul_inputs"]
+    carriers = [r for r in inputs if r.get("carries_massive")]
+    others = sorted((r for r in inputs if not r.get("carries_massive")), key=lambda r: -(r.get("inf_norm") or 0))
+    shown = (carriers + others)[:max(limit, len(carriers))]
+    rows = []
+    for r in shown:
+        top = r["top"][0] if r.get("top") else {}
+        fake = r.get("sqnr_db_fake", {})
+        rows.append([", ".join(f"`{m}`" for m in r.get("modules", [r["tensor"]])[:3]),
+                     _fmt(top.get("value"), ".4g"), f"({top.get('position')}, {top.get('channel')}){_tok(top)}",
+                     _fmt(r.get("ratio"), ".0f"), "**yes**" if r.get("carries_massive") else "no",
+                     _fmt(fake.get("per_token"), ".1f"), _fmt(fake.get("per_tensor_dynamic"), ".1f"),
+                     *[_fmt(static_sqnr(r.get("modules", []), static[n]), ".1f") for n in recipes]])
+    L += ["", f"Linear (MatMul) inputs: the {len(carriers)} that carry a massive value (their largest |a| is on a "
+          "massive position and above 100), then the largest others. SQNR per token and per tensor (dynamic) by "
+          "fake quantization of the probe's activations with the pertoken and ORT dynamic arithmetic; static "
+          "recipes from ONNX Runtime's QDQ pairs.", ""]
+    L += _table(["input of", "max a", "(position, channel) token", "max/median", "carries massive",
+                 "SQNR per-token", "SQNR per-tensor dyn.", *[f"SQNR {n}" for n in recipes]], rows)
+    return L
+
+
+def fp16_section(results: dict) -> list[str]:
+    f = results.get("fp16")
+    if not f:
+        return []
+    L = ["", "## FP16: does it survive float16?", "", f"**{f['verdict']}.** {f['how']}; {f['n_windows']} windows of "
+         f"{f['seq']} tokens.", ""]
+    if f.get("fp32_overflow"):
+        L += _table(["tensor (FP32 run) past 65,504", "max abs", "rows over", "positions (first)"], [
+            [f"`{e['tensor']}`", _fmt(e["max_abs"], ".6g"), e["rows_over"],
+             ", ".join(map(str, e["positions"])) + (" ..." if e.get("n_positions", 0) > len(e["positions"]) else "")]
+            for e in f["fp32_overflow"]])
+        if f.get("fp32_overflow_total", 0) > len(f["fp32_overflow"]):
+            L.append(f"({f['fp32_overflow_total']} tensors in all.)")
+        L.append("")
+    L += _table(["forward", "status", "PPL ratio", "KL mean", "top-1"], [
+        [name, v.get("status"), _fmt(v.get("ppl_ratio"), ".4f"), _fmt(v.get("kld_mean"), ".2e"),
+         _pct(v.get("top1_agreement"))] for name, v in f.get("forwards", {}).items()])
+    return L
 
 
 def _status(r: dict) -> str:

@@ -1,0 +1,160 @@
+"""Does the checkpoint survive float16? Which tensors overflow, and what the usual fixes cost.
+
+ONNX Runtime's CPU provider computes float16 ops in float32 (PITFALLS.md 13: an fp16 Add of
+40,000 + 40,000 returns 80,000), so an fp16 ONNX graph run here cannot show an overflow. The
+check is decided from what really overflows:
+
+1. the FP32 forward's ranges: every module output and every block output (the residual stream),
+   per token, against float16's largest finite value 65,504;
+2. a torch float16 forward of the same model on the same windows (outputs rounded to float16, so
+   a value past 65,504 becomes inf and spreads): its logits against the FP32 logits;
+3. the fixes people ship, each measured the same way: the residual stream clipped to +-32,752
+   after every block (what the community ONNX export of Gemma 3 270M does on its residual Adds)
+   and a bfloat16 forward (float32's range, 8 bits of mantissa).
+
+Accuracy figures are next-token PPL ratio, mean KL and top-1 agreement against the FP32 model on
+the check's windows; a forward with a non-finite logit is "overflows" with the share of them.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import numpy as np
+
+FP16_MAX = 65504.0
+CLIP_VALUE = 32752.0  # the community Gemma 3 270M ONNX export's residual clip
+MAX_LISTED = 12
+
+
+def _first(out):
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def fp32_overflow_scan(model, layers, inputs) -> list[dict]:
+    """Module and block outputs of the FP32 forward with |a| > 65,504: name, max |a|, how many
+    (window, token) rows overflow and the first positions."""
+    import torch
+
+    found: dict[str, dict] = {}
+    block_names = {id(b): f"block {i} output (residual stream)" for i, b in enumerate(layers)}
+    names = {m: n for n, m in model.named_modules()}
+    handles = []
+
+    def hook(mod, args, out):
+        t = _first(out)
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dim() < 2:
+            return
+        a = t.detach().abs().float()
+        peak = float(a.max())
+        if not peak > FP16_MAX:
+            return
+        rows = (a > FP16_MAX).reshape(-1, a.shape[-1]).any(dim=-1) if a.dim() >= 2 else a > FP16_MAX
+        positions = (a > FP16_MAX).any(dim=-1).nonzero()[:, -1].tolist() if a.dim() >= 3 else []
+        name = block_names.get(id(mod)) or names.get(mod, type(mod).__name__)
+        entry = found.setdefault(name, {"tensor": name, "max_abs": 0.0, "rows_over": 0, "positions": set()})
+        entry["max_abs"] = max(entry["max_abs"], peak)
+        entry["rows_over"] += int(rows.sum())
+        entry["positions"].update(int(p) for p in positions)
+
+    for module in model.modules():
+        if module is not model:
+            handles.append(module.register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            for lo in range(0, len(inputs), 4):
+                model(input_ids=torch.from_numpy(np.asarray(inputs[lo:lo + 4], dtype=np.int64)), use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    out = sorted(found.values(), key=lambda e: -e["max_abs"])
+    for e in out:
+        pos = sorted(e.pop("positions"))
+        e["positions"] = pos[:8]
+        e["n_positions"] = len(pos)
+    return out
+
+
+def _logits(model, inputs, dtype, clip: float | None = None, layers=None):
+    import torch
+
+    handles = []
+    if clip is not None:
+        def clamp(mod, args, out):
+            if isinstance(out, tuple):
+                return (out[0].clamp(-clip, clip), *out[1:])
+            return out.clamp(-clip, clip)
+        handles = [b.register_forward_hook(clamp) for b in layers]
+    try:
+        with torch.no_grad():
+            parts = [model(input_ids=torch.from_numpy(np.asarray(inputs[lo:lo + 4], dtype=np.int64)),
+                           use_cache=False).logits.float().numpy() for lo in range(0, len(inputs), 4)]
+    finally:
+        for h in handles:
+            h.remove()
+    del dtype
+    return np.concatenate(parts)
+
+
+def _compare(ref: np.ndarray, got: np.ndarray, targets: np.ndarray) -> dict:
+    finite = np.isfinite(got).all(axis=-1)
+    share_bad = float(1.0 - finite.mean())
+    out = {"nonfinite_positions": share_bad}
+    if share_bad > 0:
+        out["status"] = f"overflows: {100 * share_bad:.1f}% of positions have a non-finite logit"
+        return out
+
+    def log_softmax(x):
+        x = x.astype(np.float64)
+        x = x - x.max(axis=-1, keepdims=True)
+        return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+    lp, lq = log_softmax(ref), log_softmax(got)
+    idx = targets[..., None]
+    nll_p = -np.take_along_axis(lp, idx, axis=-1).mean()
+    nll_q = -np.take_along_axis(lq, idx, axis=-1).mean()
+    kld = (np.exp(lp) * (lp - lq)).sum(axis=-1)
+    out.update(status="ok", ppl_ratio=float(math.exp(nll_q - nll_p)), kld_mean=float(np.maximum(kld, 0).mean()),
+               top1_agreement=float((lp.argmax(-1) == lq.argmax(-1)).mean()))
+    return out
+
+
+def fp16_check(loaded, inputs: np.ndarray, targets: np.ndarray) -> dict:
+    """results.json ``fp16``: the FP32 overflow scan, the float16 forward and the fixes."""
+    import torch
+
+    model, layers = loaded.model, loaded.layers
+    inputs, targets = np.asarray(inputs), np.asarray(targets)
+    overflow = fp32_overflow_scan(model, layers, inputs)
+    ref = _logits(model, inputs, torch.float32)
+    variants: dict[str, dict] = {}
+    for name, dtype, clip in (("float16", torch.float16, None), (f"float16 + residual clip +-{CLIP_VALUE:g}",
+                                                                 torch.float16, CLIP_VALUE),
+                              ("bfloat16", torch.bfloat16, None)):
+        low = copy.deepcopy(model).to(dtype)
+        low_layers = list(low.base_model.get_submodule(loaded.spec.layers))
+        try:
+            got = _logits(low, inputs, dtype, clip=clip, layers=low_layers)
+            variants[name] = _compare(ref, got, targets)
+        except RuntimeError as exc:  # an op without a CPU kernel for this dtype
+            variants[name] = {"status": f"not measured: {' '.join(str(exc).split())[:160]}"}
+        del low
+    plain = variants["float16"]
+    over = [e for e in overflow if e["tensor"].startswith("block")]
+    if plain.get("status") == "ok" and not overflow:
+        verdict = "survives float16: no tensor passes 65,504 in the FP32 run"
+    elif plain.get("status") == "ok":
+        verdict = (f"float16 runs with finite logits, but {len(overflow)} tensors pass 65,504 in the FP32 run "
+                   "(values saturate or become inf inside the graph)")
+    else:
+        verdict = (f"does not survive float16: {plain.get('status')}; {len(overflow)} tensors pass 65,504 "
+                   f"in the FP32 run ({len(over)} of them block outputs, the residual stream)")
+    return {
+        "verdict": verdict, "fp16_max": FP16_MAX, "n_windows": int(len(inputs)), "seq": int(inputs.shape[1]),
+        "fp32_overflow": overflow[:MAX_LISTED], "fp32_overflow_total": len(overflow),
+        "forwards": variants,
+        "how": "torch forwards on the CPU (outputs rounded to each dtype, so overflow shows); the FP32 ranges are "
+               "every module and block output of the FP32 forward; ONNX Runtime's CPU provider computes float16 "
+               "in float32, so no fp16 ONNX graph is timed or scored here",
+    }
