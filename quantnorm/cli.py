@@ -431,23 +431,30 @@ def sweep(ctx, placements, norms, seeds, warmups, depths, d_model, heads, contex
         ctx.exit(1)
 
 
+_MARGIN_HELP = ("Bits/byte below the unigram baseline a cell must reach to count as trained (the others are left "
+                "out of every effect). [default: each run's recorded margin, else 0.8]")
+
+
 @cli.command()
 @click.argument("sweep_dir", type=click.Path(path_type=Path))
-def compare(sweep_dir):
-    """Regenerate SWEEP_DIR/report.md (and plots) from its cells' results.json."""
+@click.option("--collapse-margin", type=float, default=None, help=_MARGIN_HELP)
+def compare(sweep_dir, collapse_margin):
+    """Regenerate SWEEP_DIR/report.md, findings.json and plots from its cells' results.json
+    (SWEEP_DIR/<cell>/ or, in a published copy, SWEEP_DIR/cells/<cell>/)."""
     from .compare import write_comparison
 
-    click.echo(str(write_comparison(sweep_dir)))
+    click.echo(str(write_comparison(sweep_dir, collapse_margin)))
 
 
 @cli.command()
 @click.argument("sweep_dir", type=click.Path(path_type=Path))
-def findings(sweep_dir):
+@click.option("--collapse-margin", type=float, default=None, help=_MARGIN_HELP)
+def findings(sweep_dir, collapse_margin):
     """Print the findings section (Markdown: a verdict per claim of shared CLAIMS.md) of SWEEP_DIR
-    and write it to SWEEP_DIR/findings.md (the same section as in SWEEP_DIR/report.md)."""
+    and write it to SWEEP_DIR/findings.md and findings.json (the same section as in SWEEP_DIR/report.md)."""
     from .compare import write_findings
 
-    _, text = write_findings(sweep_dir)
+    _, text = write_findings(sweep_dir, collapse_margin)
     click.echo(text)
 
 
