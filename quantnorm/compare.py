@@ -844,6 +844,8 @@ def decide(f: Finding, tests: list[SubTest], rule: str) -> Finding:
         f.why = "; ".join(reasons) if reasons else "no sub-test could be run"
     else:
         f.why = f"{rule}; Holm's correction over {n} sub-test{'s' if n != 1 else ''}"
+        if n < len(tests):
+            f.why += f"; {len(tests) - n} of {len(tests)} sub-tests not tested (see above)"
     return f
 
 
