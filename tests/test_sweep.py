@@ -231,6 +231,8 @@ def test_a_cell_another_process_holds_is_waited_for_and_not_run_twice(tmp_path):
     (["--placements", "pre", "--depths", "0"], "--depths"),
     (["--placements", "pre", "--warmups", "-1"], "--warmups"),
     (["--placements", "pre", "--warmups", "x"], "--warmups"),
+    (["--placements", "pre", "--lrs", "0,1e-3"], "--lrs"),
+    (["--placements", "pre", "--lrs", "fast"], "--lrs"),
     (["--placements", "pre", "--recipes", "nope"], "nope"),
     (["--placements", "pre", "--d-model", "30", "--heads", "4"], "not divisible"),
     (["--placements", "pre", "--steps", "10", "--warmups", "50"], "warmup"),
@@ -248,6 +250,16 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, monkeypatch, 
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and len(err.splitlines()) == 1 and message in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_lrs_is_an_axis_of_cells_named_by_their_rate():
+    cfg = SweepConfig(placements=("post", "pre"), norms=("rms",), seeds=2, lrs=(1e-3, 3e-3), steps=10)
+    cells = cfg.cells()
+    assert len(cells) == 8 and cells[0].name == "post-rms-L4-w2-lr0.001-seed0"
+    assert {c.run_config(cfg).train.lr for c in cells} == {1e-3, 3e-3}
+    args = cells[0].evaluate_args(cfg, Path("x"), None)
+    assert args[args.index("--lr") + 1] == "0.001"
+    assert SweepConfig(seeds=1).cells()[0].name == "post-layer-L4-w30-seed0"   # no --lrs: names unchanged
 
 
 def test_resuming_with_other_settings_is_refused(tmp_path, small_corpus, capsys):
