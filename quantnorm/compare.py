@@ -840,7 +840,8 @@ def decide(f: Finding, tests: list[SubTest], rule: str) -> Finding:
     f.verdict = combine([t.verdict for t in tests])
     n = sum(t.p is not None for t in tests)
     if f.verdict == NOT_TESTED:
-        reasons = list(dict.fromkeys(t.why for t in tests if t.why))
+        parts = [part for t in tests if t.why for part in t.why.split("; ")]
+        reasons = sorted(dict.fromkeys(parts), key=lambda r: r != "one seed")   # one seed first: it says most
         f.why = "; ".join(reasons) if reasons else "no sub-test could be run"
     else:
         f.why = f"{rule}; Holm's correction over {n} sub-test{'s' if n != 1 else ''}"
@@ -1176,7 +1177,7 @@ def claim_massive(sweep: Sweep, full: Sweep | None = None) -> Finding:
                                       "median), pre minus peri", paired(*counts), +1, missing=missing))
     decide(f, tests, "rule: pre's outlier ratio above peri's and pre with more massive activations, paired on the "
                      "seed")
-    if none_anywhere:
+    if none_anywhere and f.verdict != NOT_TESTED:
         f.why += ("; no pre or peri cell has a massive activation (|a| > 100): at this scale the massive-activation "
                   "half cannot hold (PITFALLS 8), so it reads not significant, not 'does not hold'")
     return f
@@ -1396,7 +1397,7 @@ def claim_outliers_predict(sweep: Sweep, full: Sweep | None = None) -> tuple[Fin
         zs, _ = per_seed_z(x, primary)
         tests.append(sign_test("per seed", f"Fisher z of Spearman rho, largest residual {what} vs `{primary}` PPL "
                                            f"ratio, across settings (> 0: bigger outliers, bigger INT8 error)", zs, +1,
-                               missing="fewer than 3 trained settings per seed",
+                               missing=None if zs else "fewer than 3 trained settings per seed",
                                fmt=lambda e: (f"rho {math.tanh(e.mean):+.2f} [{math.tanh(e.lo):+.2f}, "
                                               f"{math.tanh(e.hi):+.2f}]" if e.has_interval
                                               else f"rho {math.tanh(e.mean):+.2f}")))
