@@ -451,10 +451,14 @@ def _latency_checks(latency: list, name: str, policy: Policy) -> list[Check]:
 
 def _train_status_check(results: dict, policy: Policy) -> list[Check]:
     """A model that never trained (on the unigram plateau, or barely off it) or diverged fails: its
-    INT8 numbers (PPL ratio 1.000x, 100% top-1) say nothing. Runs without a ``train`` section (a
-    pretrained checkpoint) are not trained here and have no such check."""
+    INT8 numbers (PPL ratio 1.000x, 100% top-1) say nothing. A pretrained checkpoint
+    (``train.pretrained``, or a ``model.source`` other than a zoo run) was not trained here and has
+    no such check."""
     train = results.get("train")
-    if policy.collapse_margin is None or (train is None and (results.get("model") or {}).get("source") != "trained"):
+    source = (results.get("model") or {}).get("source")
+    kind = source.get("kind") if isinstance(source, dict) else source
+    pretrained = (isinstance(train, dict) and train.get("pretrained") is True) or kind not in (None, "trained", "zoo")
+    if policy.collapse_margin is None or pretrained or (train is None and kind is None):
         return []
     limit = f"trained (margin {policy.collapse_margin:g} bits/byte)"
     if not isinstance(train, dict):

@@ -88,8 +88,8 @@ def training_status_line(results: dict) -> list[str]:
     from .train_status import TRAINED, status_from_results
 
     train = results.get("train")
-    if not isinstance(train, dict):
-        return []
+    if not isinstance(train, dict) or train.get("pretrained") is True:
+        return []   # a pretrained checkpoint was not trained here
     try:
         st = status_from_results(train, results.get("data"))
     except QuantnormError as exc:

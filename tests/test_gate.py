@@ -392,6 +392,14 @@ def test_collapsed_model_fails_by_default_and_the_margin_is_a_policy_key(tmp_pat
     assert code == 2 and "collapse_margin" in err
 
 
+def test_pretrained_checkpoint_has_no_training_status_check(tmp_path, capsys):
+    data = results()
+    data["model"] = {"source": "hf:some/dir"}
+    data["train"] = {"pretrained": True, "diverged": False}
+    code, out, _ = gate([write(tmp_path / "hf.json", data)], capsys)
+    assert code == 0 and "train status" not in out
+
+
 def test_diverged_or_unknown_status_fails(tmp_path, capsys):
     diverged = _trained(None, diverged=True)
     assert gate([write(tmp_path / "d.json", diverged)], capsys)[0] == 1
