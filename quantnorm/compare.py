@@ -1,23 +1,33 @@
-"""The comparison report of a sweep: statistics over seeds, a ranking, and findings with verdicts.
+"""The comparison report of a sweep: training status, statistics over seeds, a ranking, and
+findings with verdicts.
 
-Reads only what the cells wrote (``<cell>/results.json``, its ``diagnostics`` included;
-``train.json``/``config.json`` of a cell whose training diverged; ``train_log.jsonl`` for the
-step-0 gradient norms; ``sweep.json`` for the command), so ``quantnorm compare DIR`` can
-regenerate the report, and ``quantnorm findings DIR`` its findings section, at any time.
+Reads only what the cells wrote (``<cell>/results.json`` -- or ``cells/<cell>/results.json`` in a
+published copy --, its ``diagnostics`` included; ``train.json``/``config.json`` of a cell whose
+training diverged; ``train_log.jsonl`` for step 0's gradient norms; ``sweep.json`` for the
+command), so ``quantnorm compare DIR`` can regenerate the report, and ``quantnorm findings DIR``
+its findings section, at any time, byte for byte.
 
-Statistics (all over seeds, one value per cell):
+Training status first (quantnorm.train_status): a cell is trained, collapsed (not at least the
+collapse margin below the unigram baseline) or diverged; collapsed and diverged cells are left out
+of every mean, ranking, plot and effect, and named.
 
-- mean and 95% Student-t interval ``mean +/- t(0.975, n-1) * sd / sqrt(n)`` (no interval with n = 1);
-- two groups are *not significant*ly different when their 95% intervals overlap (conservative);
-- a difference between two conditions is taken over cells matched on everything else (same
-  seed, so same initialisation and batch order), with the t-interval of the differences; Welch's
-  interval when fewer than two cells match;
-- a rank correlation across cells is Spearman's rho with a Fisher-z interval (se = sqrt(1.06/(n-3))).
+Statistics (the seed is the unit of replication):
 
-Verdicts come from one rule (:func:`verdict_sign`, :func:`verdict_order`, :func:`verdict_within`):
-an interval on the claimed side of zero -> *holds here*, on the other side -> *does not hold
-here*, across zero (or overlapping intervals) -> *not significant*; missing data -> *not tested*
-with the reason.
+- mean and 95% Student-t interval ``mean +/- t(0.975, n-1) * sd / sqrt(n)`` over seeds (no
+  interval with n = 1);
+- a claim is split into sub-tests (:class:`SubTest`): one per setting of the other axes (norm,
+  depth, warm-up, learning rate: separate rows, never replicates) and per half of the claim, with
+  one value per seed -- a paired difference where the design pairs the arms on the seed (same
+  initialisation and batch order) -- and a t-test over n = seeds (equivalence by two one-sided
+  tests for "about zero", the F-test for "less seed-to-seed variance", a per-seed Spearman rho
+  through Fisher's z for correlations);
+- the sub-tests of one claim are corrected together with Holm's step-down method (:func:`holm`);
+  a sub-test holds / does not hold when its corrected p is below 0.05 in / against the claimed
+  direction, is not significant otherwise, and is not tested with one seed or without data;
+  :func:`combine` makes the claim's verdict;
+- tuning (best warm-up, best learning rate) chooses on the other seeds and measures on the held-out
+  one (:func:`held_out_best`), so the comparison is not biased by the choice; the in-sample choice
+  and its bias are reported beside it.
 """
 
 from __future__ import annotations
