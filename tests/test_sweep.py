@@ -94,9 +94,17 @@ def test_sigkill_mid_sweep_then_resume_finishes_every_cell(killed_and_resumed):
 def test_resumed_sweep_writes_the_comparison_report(killed_and_resumed):
     out, _ = killed_and_resumed
     report = (out / "report.md").read_text()
-    for text in ("pre/rms", "peri/rms", "## Ranking", "## Findings", "`dynamic`", "Summary: claim 1"):
+    for text in ("pre/rms", "peri/rms", "## Training status", "## Ranking", "## Findings", "Summary: claim 1"):
         assert text in report, text
-    assert (out / "plots" / "bits_per_byte.png").is_file() and (out / "plots" / "ppl_ratio.png").is_file()
+    # 8 training steps: the cells may sit on the unigram plateau; collapsed cells are named and left
+    # out of the tables and plots, trained ones fill them
+    import re
+
+    trained = int(re.search(r"(\d) of 2 cells trained", report).group(1))
+    if trained:
+        assert "`dynamic`" in report and (out / "plots" / "bits_per_byte.png").is_file()
+    if trained < 2:
+        assert f"Left out ({2 - trained})" in report
 
 
 def test_rerun_skips_finished_cells(killed_and_resumed, small_corpus, capsys):
@@ -157,7 +165,8 @@ def test_a_failing_cell_is_recorded_and_the_others_go_on(tmp_path, small_corpus,
     assert cells["post-rms-L1-w2-seed0"]["status"] == "diverged"   # a result, not a failure
     assert len(calls) == 3 and {t for _, t in calls} == {str(sweep_mod.available_cores())}   # --jobs 1: all cores
     report = (out / "report.md").read_text()
-    assert "pre-rms-L1-w2-seed0` failed (exit code 1)" in report and "1/1" in report   # post diverged 1 of 1
+    assert "pre-rms-L1-w2-seed0` failed (exit code 1)" in report
+    assert "`post-rms-L1-w2-seed0` (diverged)" in report   # post diverged: named, left out of the effects
     # the rerun redoes only the failed cell; when it passes, the sweep exits 0
     run2, calls2 = _stub_cell({"pre": "ok", "peri": "fail", "post": "fail"})
     monkeypatch.setattr(sweep_mod, "run_cell_process", run2)
