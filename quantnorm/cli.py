@@ -132,6 +132,13 @@ def _int_csv(value: str, flag: str) -> tuple[int, ...]:
         raise click.BadParameter(f"expected comma-separated integers, got {value!r}", param_hint=flag) from None
 
 
+def _float_csv(value: str, flag: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(v) for v in _csv(value))
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated numbers, got {value!r}", param_hint=flag) from None
+
+
 _invocation: list[str] | None = None  # the arguments main() was given (None: sys.argv)
 
 
@@ -363,6 +370,9 @@ def gate(ctx, inputs, policy, require_provider, recipes, summary, junit, **thres
 @click.option("--steps", type=int, default=DEFAULT_TRAIN.steps, show_default=True, help="Training steps.")
 @click.option("--batch-size", type=int, default=DEFAULT_TRAIN.batch_size, show_default=True, help="Windows per step.")
 @click.option("--lr", type=float, default=DEFAULT_TRAIN.lr, show_default=True, help="Peak learning rate (AdamW).")
+@click.option("--lrs", default=None,
+              help="Comma-separated peak learning rates (axis), e.g. 1e-3,3e-3: the report compares each placement "
+                   "at its own best rate, chosen on held-out seeds. [default: --lr for every cell]")
 @click.option("--corpus", type=str, default=BUILTIN_PYDOC, show_default=True,
               help="Training text: a file, a directory of files, or builtin:pydoc.")
 @click.option("--recipes", default=None, help="Comma-separated INT8 recipes. [default: evaluate's default set]")
@@ -388,7 +398,8 @@ def gate(ctx, inputs, policy, require_provider, recipes, summary, junit, **thres
               help="Ray cluster address (e.g. ray://head:10001 or auto). [default: start a local Ray instance]")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @click.pass_context
-def sweep(ctx, placements, norms, seeds, warmups, depths, d_model, heads, context, steps, batch_size, lr, corpus, recipes,
+def sweep(ctx, placements, norms, seeds, warmups, depths, d_model, heads, context, steps, batch_size, lr, lrs, corpus,
+          recipes,
           sq_alpha, providers, calib_samples, opset, opt_level, threads, batches, iters, no_outliers, out, jobs,
           executor, ray_address, quiet):
     """Train and evaluate every placement x norm (x warm-up x depth) x seed, each cell in its own
@@ -402,7 +413,8 @@ def sweep(ctx, placements, norms, seeds, warmups, depths, d_model, heads, contex
     cfg = SweepConfig(
         placements=tuple(_csv(placements)), norms=tuple(_csv(norms)), seeds=seeds,
         warmups=_int_csv(warmups, "--warmups") if warmups is not None else None,
-        depths=_int_csv(depths, "--depths"), d_model=d_model, heads=heads, context=context, steps=steps,
+        depths=_int_csv(depths, "--depths"), lrs=_float_csv(lrs, "--lrs") if lrs is not None else None,
+        d_model=d_model, heads=heads, context=context, steps=steps,
         batch_size=batch_size, lr=lr, corpus=corpus,
         recipes=tuple(_csv(recipes)) if recipes is not None else None,
         providers=tuple(_csv(providers)) if providers is not None else None,
@@ -423,19 +435,26 @@ def sweep(ctx, placements, norms, seeds, warmups, depths, d_model, heads, contex
         ctx.exit(1)
 
 
-@cli.command()
-@click.argument("sweep_dir", type=click.Path(path_type=Path))
-def compare(sweep_dir):
-    """Regenerate SWEEP_DIR/report.md (and plots) from its cells' results.json."""
-    click.echo(str(write_comparison(sweep_dir)))
+_MARGIN_HELP = ("Bits/byte below the unigram baseline a cell must reach to count as trained (the others are left "
+                "out of every effect). [default: each run's recorded margin, else 0.8]")
 
 
 @cli.command()
 @click.argument("sweep_dir", type=click.Path(path_type=Path))
-def findings(sweep_dir):
+@click.option("--collapse-margin", type=float, default=None, help=_MARGIN_HELP)
+def compare(sweep_dir, collapse_margin):
+    """Regenerate SWEEP_DIR/report.md, findings.json and plots from its cells' results.json
+    (SWEEP_DIR/<cell>/ or, in a published copy, SWEEP_DIR/cells/<cell>/)."""
+    click.echo(str(write_comparison(sweep_dir, collapse_margin)))
+
+
+@cli.command()
+@click.argument("sweep_dir", type=click.Path(path_type=Path))
+@click.option("--collapse-margin", type=float, default=None, help=_MARGIN_HELP)
+def findings(sweep_dir, collapse_margin):
     """Print the findings section (Markdown: a verdict per claim of shared CLAIMS.md) of SWEEP_DIR
-    and write it to SWEEP_DIR/findings.md (the same section as in SWEEP_DIR/report.md)."""
-    _, text = write_findings(sweep_dir)
+    and write it to SWEEP_DIR/findings.md and findings.json (the same section as in SWEEP_DIR/report.md)."""
+    _, text = write_findings(sweep_dir, collapse_margin)
     click.echo(text)
 
 

@@ -29,6 +29,7 @@ Policy file (TOML), either in a ``[gate]`` table or as top-level keys::
     max_latency_ratio = 1.0     # INT8 p50 / FP32 p50     <= this   (optional)
     require_provider = ["cpu"]  # providers that must have measured latency rows
     recipes = []                # [] = the best recipe must pass; a list = each listed must pass
+    collapse_margin = 0.8       # a trained model's eval bits/byte must be this far below the unigram baseline
 
 Library use::
 
@@ -52,6 +53,7 @@ from .fileio import write_text_atomic
 from .manifest import MANIFEST_FILE
 from .measure.sessions import normalize_provider
 from .runs import CONFIG_FILE, RESULTS_FILE, TRAIN_SUMMARY_FILE
+from .train_status import DEFAULT_COLLAPSE_MARGIN, status_from_results
 
 SUPPORTED_SCHEMA = 1
 FP32_VARIANT = "fp32"
@@ -71,7 +73,7 @@ class PolicyError(ConfigError):
 # ---------------------------------------------------------------------------------------------
 # Policy
 
-_FLOAT_KEYS = ("max_ppl_ratio", "max_kld", "max_kld_p99", "min_top1", "max_latency_ratio")
+_FLOAT_KEYS = ("max_ppl_ratio", "max_kld", "max_kld_p99", "min_top1", "max_latency_ratio", "collapse_margin")
 _LIST_KEYS = ("require_provider", "recipes")
 
 
@@ -98,6 +100,7 @@ class Policy:
     max_latency_ratio: float | None = None
     require_provider: tuple[str, ...] = ()
     recipes: tuple[str, ...] = ()
+    collapse_margin: float | None = DEFAULT_COLLAPSE_MARGIN   # None: no training-status check
 
     def __post_init__(self) -> None:
         for key in _FLOAT_KEYS:
@@ -113,7 +116,7 @@ class Policy:
             value = getattr(self, key)
             if value is not None and value <= 0:
                 raise PolicyError(f"policy key {key!r} must be > 0, got {value}")
-        for key in ("max_kld", "max_kld_p99"):
+        for key in ("max_kld", "max_kld_p99", "collapse_margin"):
             value = getattr(self, key)
             if value is not None and value < 0:
                 raise PolicyError(f"policy key {key!r} must be >= 0, got {value}")
@@ -153,6 +156,8 @@ class Policy:
             parts.append(f"top-1 agreement >= {self.min_top1:g}")
         if self.max_latency_ratio is not None:
             parts.append(f"INT8/FP32 p50 latency <= {self.max_latency_ratio:g}")
+        if self.collapse_margin is not None:
+            parts.append(f"trained (eval bits/byte >= {self.collapse_margin:g} below the unigram baseline)")
         if self.require_provider:
             parts.append("measured on " + ", ".join(_short_provider(p) for p in self.require_provider))
         parts.append("recipes that must pass: " + (", ".join(self.recipes) if self.recipes else
@@ -444,6 +449,28 @@ def _latency_checks(latency: list, name: str, policy: Policy) -> list[Check]:
     return out
 
 
+def _train_status_check(results: dict, policy: Policy) -> list[Check]:
+    """A model that never trained (on the unigram plateau, or barely off it) or diverged fails: its
+    INT8 numbers (PPL ratio 1.000x, 100% top-1) say nothing. A pretrained checkpoint
+    (``train.pretrained``, or a ``model.source`` other than a zoo run) was not trained here and has
+    no such check."""
+    train = results.get("train")
+    source = (results.get("model") or {}).get("source")
+    kind = source.get("kind") if isinstance(source, dict) else source
+    pretrained = (isinstance(train, dict) and train.get("pretrained") is True) or kind not in (None, "trained", "zoo")
+    if policy.collapse_margin is None or pretrained or (train is None and kind is None):
+        return []
+    limit = f"trained (margin {policy.collapse_margin:g} bits/byte)"
+    if not isinstance(train, dict):
+        return [Check(None, "train status", None, limit, False, "missing: results.json has no train section")]
+    try:  # the recorded baseline, or (older runs) the one derived from the recorded corpus and byte ranges
+        st = status_from_results(train, results.get("data"), policy.collapse_margin)
+    except QuantnormError as exc:
+        return [Check(None, "train status", None, limit, False, f"missing: {exc}")]
+    return [Check(None, "train status", st.eval_bits_per_byte, limit, st.trained,
+                  "" if st.trained else st.describe())]
+
+
 def evaluate_gate(results: dict, policy: Policy, source: str = "results.json") -> RunVerdict:
     """Apply ``policy`` to one parsed results.json. Raises GateError for another schema_version; a
     missing or unmeasured number is a failing check, never an error and never a pass."""
@@ -467,6 +494,7 @@ def evaluate_gate(results: dict, policy: Policy, source: str = "results.json") -
         if needs_latency:
             checks.append(Check(None, "latency", None, "a list", False, "missing: results.json has no latency list"))
 
+    checks += _train_status_check(results, policy)
     gated = list(policy.recipes) if policy.recipes else list(by_name)
     if not gated:
         checks.append(Check(None, "recipes", None, ">= 1 recipe", False, "missing: results.json lists no recipe"))

@@ -18,6 +18,7 @@ from .measure.outliers import MASSIVE_ABS, MASSIVE_RATIO
 from .measure.sqnr import spearman
 
 _DPI = 120
+_PNG_METADATA = {"Software": None}
 
 
 def _save(fig: Figure, out_png: Path) -> Path:
@@ -25,7 +26,9 @@ def _save(fig: Figure, out_png: Path) -> Path:
     FigureCanvasAgg(fig)
     fig.tight_layout()
     with atomic_path(out_png, suffix=".png") as tmp:
-        fig.savefig(tmp, format="png", dpi=_DPI)
+        # No Software tag (matplotlib's version) and no timestamp: the same numbers give the same
+        # bytes, so committed plots can be checked by regenerating them.
+        fig.savefig(tmp, format="png", dpi=_DPI, metadata=_PNG_METADATA)
     return out_png
 
 

@@ -8,9 +8,10 @@ import json
 from pathlib import Path
 
 from . import plots
-from .errors import RunDirError
+from .errors import QuantnormError, RunDirError
 from .fileio import write_text_atomic
 from .runs import PLOTS_DIR, REPORT_FILE, RESULTS_FILE
+from .train_status import TRAINED, status_from_results
 
 SUPPORTED_SCHEMA = 1
 
@@ -83,9 +84,31 @@ def warnings_for(results: dict) -> list[str]:
     return out
 
 
+def training_status_line(results: dict) -> list[str]:
+    """The first thing to know about a trained model: did it learn anything (quantnorm.train_status)?"""
+
+    train = results.get("train")
+    if not isinstance(train, dict) or train.get("pretrained") is True:
+        return []   # a pretrained checkpoint was not trained here
+    try:
+        st = status_from_results(train, results.get("data"))
+    except QuantnormError as exc:
+        return [f"**Training status: unknown** ({exc}).", ""]
+    if st.status == TRAINED:
+        return [f"**Training status: trained** ({st.eval_bits_per_byte:.3f} bits/byte, "
+                f"{st.unigram_bits_per_byte - st.eval_bits_per_byte:.2f} below the unigram baseline "
+                f"{st.unigram_bits_per_byte:.3f}; margin {st.collapse_margin:g}).", ""]
+    if st.unigram_bits_per_byte is None:
+        return ["**Training status: diverged**: there is no model to deploy.", ""]
+    return [f"**Training status: {st.status}** ({st.eval_bits_per_byte:.3f} bits/byte vs the unigram baseline "
+            f"{st.unigram_bits_per_byte:.3f}; a trained model is at least {st.collapse_margin:g} below it): the "
+            f"model learned little beyond byte frequencies, so the INT8 numbers below say nothing about INT8.", ""]
+
+
 def render(results: dict, plots: dict[str, str]) -> str:
     hw, model, data, train = results["hardware"], results["model"], results["data"], results.get("train", {})
     L: list[str] = [f"# quantnorm report: {model['placement']}/{model['norm']}", ""]
+    L += training_status_line(results)
     L += [f"Reproduce: `{results['command']}`  ", f"Created {results['created']} by quantnorm "
           f"{results['quantnorm_version']} (results.json schema {results['schema_version']}).", ""]
     L += hardware_section(hw)

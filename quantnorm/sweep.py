@@ -72,6 +72,9 @@ class SweepConfig:
     seeds: int = 3
     warmups: tuple[int, ...] | None = None   # None: the default warm-up rule of `quantnorm train`
     depths: tuple[int, ...] = (ModelConfig.n_layers,)
+    # None: every cell trains at ``lr``. A tuple is a learning-rate axis: the report compares each
+    # placement at its own best rate, chosen on held-out seeds (compare.tuned_comparison)
+    lrs: tuple[float, ...] | None = None
     d_model: int = ModelConfig.d_model
     heads: int = ModelConfig.n_heads
     context: int = ModelConfig.context
@@ -108,6 +111,10 @@ class SweepConfig:
         warmups = None if self.warmups is None else _unique(self.warmups, "warm-ups")
         if warmups is not None and min(warmups) < 0:
             raise ConfigError(f"--warmups must be >= 0 steps, got {min(warmups)}")
+        lrs = None if self.lrs is None else _unique((float(x) for x in self.lrs), "learning rates")
+        if lrs is not None and not all(x > 0 and x == x and x != float("inf") for x in lrs):
+            raise ConfigError(f"--lrs must be positive learning rates, got {', '.join(map(repr, lrs))}")
+        object.__setattr__(self, "lrs", lrs)
         if self.recipes is not None:
             _unique(self.recipes, "recipes")
         if self.providers is not None:
@@ -127,7 +134,8 @@ class SweepConfig:
 
     def cells(self) -> list[Cell]:
         warmups = self.warmups if self.warmups is not None else (self.default_warmup(),)
-        return [Cell(p, n, d, w, s) for d in self.depths for w in warmups for p in self.placements
+        lrs = self.lrs if self.lrs is not None else (None,)
+        return [Cell(p, n, d, w, s, lr) for d in self.depths for w in warmups for lr in lrs for p in self.placements
                 for n in self.norms for s in range(self.seeds)]
 
     def to_dict(self) -> dict:
@@ -141,16 +149,21 @@ class Cell:
     depth: int
     warmup: int
     seed: int
+    lr: float | None = None   # None: the sweep's --lr (and no lr in the name, as before the axis existed)
 
     @property
     def name(self) -> str:
-        return f"{self.placement}-{self.norm}-L{self.depth}-w{self.warmup}-seed{self.seed}"
+        lr = "" if self.lr is None else f"-lr{self.lr:g}"
+        return f"{self.placement}-{self.norm}-L{self.depth}-w{self.warmup}{lr}-seed{self.seed}"
+
+    def lr_of(self, cfg: SweepConfig) -> float:
+        return cfg.lr if self.lr is None else self.lr
 
     def run_config(self, cfg: SweepConfig):
         return RunConfig(
             model=ModelConfig(placement=self.placement, norm=self.norm, n_layers=self.depth, d_model=cfg.d_model,
                               n_heads=cfg.heads, context=cfg.context),
-            train=TrainConfig(steps=cfg.steps, batch_size=cfg.batch_size, lr=cfg.lr, warmup=self.warmup,
+            train=TrainConfig(steps=cfg.steps, batch_size=cfg.batch_size, lr=self.lr_of(cfg), warmup=self.warmup,
                               seed=self.seed),
             data=DataConfig(corpus=cfg.corpus),
         )
@@ -159,7 +172,7 @@ class Cell:
         """`quantnorm evaluate` arguments that train and evaluate this cell into ``out_dir``."""
         args = ["evaluate", "--placement", self.placement, "--norm", self.norm, "--layers", str(self.depth),
                 "--d-model", str(cfg.d_model), "--heads", str(cfg.heads), "--context", str(cfg.context),
-                "--steps", str(cfg.steps), "--batch-size", str(cfg.batch_size), "--lr", repr(cfg.lr),
+                "--steps", str(cfg.steps), "--batch-size", str(cfg.batch_size), "--lr", repr(self.lr_of(cfg)),
                 "--warmup", str(self.warmup), "--seed", str(self.seed), "--corpus", cfg.corpus,
                 "--calib-samples", str(cfg.calib_samples), "--opset", str(cfg.opset), "--opt-level", cfg.opt_level,
                 "--batches", ",".join(str(b) for b in cfg.batches), "--iters", str(cfg.iters),
@@ -206,6 +219,8 @@ def cell_status(cell_dir: Path, cell: Cell | None = None) -> str | None:
             if cell is not None and (model["placement"], model["norm"], model["n_layers"], train_cfg["warmup"],
                                      train_cfg["seed"]) != (cell.placement, cell.norm, cell.depth, cell.warmup,
                                                             cell.seed):
+                return None
+            if cell is not None and cell.lr is not None and train_cfg.get("lr") != cell.lr:
                 return None
             return "done"
         except (RunDirError, KeyError, TypeError):
@@ -399,7 +414,8 @@ class _Manifest:
 
     def set(self, cell: Cell, **entry) -> None:
         self.data["cells"][cell.name] = {"placement": cell.placement, "norm": cell.norm, "depth": cell.depth,
-                                         "warmup": cell.warmup, "seed": cell.seed, **entry}
+                                         "warmup": cell.warmup, "seed": cell.seed,
+                                         **({} if cell.lr is None else {"lr": cell.lr}), **entry}
 
     def write(self) -> None:
         self.data["updated"] = _now()

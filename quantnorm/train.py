@@ -26,6 +26,7 @@ from .fileio import atomic_path, write_json_atomic
 from .measure.accuracy import torch_perplexity
 from .models import CausalLM, ModelConfig
 from .runs import CHECKPOINT_FILE, CONFIG_FILE, TRAIN_LOG_FILE, TRAIN_SUMMARY_FILE, RunDir, check_out_dir, config_hash
+from .train_status import DEFAULT_COLLAPSE_MARGIN, classify, unigram_bits_per_byte
 
 # A step is a gradient spike when its (pre-clip) gradient norm exceeds SPIKE_FACTOR times the
 # median of the previous SPIKE_WINDOW steps' norms (needs at least SPIKE_WINDOW // 2 of them).
@@ -96,6 +97,11 @@ class TrainResult:
     gradient_spikes: int
     tokens_per_s: float
     wall_s: float
+    # trained | collapsed | diverged (quantnorm.train_status): a run that ends no better than the
+    # unigram baseline by collapse_margin bits/byte learned nothing an INT8 study can use
+    status: str = "trained"
+    unigram_bits_per_byte: float | None = None
+    collapse_margin: float = DEFAULT_COLLAPSE_MARGIN
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -123,6 +129,18 @@ def per_layer_grad_norms(model: CausalLM) -> dict[str, float]:
         parts = name.split(".")
         key = f"block{parts[1]}" if parts[0] == "blocks" else ("embed" if parts[0].endswith("emb") else parts[0])
         groups.setdefault(key, []).append(p.grad.detach().flatten())
+    return {k: float(torch.linalg.vector_norm(torch.cat(v))) for k, v in groups.items()}
+
+
+def ffn_grad_norms(model: CausalLM) -> dict[str, float]:
+    """Gradient L2 norm of each block's FFN weight matrices (up and down projections, no biases):
+    the quantity of Xiong et al.'s claim (their Fig. 3 shows the FFN sub-layers' weights)."""
+    groups: dict[str, list[torch.Tensor]] = {}
+    for name, p in model.named_parameters():
+        parts = name.split(".")
+        if p.grad is None or parts[0] != "blocks" or len(parts) < 4 or parts[2] != "mlp" or parts[-1] != "weight":
+            continue
+        groups.setdefault(f"block{parts[1]}", []).append(p.grad.detach().flatten())
     return {k: float(torch.linalg.vector_norm(torch.cat(v))) for k, v in groups.items()}
 
 
@@ -188,6 +206,7 @@ def train(run: RunConfig, out_dir: Path, *, progress: bool = True, data: Prepare
             loss.backward()
             if step == 0:
                 record["grad_norm_per_layer"] = per_layer_grad_norms(model)
+                record["grad_norm_ffn_per_layer"] = ffn_grad_norms(model)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
             if not math.isfinite(grad_norm):
                 diverged_at = step
@@ -208,6 +227,7 @@ def train(run: RunConfig, out_dir: Path, *, progress: bool = True, data: Prepare
     with atomic_path(out_dir / CHECKPOINT_FILE) as ckpt:
         save_file(model.state_dict(), str(ckpt))
     bits = None if diverged_at is not None else eval_bits_per_byte(model, data)
+    unigram = unigram_bits_per_byte(data.corpus.data, data.splits.train, data.splits.evaluation)
     result = TrainResult(
         steps=steps_run,
         final_train_loss=float(np.mean(losses[-10:])) if losses else None,
@@ -217,6 +237,9 @@ def train(run: RunConfig, out_dir: Path, *, progress: bool = True, data: Prepare
         gradient_spikes=count_spikes(grad_norms),
         tokens_per_s=steps_run * cfg.batch_size * data.window / wall if wall > 0 else 0.0,
         wall_s=wall,
+        status=classify(bits, diverged_at is not None, unigram, DEFAULT_COLLAPSE_MARGIN),
+        unigram_bits_per_byte=unigram,
+        collapse_margin=DEFAULT_COLLAPSE_MARGIN,
     )
     write_json_atomic(out_dir / TRAIN_SUMMARY_FILE, result.to_dict())
     return result

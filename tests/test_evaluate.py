@@ -29,6 +29,7 @@ def test_results_follow_the_contract(evaluated):
                 "train", "export", "recipes", "latency", "outliers", "sqnr"):
         assert key in results, key
     assert results["schema_version"] == 1
+    assert results["train"]["status"] in ("trained", "collapsed") and results["train"]["unigram_bits_per_byte"] > 0
     d = results["data"]
     assert d["calibration"][1] <= d["evaluation"][0] and d["bos"] is True and d["window"] == 32
     assert {r["name"] for r in results["recipes"]} == {"static-minmax-matmul", "dynamic"}
@@ -50,6 +51,7 @@ def test_results_follow_the_contract(evaluated):
 def test_report_and_plots(evaluated, capsys):
     report = (evaluated / "report.md").read_text()
     assert "## INT8 recipes" in report and "not measured" in report and "static-minmax-matmul" in report
+    assert report.splitlines()[2].startswith("**Training status: ")   # the status comes first
     for line in report.splitlines():
         if line.startswith("!["):
             assert (evaluated / line.split("](")[1].rstrip(")")).is_file()

@@ -363,3 +363,56 @@ def test_library_api(tmp_path):
     snapshot = copy.deepcopy(data)
     evaluate_gate(data, Policy(max_latency_ratio=1.0, require_provider=("cpu",)))
     assert data == snapshot and not math.isnan(data["recipes"][0]["accuracy"]["ppl_ratio"])
+
+
+# ---- training status ------------------------------------------------------------------------
+
+
+def _trained(bits, **train):
+    data = results()
+    data["model"] = {"source": "trained"}
+    data["train"] = {"eval_bits_per_byte": bits, "diverged": False, "unigram_bits_per_byte": 4.688, **train}
+    return data
+
+
+def test_collapsed_model_fails_by_default_and_the_margin_is_a_policy_key(tmp_path, capsys):
+    trained = write(tmp_path / "ok.json", _trained(3.1))
+    plateau = write(tmp_path / "plateau.json", _trained(4.68))   # INT8 numbers pass: 1.001x, 99.5%
+    barely = write(tmp_path / "barely.json", _trained(4.2))
+    assert gate([trained], capsys)[0] == 0
+    code, out, _ = gate([plateau], capsys)
+    assert code == 1 and "train status" in out and "collapsed: 4.680 bits/byte vs unigram 4.688" in out
+    assert gate([barely], capsys)[0] == 1
+    policy = tmp_path / "p.toml"
+    policy.write_text("[gate]\ncollapse_margin = 0.1\n")
+    assert gate([barely, "--policy", policy], capsys)[0] == 0      # 0.488 below the baseline: trained at 0.1
+    assert gate([plateau, "--policy", policy], capsys)[0] == 1
+    policy.write_text("[gate]\ncollapse_margin = -1\n")
+    code, _, err = gate([barely, "--policy", policy], capsys)
+    assert code == 2 and "collapse_margin" in err
+
+
+def test_pretrained_checkpoint_has_no_training_status_check(tmp_path, capsys):
+    data = results()
+    data["model"] = {"source": "hf:some/dir"}
+    data["train"] = {"pretrained": True, "diverged": False}
+    code, out, _ = gate([write(tmp_path / "hf.json", data)], capsys)
+    assert code == 0 and "train status" not in out
+
+
+def test_diverged_or_unknown_status_fails(tmp_path, capsys):
+    diverged = _trained(None, diverged=True)
+    assert gate([write(tmp_path / "d.json", diverged)], capsys)[0] == 1
+    unknown = _trained(3.0)
+    del unknown["train"]["unigram_bits_per_byte"]          # no baseline and no data ranges to derive it
+    code, out, _ = gate([write(tmp_path / "u.json", unknown)], capsys)
+    assert code == 1 and "missing:" in out
+
+
+def test_committed_plateau_cell_fails_from_its_data_ranges(capsys):
+    # written before training recorded its status: the baseline is derived from results.json's data
+    from pathlib import Path
+
+    cell = Path(__file__).resolve().parents[1] / "reports" / "reference" / "cells" / "post-layer-L4-w30-seed0"
+    code, out, _ = gate([cell], capsys)
+    assert code == 1 and "collapsed: 4.691 bits/byte vs unigram 4.688" in out

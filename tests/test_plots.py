@@ -23,6 +23,7 @@ def _check_png(path, min_bytes=8_000):
     assert image.ndim == 3 and image.shape[0] > 200 and image.shape[1] > 300
     assert image[..., :3].std() > 0.01  # not a blank canvas
     assert not list(path.parent.glob(".*.tmp"))  # the atomic write left no temporary file
+    assert b"Software" not in data and b"matplotlib" not in data   # no tool version: same numbers, same bytes
 
 
 @pytest.fixture(scope="module")

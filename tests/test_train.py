@@ -28,8 +28,13 @@ def test_loss_falls_and_run_dir_is_complete(tmp_path):
     last = sum(r["loss"] for r in log[-5:]) / 5
     assert first > math.log(257) - 0.5  # starts near uniform over 257 tokens
     assert last < first - 1.0
-    assert set(log[0]) >= {"step", "loss", "lr", "grad_norm", "grad_norm_per_layer"}
+    assert set(log[0]) >= {"step", "loss", "lr", "grad_norm", "grad_norm_per_layer", "grad_norm_ffn_per_layer"}
+    assert set(log[0]["grad_norm_ffn_per_layer"]) == {"block0"} and log[0]["grad_norm_ffn_per_layer"]["block0"] > 0
+    assert "grad_norm_ffn_per_layer" not in log[1]   # step 0 only
     assert 0 < result.eval_bits_per_byte < 8
+    summary = json.loads((tmp_path / "run" / "train.json").read_text())
+    assert summary["unigram_bits_per_byte"] == pytest.approx(4.688, abs=0.01)   # builtin:pydoc
+    assert summary["status"] in ("trained", "collapsed") and summary["collapse_margin"] == 0.8
     run = open_run_dir(tmp_path / "run")
     model, cfg = load_model(run)
     assert cfg.model == tiny_run().model
@@ -49,6 +54,24 @@ def test_divergence_is_a_result(tmp_path):
     result = train(run, tmp_path / "run", progress=False)
     assert result.diverged and result.diverged_at is not None and result.eval_bits_per_byte is None
     assert json.loads((tmp_path / "run" / "train.json").read_text())["diverged"] is True
+    assert result.status == "diverged"
+
+
+def test_unigram_baseline_and_status_rule():
+    from quantnorm.train_status import classify, status_from_results, unigram_bits_per_byte
+
+    data = bytes([0, 0, 1, 1]) + bytes([0, 1])         # train: half 0, half 1; evaluation: 0 and 1
+    assert unigram_bits_per_byte(data, (0, 4), (4, 6)) == pytest.approx(1.0)
+    # an evaluation byte unseen in training: add-one smoothing keeps the baseline finite
+    assert math.isfinite(unigram_bits_per_byte(bytes([0, 0, 2]), (0, 2), (2, 3)))
+    assert classify(3.0, False, 4.688, 0.8) == "trained"
+    assert classify(4.05, False, 4.688, 0.8) == "collapsed"     # barely trained counts as collapsed
+    assert classify(4.69, False, 4.688, 0.8) == "collapsed"
+    assert classify(None, True, 4.688, 0.8) == "diverged"
+    # recorded keys are used, the margin can be re-applied
+    st = status_from_results({"eval_bits_per_byte": 4.05, "unigram_bits_per_byte": 4.688}, None)
+    assert st.status == "collapsed" and not st.derived
+    assert status_from_results({"eval_bits_per_byte": 4.05, "unigram_bits_per_byte": 4.688}, None, 0.1).trained
 
 
 def test_lr_schedule():

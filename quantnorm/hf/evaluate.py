@@ -33,7 +33,6 @@ from ..quantize import quantize
 from ..runs import FP32_ONNX_FILE, PLOTS_DIR, RESULTS_FILE, check_out_dir, int8_onnx_file
 from .gguf import gguf_checkpoint, is_gguf_path, package_reference, resolve_gguf, resolve_model_arg
 
-
 FP16_CHECK_WINDOWS = 4  # torch float16 on a CPU is slow; the overflow shows on any window with BOS
 
 

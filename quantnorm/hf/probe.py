@@ -29,7 +29,6 @@ from collections import Counter
 import numpy as np
 
 from ..errors import MeasureError
-from ..quantize.pertoken import fake_quantize_rows
 from ..measure.outliers import (
     MASSIVE_ABS,
     MASSIVE_LIMIT,
@@ -39,6 +38,7 @@ from ..measure.outliers import (
     find_massive,
     largest_ratio_layer,
 )
+from ..quantize.pertoken import fake_quantize_rows
 
 
 def _is_norm(module) -> bool:
