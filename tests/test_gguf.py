@@ -132,3 +132,46 @@ def test_packaged_checkpoints_are_named_by_package(tiny_gguf, tmp_path, monkeypa
     monkeypatch.syspath_prepend(str(tmp_path / "venv" / "site-packages"))
     assert package_reference(site) == "pkg:tiny_dir_pkg/model"
     assert package_reference(tmp_path) is None
+
+
+def test_parts_in_sibling_packages_are_found_through_chunk_paths(tiny_gguf, tmp_path, monkeypatch):
+    """The Gemma 3 layout: part k lives in package ``<main>_part<k+1>``, and only the main package
+    knows the order (``chunk_paths()``) and the checksum (``EXPECTED_SHA256``)."""
+    import importlib
+
+    site = tmp_path / "site"
+    parts = split_into_parts(tiny_gguf, tmp_path / "raw", n=2)
+    sha = hashlib.sha256(tiny_gguf.read_bytes()).hexdigest()
+    homes = []
+    for k, part in enumerate(parts, 1):
+        home = site / f"tinyparts_part{k}" / "data"
+        home.mkdir(parents=True)
+        (home.parent / "__init__.py").write_text("")
+        (home / part.name).write_bytes(part.read_bytes())
+        homes.append(home / part.name)
+        info = site / f"tinyparts_part{k}-1.0.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: tinyparts-part{k}\nVersion: 1.0\n")
+        (info / "top_level.txt").write_text(f"tinyparts_part{k}\n")
+        (info / "RECORD").write_text(f"tinyparts_part{k}/__init__.py,,\ntinyparts_part{k}/data/{part.name},,\n")
+    main_pkg = site / "tinyparts"
+    main_pkg.mkdir()
+    (main_pkg / "__init__.py").write_text(
+        "from pathlib import Path\n"
+        f"EXPECTED_SHA256 = {sha!r}\n"
+        f"def chunk_paths():\n    return [Path(p) for p in {[str(h) for h in homes]!r}]\n")
+    info = site / "tinyparts-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: tinyparts\nVersion: 1.0\n")
+    (info / "top_level.txt").write_text("tinyparts\n")
+    (info / "RECORD").write_text("tinyparts/__init__.py,,\n")
+    monkeypatch.syspath_prepend(str(site))
+    importlib.invalidate_caches()
+    found = resolve_gguf(homes[0], cache_dir=tmp_path / "cache")
+    assert found.provenance.sha256 == sha and found.path.read_bytes() == tiny_gguf.read_bytes()
+    assert (found.provenance.package, found.provenance.package_version) == ("tinyparts", "1.0")
+    # A checksum the package does not expect is refused.
+    (main_pkg / "__init__.py").write_text((main_pkg / "__init__.py").read_text().replace(sha, "0" * 64))
+    monkeypatch.delitem(__import__("sys").modules, "tinyparts", raising=False)
+    with pytest.raises(ConfigError, match="SHA-256"):
+        resolve_gguf(homes[0], cache_dir=tmp_path / "cache2")

@@ -104,6 +104,10 @@ def resolve_gguf(path: str | Path, *, cache_dir: Path | None = None, progress: b
                 with open(part, "rb") as src:
                     shutil.copyfileobj(src, out, _CHUNK)
     package, version = owning_package(path)
+    if module is not None:  # the package that lists the parts names the checkpoint
+        main = _distribution_of_module(module.__name__)
+        if main is not None:
+            package, version = main
     prov = GGUFProvenance("gguf", match.group("stem"), sha, quant_type_of(joined), package, version,
                           tuple(p.name for p in parts))
     return GGUFFile(joined, prov)
@@ -193,19 +197,22 @@ def owning_package(path: Path) -> tuple[str | None, str | None]:
 
 
 def _package_module(path: Path):
-    """The top-level package that ships ``path``, imported only when it has ``chunk_paths``."""
+    """The package that lists the parts of ``path`` (``chunk_paths()``): the top-level package
+    that ships it, or, for a part package such as ``..._part1``, its main package ``...``."""
     name, _ = owning_package(path)
     if name is None:
         return None
     for top in _top_level_modules(name):
-        spec = importlib.util.find_spec(top)
-        if spec is None or not spec.submodule_search_locations:
-            continue
-        if any(os.path.realpath(path).startswith(os.path.realpath(loc)) for loc in spec.submodule_search_locations):
+        for candidate in dict.fromkeys((top, re.sub(r"_part\d+$", "", top))):
+            spec = importlib.util.find_spec(candidate) if candidate.isidentifier() else None
+            if spec is None or not spec.submodule_search_locations:
+                continue
             try:
-                return importlib.import_module(top)
+                module = importlib.import_module(candidate)
             except Exception:  # noqa: BLE001 - a package that cannot import gives no chunk list
-                return None
+                continue
+            if callable(getattr(module, "chunk_paths", None)):
+                return module
     return None
 
 
@@ -215,6 +222,13 @@ def _top_level_modules(dist_name: str) -> list[str]:
     if text:
         return [t.strip() for t in text.splitlines() if t.strip()]
     return sorted({str(f).split("/")[0] for f in dist.files or () if "/" in str(f) and ".dist-info" not in str(f)})
+
+
+def _distribution_of_module(module: str) -> tuple[str, str] | None:
+    names = importlib.metadata.packages_distributions().get(module, [])
+    if not names:
+        return None
+    return names[0], importlib.metadata.version(names[0])
 
 
 def default_cache_dir() -> Path:
