@@ -177,6 +177,9 @@ def _command_line() -> str:
 @click.option("--max-kld", type=float, default=None,
               help="With --recipes auto: a model passes only if its mean KL divergence from FP32 is at most this "
                    "(e.g. 0.007). [default: not required]")
+@click.option("--search-space", default=None,
+              help="With --recipes auto: the comma-separated recipes the search tries, in order (weight-MatMul "
+                   "recipes only). [default: every weight-MatMul recipe of `quantnorm recipes`]")
 @click.option("--search-pick", type=click.Choice(["fastest", "first"]), default="fastest", show_default=True,
               help="--recipes auto: keep the fastest passing model (CPU p50, batch 8) or the first one found.")
 @click.option("--providers", default=None,
@@ -196,7 +199,7 @@ def _command_line() -> str:
 @click.option("--iters", type=int, default=30, show_default=True, help="Timed runs per latency cell (after warm-up).")
 @click.option("--no-outliers", is_flag=True, help="Skip the activation probe and per-tensor SQNR.")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
-def evaluate(checkpoint, out, recipes, sq_alpha, max_ppl_ratio, min_top1, max_kld, search_pick, providers, calib_samples, exclude, opset,
+def evaluate(checkpoint, out, recipes, sq_alpha, max_ppl_ratio, min_top1, max_kld, search_space, search_pick, providers, calib_samples, exclude, opset,
              opt_level, threads, batches, iters, no_outliers, quiet, **flags):
     """Train (or reuse) a model, export it, quantize it with each recipe, measure accuracy and
     latency, and write results.json and report.md into the run directory.
@@ -210,7 +213,7 @@ def evaluate(checkpoint, out, recipes, sq_alpha, max_ppl_ratio, min_top1, max_kl
         calib_samples=calib_samples, opset=opset, graph_optimization_level=opt_level, threads=threads,
         latency_batches=_int_csv(batches, "--batches"), latency_iters=iters, outliers=not no_outliers,
         progress=not quiet, sq_alpha=sq_alpha, max_ppl_ratio=max_ppl_ratio, min_top1=min_top1, max_kld=max_kld,
-        search_pick=search_pick,
+        search_pick=search_pick, search_space=tuple(_csv(search_space)) if search_space else None,
         exclude=tuple(exclude),
     )
     if model_path is not None:  # a local Hugging Face checkpoint (quantnorm.hf)

@@ -59,6 +59,7 @@ class EvaluateConfig:
     min_top1: float | None = None       # the search's optional top-1 agreement floor
     max_kld: float | None = None        # the search's optional mean-KL ceiling
     search_pick: str = "fastest"        # the search's pick: fastest or first passing model
+    search_space: tuple[str, ...] | None = None  # the search's recipes (None: every weight-MatMul recipe)
     exclude: tuple[str, ...] = ()       # node names / fnmatch patterns kept in FP32 by every recipe
 
     def __post_init__(self) -> None:
@@ -82,7 +83,7 @@ class EvaluateConfig:
         from .search import SearchConfig
 
         return SearchConfig(max_ppl_ratio=self.max_ppl_ratio, min_top1=self.min_top1, max_kld=self.max_kld, pick=self.search_pick,
-                            sq_alpha=self.sq_alpha, latency_iters=min(self.latency_iters, 10))
+                            space=self.search_space, sq_alpha=self.sq_alpha, latency_iters=min(self.latency_iters, 10))
 
     def recipe(self, name: str):
         """The registry recipe, with --sq-alpha applied to SmoothQuant recipes."""
