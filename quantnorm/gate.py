@@ -396,6 +396,10 @@ LATENCY_RANGES: dict[str, _Range] = {
     "seq": _Range(1, integer=True, why="a sequence length is an integer >= 1"),
 }
 OK_STATUS, BROKEN_PREFIX, NOT_MEASURED_PREFIX = "ok", "broken: ", "not measured: "
+# a recipe that does not apply to this model (e.g. a rotation the architecture does not support):
+# like a broken one it has no accuracy block and never passes, but it is not a malformed entry
+NOT_APPLICABLE_PREFIX = "not applicable: "
+_NOT_OK_PREFIXES = (BROKEN_PREFIX, NOT_APPLICABLE_PREFIX)
 
 
 class ResultsError(GateError):
@@ -465,9 +469,9 @@ def _validate_recipes(entries: Any, source: str) -> None:
                              f"would be gated?)")
         seen[name] = i
         status = entry.get("status", OK_STATUS)
-        if not isinstance(status, str) or not (status == OK_STATUS or status.startswith(BROKEN_PREFIX)):
-            raise _malformed(source, f"{field}.status", f"is {status!r}: must be {OK_STATUS!r} or "
-                             f"{BROKEN_PREFIX!r}<reason>")
+        if not isinstance(status, str) or not (status == OK_STATUS or status.startswith(_NOT_OK_PREFIXES)):
+            raise _malformed(source, f"{field}.status", f"is {status!r}: must be {OK_STATUS!r}, "
+                             f"'{BROKEN_PREFIX}<reason>' or '{NOT_APPLICABLE_PREFIX}<reason>'")
         if "accuracy" in entry:  # a broken recipe may carry numbers; they must still be possible ones
             _validate_accuracy(entry["accuracy"], source, f"{field}.accuracy")
         elif status == OK_STATUS:
@@ -502,7 +506,7 @@ def _validate_latency(rows: Any, source: str) -> None:
                 raise _malformed(source, field, f"percentiles are not ordered (p50 <= p90 <= p99): {pcts}")
         elif not (isinstance(status, str) and status.startswith(NOT_MEASURED_PREFIX)):
             raise _malformed(source, f"{field}.status", f"is {status!r}: must be {MEASURED!r} or "
-                             f"{NOT_MEASURED_PREFIX!r}<reason>")
+                             f"'{NOT_MEASURED_PREFIX}<reason>'")
         key = (row["provider"], row["variant"], row.get("batch"), row.get("seq"))
         if key in seen:
             raise _malformed(source, field, f"duplicates latency[{seen[key]}] (same provider, variant, batch, seq)")

@@ -234,13 +234,16 @@ def test_broken_recipe_without_accuracy_and_fp16_recipe_are_well_formed(tmp_path
     block (a failing check, never an error); fp16 is a recipe like the INT8 ones."""
     data = results()
     data["recipes"] = [{"name": "smoothquant", "status": "broken: no norm to fold into"},
+                       {"name": "rotate", "status": "not applicable: no rotation for bert"},
                        {"name": "fp16", "status": "ok", "accuracy": _acc(ppl_ratio=1.0)}]
     data["latency"].append(_row(CPU, "fp16", 1, 1.9))
     path = write(tmp_path / "results.json", data)
     code, out, _ = gate([path, "--require-provider", "cpu"], capsys)
     assert code == 0 and "`fp16`" in out and "recipe broken: no norm to fold into" in out
     assert gate([path, "--recipe", "smoothquant"], capsys)[0] == 1  # broken never passes
-    data["recipes"] = data["recipes"][:1]
+    code, out, _ = gate([path, "--recipe", "rotate"], capsys)  # nor does a recipe that does not apply
+    assert code == 1 and "recipe not applicable: no rotation for bert" in out
+    data["recipes"] = data["recipes"][:2]
     assert gate([write(tmp_path / "results.json", data)], capsys)[0] == 1
 
 
@@ -535,9 +538,9 @@ def malformed_results(draw) -> dict:
             (data["latency"][2], "status"), (data["latency"][0], "p50_ms")]))
         del target[key]
     else:
-        data["recipes"][i]["status"] = draw(st.one_of(st.text(max_size=8).filter(lambda v: v != "ok"
-                                                                                  and not v.startswith("broken: ")),
-                                                      _NOT_A_NUMBER))
+        valid = ("broken: ", "not applicable: ")
+        data["recipes"][i]["status"] = draw(st.one_of(
+            st.text(max_size=20).filter(lambda v: v != "ok" and not v.startswith(valid)), _NOT_A_NUMBER))
     return data
 
 
