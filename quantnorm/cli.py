@@ -143,9 +143,28 @@ _invocation: list[str] | None = None  # the arguments main() was given (None: sy
 
 
 def _command_line() -> str:
-    """The command as the user typed it (recorded in results.json, sweep.json and reports)."""
+    """The command as the user typed it (recorded in results.json, sweep.json and reports), with
+    absolute paths made portable: relative to the working directory, or ``pkg:<dist>==<version>/...``
+    inside an installed package (quantnorm/portable.py). A recorded command names no machine."""
+
+    from .portable import portable_args
+
     args = sys.argv[1:] if _invocation is None else _invocation
-    return "quantnorm " + " ".join(shlex.quote(a) for a in args)
+    return "quantnorm " + " ".join(shlex.quote(a) for a in portable_args(args))
+
+
+def _resolve_packaged(argv: list[str]) -> list[str]:
+    """``pkg:<dist>==<version>/<path>`` arguments (as recorded commands write packaged files) ->
+    the path on this machine, so a recorded command reruns as it stands."""
+    from .portable import PKG_PREFIX, resolve_arg
+
+    out = []
+    for arg in argv:
+        flag, eq, value = arg.partition("=") if arg.startswith("--") and "=" in arg else ("", "", arg)
+        if value.startswith(PKG_PREFIX):
+            value = resolve_arg(value)
+        out.append(f"{flag}{eq}{value}" if eq else value)
+    return out
 
 
 @cli.command()
@@ -468,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
     _invocation = argv
     debug = "--debug" in argv
     try:
-        result = cli.main(args=argv, prog_name="quantnorm", standalone_mode=False)
+        result = cli.main(args=_resolve_packaged(argv), prog_name="quantnorm", standalone_mode=False)
         return result if isinstance(result, int) else 0
     except click.exceptions.Exit as exc:
         return exc.exit_code

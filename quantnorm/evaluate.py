@@ -200,7 +200,7 @@ def evaluate(run_dir: RunDir, cfg: EvaluateConfig, *, command: str) -> dict:
     results = {
         **results_header(command, cfg.threads),
         "model": {**run.model.to_dict(), "n_params": model.n_params(), "source": "trained",
-                  "run_dir": str(run_dir.path)},
+                  "run_dir": "."},  # paths in results are relative to the run directory (no machine path)
         "data": {**data.describe(), "n_eval_windows": int(len(eval_inputs)), "n_calib_windows": int(len(calib_inputs))},
         "train": {**train_summary, "config": run.to_dict()["train"]},
         "export": exported.to_dict(run_dir.path),

@@ -1,11 +1,15 @@
 """The deployment gate: a policy (thresholds) applied to results.json files -> pass / fail.
 
 Exit codes (``quantnorm gate``): 0 every run passes, 1 a run fails a check, 2 the gate could not
-judge (missing, unreadable or corrupt input, another ``schema_version``, a bad policy).
+judge (missing, unreadable or corrupt input, a ``schema_version`` other than 1 and 2, a malformed
+or physically impossible results.json, a bad policy or one that checks nothing).
 
-It fails closed. A number the policy needs that is absent, not a finite number, or was not
-measured (``latency[].status = "not measured: ..."``, a recipe whose status is ``broken: ...``)
-is a failing check whose reason says what was missing; it never passes.
+It fails closed. A results.json is validated first (validate_results: NaN, a negative KL, a
+fraction above 1, duplicate recipe names, a latency row without a provider, ... -> ResultsError,
+exit 2, one line naming the file and the field). On a valid one, a number the policy needs that
+the run does not have or did not measure (``latency[].status = "not measured: ..."``, a recipe
+whose status is ``broken: ...``) is a failing check whose reason says what was missing; it never
+passes. The checks themselves are two tables, RUN_CHECKS and RECIPE_CHECKS.
 
 Which recipes must pass:
 
@@ -40,10 +44,11 @@ Library use::
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import xml.etree.ElementTree as ET
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -55,7 +60,7 @@ from .measure.sessions import normalize_provider
 from .runs import CONFIG_FILE, RESULTS_FILE, TRAIN_SUMMARY_FILE
 from .train_status import DEFAULT_COLLAPSE_MARGIN, status_from_results
 
-SUPPORTED_SCHEMA = 1
+SUPPORTED_SCHEMAS = (1, 2)  # 2 adds the real-checkpoint keys (RESULTS.md); the gated keys are the same
 FP32_VARIANT = "fp32"
 MEASURED = "measured"
 
@@ -131,6 +136,19 @@ class Policy:
         if self.require_provider:
             object.__setattr__(self, "require_provider",
                                tuple(dict.fromkeys(normalize_provider_name(p) for p in self.require_provider)))
+        if not self.effective_checks():
+            # every gated run would pass on its recipes' status alone: a gate that cannot fail a
+            # quantized model for what quantization did to it is a misconfiguration, not a policy
+            raise PolicyError("the policy checks nothing (every threshold is off or cannot fail, e.g. min_top1 = 0, "
+                              "and no provider is required): set at least one of "
+                              + ", ".join(_FLOAT_KEYS) + " or require_provider")
+
+    def effective_checks(self) -> tuple[str, ...]:
+        """The policy keys that can fail a run for what quantization did (``min_top1 = 0`` cannot:
+        every fraction is >= 0; ``collapse_margin`` judges the training, not the INT8 model)."""
+        keys = [k for k in _FLOAT_KEYS if getattr(self, k) is not None and k != "collapse_margin"
+                and not (k == "min_top1" and self.min_top1 <= 0)]
+        return tuple(keys + (["require_provider"] if self.require_provider else []))
 
     @property
     def mode(self) -> str:
@@ -184,7 +202,9 @@ def policy_from_mapping(data: dict, source: str = "policy") -> Policy:
     known = {f.name for f in fields(Policy)}
     for key, value in table.items():
         if key not in known:
-            raise PolicyError(f"{source}: unknown key {key!r} in {where}; known keys: {', '.join(sorted(known))}")
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise PolicyError(f"{source}: unknown key {key!r} in {where}; {hint}known keys: {', '.join(sorted(known))}")
         expected, types = _TOML_TYPES[key]
         if isinstance(value, bool) or not isinstance(value, types) or \
                 (key in _LIST_KEYS and not all(isinstance(v, str) for v in value)):
@@ -330,13 +350,183 @@ def _describe_bad(value: Any) -> str:
     return f"is {value!r} (not a number)"
 
 
+# ---------------------------------------------------------------------------------------------
+# Well-formed and physically possible: what a results.json must be before any check is judged.
+# A value outside these ranges cannot come from a measurement (a tampered, truncated or
+# hand-edited file, or a bug upstream), so the gate refuses to judge it (exit 2) rather than
+# turning it into a pass or an ordinary failure.
+
+_ROUNDING = 1e-6  # float32 arithmetic can put a cosine at 1 + 1e-7 or a KL of equal distributions at -1e-9
+
+
+@dataclass(frozen=True)
+class _Range:
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False   # lo itself is impossible (a ratio of 0)
+    integer: bool = False
+    why: str = ""
+
+    def problem(self, value: float) -> str | None:
+        if self.integer and not isinstance(value, int):
+            return f"must be an integer ({self.why})"
+        if self.lo is not None and (value <= self.lo if self.lo_open else value < self.lo - _ROUNDING):
+            return f"is impossible: {self.why}"
+        if self.hi is not None and value > self.hi + _ROUNDING:
+            return f"is impossible: {self.why}"
+        return None
+
+
+_FRACTION = _Range(0.0, 1.0, why="a fraction lies in [0, 1]")
+_COSINE = _Range(-1.0, 1.0, why="a cosine lies in [-1, 1]")
+_KL = _Range(0.0, why="a KL divergence is >= 0")
+_COUNT = _Range(0, integer=True, why="a count is a non-negative integer")
+
+# accuracy keys with a physical range; any other numeric accuracy key must still be finite
+ACCURACY_RANGES: dict[str, _Range] = {
+    "ppl_fp32": _Range(1.0, why="a perplexity is >= 1"),
+    "ppl_int8": _Range(1.0, why="a perplexity is >= 1"),
+    "ppl_ratio": _Range(0.0, lo_open=True, why="a ratio of perplexities is > 0"),
+    "bits_per_byte_fp32": _Range(0.0, why="a cross-entropy is >= 0"),
+    "bits_per_byte_int8": _Range(0.0, why="a cross-entropy is >= 0"),
+    "kld_mean": _KL, "kld_p99": _KL, "kld_max": _KL,
+    "top1_agreement": _FRACTION, "nn_agreement": _FRACTION,
+    "cosine_mean": _COSINE, "cosine_p1": _COSINE, "cosine_min": _COSINE,
+    "token_cosine_mean": _COSINE, "token_cosine_p1": _COSINE,
+    "n_scored": _COUNT, "n_passages": _COUNT,
+}
+_POSITIVE_MS = _Range(0.0, lo_open=True, why="a latency is > 0 ms")
+LATENCY_RANGES: dict[str, _Range] = {
+    "p50_ms": _POSITIVE_MS, "p90_ms": _POSITIVE_MS, "p99_ms": _POSITIVE_MS, "mean_ms": _POSITIVE_MS,
+    "tokens_per_s": _Range(0.0, lo_open=True, why="a throughput is > 0"),
+    "batch": _Range(1, integer=True, why="a batch size is an integer >= 1"),
+    "seq": _Range(1, integer=True, why="a sequence length is an integer >= 1"),
+}
+OK_STATUS, BROKEN_PREFIX, NOT_MEASURED_PREFIX = "ok", "broken: ", "not measured: "
+# a recipe that does not apply to this model (e.g. a rotation the architecture does not support):
+# like a broken one it has no accuracy block and never passes, but it is not a malformed entry
+NOT_APPLICABLE_PREFIX = "not applicable: "
+_NOT_OK_PREFIXES = (BROKEN_PREFIX, NOT_APPLICABLE_PREFIX)
+
+
+class ResultsError(GateError):
+    """A results.json is malformed or holds a number no measurement can produce."""
+
+
 def check_schema(results: Any, source: str = "results") -> None:
-    """GateError unless ``results`` is a results.json dict of the supported schema_version."""
+    """GateError unless ``results`` is a results.json dict of a supported schema_version."""
     if not isinstance(results, dict) or "schema_version" not in results:
-        raise GateError(f"{source} is not a quantnorm results.json (no schema_version)")
-    if results["schema_version"] != SUPPORTED_SCHEMA or isinstance(results["schema_version"], bool):
-        raise GateError(f"{source} has schema_version {results['schema_version']!r}; this quantnorm gates "
-                        f"schema_version {SUPPORTED_SCHEMA} (use the quantnorm version that wrote it)")
+        raise ResultsError(f"{source} is not a quantnorm results.json (no schema_version)")
+    version = results["schema_version"]
+    if isinstance(version, bool) or version not in SUPPORTED_SCHEMAS:
+        known = " and ".join(str(v) for v in SUPPORTED_SCHEMAS)
+        raise ResultsError(f"{source}: schema_version {version!r} is not one this quantnorm gates ({known}); "
+                        f"use the quantnorm version that wrote it")
+
+
+def _malformed(source: str, field: str, problem: str) -> ResultsError:
+    return ResultsError(f"{source}: {field} {problem}")
+
+
+def _number(value: Any, source: str, field: str, rule: _Range | None) -> None:
+    """``value`` must be a finite number inside ``rule``; otherwise ResultsError naming ``field``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _malformed(source, field, f"is {value!r}, not a number")
+    if not math.isfinite(value):
+        raise _malformed(source, field, f"is {value}, not a finite number")
+    problem = rule.problem(value) if rule is not None else None
+    if problem:
+        raise _malformed(source, field, f"= {value!r} {problem}")
+
+
+def _validate_accuracy(accuracy: Any, source: str, field: str) -> None:
+    if not isinstance(accuracy, dict):
+        raise _malformed(source, field, f"must be an object, got {type(accuracy).__name__}")
+    for key, value in accuracy.items():
+        rule = ACCURACY_RANGES.get(key)
+        if rule is not None or isinstance(value, float):  # unknown keys may be text, but never NaN
+            _number(value, source, f"{field}.{key}", rule)
+    if all(_is_number(accuracy.get(k)) for k in ("ppl_fp32", "ppl_int8", "ppl_ratio")):
+        expected = accuracy["ppl_int8"] / accuracy["ppl_fp32"]
+        if abs(accuracy["ppl_ratio"] - expected) > _ROUNDING * max(1.0, expected):
+            raise _malformed(source, f"{field}.ppl_ratio", f"= {accuracy['ppl_ratio']!r} is not ppl_int8 / ppl_fp32 "
+                             f"= {expected:.6g}")
+    for key in ("kld_mean", "kld_p99"):
+        if _is_number(accuracy.get(key)) and _is_number(accuracy.get("kld_max")) and \
+                accuracy[key] > accuracy["kld_max"] + _ROUNDING:
+            raise _malformed(source, f"{field}.{key}", f"= {accuracy[key]!r} exceeds kld_max = {accuracy['kld_max']!r}")
+
+
+def _validate_recipes(entries: Any, source: str) -> None:
+    if not isinstance(entries, list):
+        raise _malformed(source, "recipes", "is missing" if entries is None else
+                         f"must be a list, got {type(entries).__name__}")
+    seen: dict[str, int] = {}
+    for i, entry in enumerate(entries):
+        field = f"recipes[{i}]"
+        if not isinstance(entry, dict):
+            raise _malformed(source, field, f"must be an object, got {type(entry).__name__}")
+        name = entry.get("name")
+        if not isinstance(name, str) or not name.strip():
+            raise _malformed(source, f"{field}.name", f"must be a non-empty string, got {name!r}")
+        if name == FP32_VARIANT:
+            raise _malformed(source, f"{field}.name", f"{name!r} is the FP32 baseline's name, not a recipe's")
+        if name in seen:
+            raise _malformed(source, f"{field}.name", f"{name!r} duplicates recipes[{seen[name]}] (which one "
+                             f"would be gated?)")
+        seen[name] = i
+        status = entry.get("status", OK_STATUS)
+        if not isinstance(status, str) or not (status == OK_STATUS or status.startswith(_NOT_OK_PREFIXES)):
+            raise _malformed(source, f"{field}.status", f"is {status!r}: must be {OK_STATUS!r}, "
+                             f"'{BROKEN_PREFIX}<reason>' or '{NOT_APPLICABLE_PREFIX}<reason>'")
+        if "accuracy" in entry:  # a broken recipe may carry numbers; they must still be possible ones
+            _validate_accuracy(entry["accuracy"], source, f"{field}.accuracy")
+        elif status == OK_STATUS:
+            raise _malformed(source, f"{field}.accuracy", f"is missing for recipe {name!r} whose status is 'ok'")
+
+
+def _validate_latency(rows: Any, source: str) -> None:
+    if rows is None:  # absent: a policy that needs latency fails its checks (missing), nothing to refuse
+        return
+    if not isinstance(rows, list):
+        raise _malformed(source, "latency", f"must be a list, got {type(rows).__name__}")
+    seen: dict[tuple, int] = {}
+    for i, row in enumerate(rows):
+        field = f"latency[{i}]"
+        if not isinstance(row, dict):
+            raise _malformed(source, field, f"must be an object, got {type(row).__name__}")
+        for key in ("provider", "variant"):
+            if not isinstance(row.get(key), str) or not row[key].strip():
+                raise _malformed(source, f"{field}.{key}", f"must be a non-empty string, got {row.get(key)!r}")
+        for key in ("batch", "seq"):
+            if key in row:
+                _number(row[key], source, f"{field}.{key}", LATENCY_RANGES[key])
+        status = row.get("status")
+        if status == MEASURED:
+            if "p50_ms" not in row:
+                raise _malformed(source, f"{field}.p50_ms", "is missing in a measured row")
+            for key, rule in LATENCY_RANGES.items():
+                if key in row and key not in ("batch", "seq"):
+                    _number(row[key], source, f"{field}.{key}", rule)
+            pcts = [row[k] for k in ("p50_ms", "p90_ms", "p99_ms") if k in row]
+            if pcts != sorted(pcts):
+                raise _malformed(source, field, f"percentiles are not ordered (p50 <= p90 <= p99): {pcts}")
+        elif not (isinstance(status, str) and status.startswith(NOT_MEASURED_PREFIX)):
+            raise _malformed(source, f"{field}.status", f"is {status!r}: must be {MEASURED!r} or "
+                             f"'{NOT_MEASURED_PREFIX}<reason>'")
+        key = (row["provider"], row["variant"], row.get("batch"), row.get("seq"))
+        if key in seen:
+            raise _malformed(source, field, f"duplicates latency[{seen[key]}] (same provider, variant, batch, seq)")
+        seen[key] = i
+
+
+def validate_results(results: Any, source: str = "results") -> None:
+    """ResultsError (a GateError: exit code 2) unless ``results`` is a well-formed results.json of a
+    supported schema whose every gated number is finite and physically possible. The message is one
+    line naming ``source`` and the field."""
+    check_schema(results, source)
+    _validate_recipes(results.get("recipes"), source)
+    _validate_latency(results.get("latency"), source)
 
 
 _ACCURACY_CHECKS = (  # (policy key, accuracy key, "<=" or ">=")
@@ -351,11 +541,23 @@ def _compare(value: float, op: str, threshold: float) -> bool:
     return value <= threshold if op == "<=" else value >= threshold
 
 
-def _accuracy_checks(entry: dict, name: str, policy: Policy) -> list[Check]:
+def _latency_list(results: dict) -> list:
+    latency = results.get("latency")
+    return latency if isinstance(latency, list) else []
+
+
+def _status_check(results: dict, entry: dict, policy: Policy) -> list[Check]:
+    """A recipe that is not ``ok`` (``broken: <reason>``) never passes, whatever numbers it has."""
+    status = entry.get("status", OK_STATUS)
+    ok = status == OK_STATUS
+    return [Check(entry["name"], "status", None, OK_STATUS, ok, "" if ok else f"recipe {status}")]
+
+
+def _accuracy_checks(results: dict, entry: dict, policy: Policy) -> list[Check]:
     out: list[Check] = []
-    status = entry.get("status", "ok")
-    ok = status == "ok"
-    out.append(Check(name, "status", None, "ok", ok, "" if ok else f"recipe {status}"))
+    name = entry["name"]
+    status = entry.get("status", OK_STATUS)
+    ok = status == OK_STATUS
     accuracy = entry.get("accuracy")
     for key, metric, op in _ACCURACY_CHECKS:
         threshold = getattr(policy, key)
@@ -383,7 +585,8 @@ def _rows(latency: list, provider: str, variant: str) -> list[dict]:
     return [r for r in latency if isinstance(r, dict) and r.get("provider") == provider and r.get("variant") == variant]
 
 
-def _provider_checks(latency: list, name: str, policy: Policy) -> list[Check]:
+def _provider_checks(results: dict, entry: dict, policy: Policy) -> list[Check]:
+    latency, name = _latency_list(results), entry["name"]
     out: list[Check] = []
     for provider in policy.require_provider:
         short = _short_provider(provider)
@@ -406,7 +609,8 @@ def _provider_checks(latency: list, name: str, policy: Policy) -> list[Check]:
     return out
 
 
-def _latency_checks(latency: list, name: str, policy: Policy) -> list[Check]:
+def _latency_checks(results: dict, entry: dict, policy: Policy) -> list[Check]:
+    latency, name = _latency_list(results), entry["name"]
     threshold = policy.max_latency_ratio
     if threshold is None:
         return []
@@ -471,30 +675,30 @@ def _train_status_check(results: dict, policy: Policy) -> list[Check]:
                   "" if st.trained else st.describe())]
 
 
-def evaluate_gate(results: dict, policy: Policy, source: str = "results.json") -> RunVerdict:
-    """Apply ``policy`` to one parsed results.json. Raises GateError for another schema_version; a
-    missing or unmeasured number is a failing check, never an error and never a pass."""
-    check_schema(results, source)
-    checks: list[Check] = []
-    entries = results.get("recipes")
-    if not isinstance(entries, list):
-        entries = []
-        checks.append(Check(None, "recipes", None, "a list", False, "missing: results.json has no recipes list"))
-    by_name: dict[str, dict] = {}
-    for entry in entries:
-        if isinstance(entry, dict) and isinstance(entry.get("name"), str):
-            by_name.setdefault(entry["name"], entry)
-        else:
-            checks.append(Check(None, "recipes", None, "named entries", False,
-                                f"malformed recipe entry {str(entry)[:60]!r}"))
-    latency = results.get("latency")
-    needs_latency = bool(policy.require_provider) or policy.max_latency_ratio is not None
-    if not isinstance(latency, list):
-        latency = []
-        if needs_latency:
-            checks.append(Check(None, "latency", None, "a list", False, "missing: results.json has no latency list"))
+# The check tables. A run-level check sees the whole results.json and returns checks with
+# ``recipe=None`` (a failing one fails the run whatever its recipes do); a recipe check sees one
+# recipe entry of the gated set. Each is ``fn(results, [entry,] policy) -> list[Check]`` and runs
+# only on validated input (validate_results), so it may index the keys validation guarantees. To add
+# a check, write one such function and append it here: evaluate_gate, the Markdown table and the
+# JUnit report need no change.
+RunCheckFn = Callable[[dict, Policy], list[Check]]
+RecipeCheckFn = Callable[[dict, dict, Policy], list[Check]]
+RUN_CHECKS: tuple[RunCheckFn, ...] = (_train_status_check,)
+RECIPE_CHECKS: tuple[RecipeCheckFn, ...] = (_status_check, _accuracy_checks, _provider_checks, _latency_checks)
 
-    checks += _train_status_check(results, policy)
+
+def evaluate_gate(results: dict, policy: Policy, source: str = "results.json") -> RunVerdict:
+    """Apply ``policy`` to one parsed results.json. A malformed or impossible results dict (another
+    schema_version, a NaN, a negative KL, duplicate recipe names, ...) raises ResultsError, a
+    GateError; a number the policy needs that the run did not measure is a failing check, never a pass."""
+    validate_results(results, source)
+    checks: list[Check] = []
+    for run_check in RUN_CHECKS:
+        checks += run_check(results, policy)
+    by_name = {entry["name"]: entry for entry in results["recipes"]}  # unique: validated
+    if (policy.require_provider or policy.max_latency_ratio is not None) and "latency" not in results:
+        checks.append(Check(None, "latency", None, "a list", False, "missing: results.json has no latency list"))
+
     gated = list(policy.recipes) if policy.recipes else list(by_name)
     if not gated:
         checks.append(Check(None, "recipes", None, ">= 1 recipe", False, "missing: results.json lists no recipe"))
@@ -505,9 +709,8 @@ def evaluate_gate(results: dict, policy: Policy, source: str = "results.json") -
             checks.append(Check(name, "present", None, "in results", False,
                                 f"missing: recipe {name!r} was not evaluated (present: {present})"))
             continue
-        checks += _accuracy_checks(entry, name, policy)
-        checks += _provider_checks(latency, name, policy)
-        checks += _latency_checks(latency, name, policy)
+        for recipe_check in RECIPE_CHECKS:
+            checks += recipe_check(results, entry, policy)
     return RunVerdict(source=source, mode=policy.mode, recipes=tuple(gated), checks=tuple(checks))
 
 
@@ -523,7 +726,7 @@ def load_results_file(path: str | Path) -> dict:
         results = json.loads(text)
     except json.JSONDecodeError as exc:
         raise GateError(f"{path} is not valid JSON ({exc}); re-run `quantnorm evaluate`") from None
-    check_schema(results, str(path))
+    validate_results(results, str(path))
     return results
 
 

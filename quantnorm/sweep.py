@@ -38,7 +38,7 @@ from .compare import write_comparison
 from .data import BUILTIN_PYDOC, DataConfig, prepare_data
 from .errors import ConfigError, RunDirError
 from .evaluate import EvaluateConfig
-from .fileio import write_json_atomic
+from .fileio import write_json_atomic, write_text_atomic
 from .manifest import MANIFEST_FILE, MANIFEST_VERSION, read_manifest
 from .models import NORMS, PLACEMENTS, ModelConfig
 from .quantize import DEFAULT_RECIPES
@@ -256,6 +256,7 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> list[str]:
 
 
 LOCK_FILE = ".cell.lock"
+CELL_PID_FILE = ".cell.pid"  # the PID of the cell's `quantnorm evaluate` process while it runs
 
 
 @contextmanager
@@ -315,6 +316,10 @@ def run_cell_process(args: list[str], log_path: str, env_overrides: dict[str, st
             log.flush()
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                     pass_fds=(lock.fileno(),) if lock is not None else ())
+            # Which process is this cell's, wherever it runs (a Ray worker's child on another node):
+            # an operator, or a test, can stop one cell without touching the others.
+            pid_file = cell_dir / CELL_PID_FILE
+            write_text_atomic(pid_file, f"{proc.pid}\n")
             try:
                 return proc.wait()
             except BaseException:
@@ -324,6 +329,8 @@ def run_cell_process(args: list[str], log_path: str, env_overrides: dict[str, st
                 except subprocess.TimeoutExpired:
                     proc.kill()
                 raise
+            finally:
+                pid_file.unlink(missing_ok=True)
 
 
 # ------------------------------------------------------------------------------------ executors

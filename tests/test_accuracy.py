@@ -206,7 +206,7 @@ CTX = 16
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A 1-layer CausalLM, its FP32 ONNX export and a dynamic INT8 copy."""
-    torch = pytest.importorskip("torch")
+    import torch
     from onnxruntime.quantization import quantize_dynamic
 
     from quantnorm.models import CausalLM, ModelConfig

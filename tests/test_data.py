@@ -2,7 +2,7 @@ import hashlib
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from quantnorm.data import (
@@ -51,13 +51,20 @@ def test_too_small_corpus():
         make_splits(1000, window=128)
 
 
-@settings(max_examples=50, deadline=None)
-@given(n=st.integers(2_000, 2_000_000), window=st.integers(8, 256))
-def test_splits_are_disjoint_and_cover(n, window):
-    try:
-        s = make_splits(n, window)
-    except DataError:
+@settings(max_examples=80, deadline=None)
+@given(windows=st.integers(1, 40), extra=st.floats(0, 0.999), window=st.integers(8, 256))
+@example(windows=10, extra=0.0, window=128).via("the smallest corpus that splits")
+@example(windows=9, extra=0.999, window=128).via("just too small")
+def test_splits_are_disjoint_and_cover(windows, extra, window):
+    """With the default 10%/10% calibration/evaluation fractions a corpus of 10 windows or more
+    splits (each range holds a window, train at least two) and a smaller one is refused. The size
+    is drawn in windows so that the boundary is hit, not only corpora far from it."""
+    n = int((windows + extra) * window)
+    if n < 10 * window:
+        with pytest.raises(DataError, match="too small"):
+            make_splits(n, window)
         return
+    s = make_splits(n, window)
     assert s.train[0] == 0 and s.train[1] == s.calibration[0]
     assert s.calibration[1] == s.evaluation[0] and s.evaluation[1] == n
     assert all(size >= window for size in s.sizes().values())

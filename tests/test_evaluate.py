@@ -1,6 +1,7 @@
 """End to end on the smallest real pipeline: train -> export -> quantize -> measure -> report."""
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +21,21 @@ def evaluated(tmp_path_factory):
     code = main(["evaluate", "--placement", "pre", "--norm", "rms", *TINY, *FAST, "--out", str(out),
                  "--recipes", "static-minmax-matmul,dynamic", "--providers", "cpu,cuda"])
     assert code == 0
-    return out
+    before = _files(out)
+    yield out
+    # a test that writes here would make the others depend on the order: they must use `scratch`
+    assert _files(out) == before, "a test changed the shared evaluated run; give it the scratch fixture"
+
+
+@pytest.fixture
+def scratch(evaluated, tmp_path):
+    """A private copy of the evaluated run for a test that evaluates or reports into it again: the
+    shared run stays as the first evaluation wrote it, whatever order the tests run in."""
+    return Path(shutil.copytree(evaluated, tmp_path / "run"))
+
+
+def _files(run: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
 
 
 def test_results_follow_the_contract(evaluated):
@@ -48,16 +63,16 @@ def test_results_follow_the_contract(evaluated):
     assert results["sqnr"]["static-minmax-matmul"]
 
 
-def test_report_and_plots(evaluated, capsys):
-    report = (evaluated / "report.md").read_text()
+def test_report_and_plots(scratch, capsys):
+    report = (scratch / "report.md").read_text()
     assert "## INT8 recipes" in report and "not measured" in report and "static-minmax-matmul" in report
     assert report.splitlines()[2].startswith("**Training status: ")   # the status comes first
     for line in report.splitlines():
         if line.startswith("!["):
-            assert (evaluated / line.split("](")[1].rstrip(")")).is_file()
-    (evaluated / "report.md").unlink()
-    assert main(["report", str(evaluated)]) == 0
-    assert (evaluated / "report.md").read_text() == report
+            assert (scratch / line.split("](")[1].rstrip(")")).is_file()
+    (scratch / "report.md").unlink()
+    assert main(["report", str(scratch)]) == 0
+    assert (scratch / "report.md").read_text() == report
 
 
 def test_accuracy_recomputes_independently(evaluated):
@@ -67,11 +82,13 @@ def test_accuracy_recomputes_independently(evaluated):
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-def test_evaluate_reuses_the_checkpoint(evaluated):
-    before = (evaluated / "model.safetensors").stat().st_mtime_ns
-    assert main(["evaluate", "--checkpoint", str(evaluated), *FAST, "--recipes", "dynamic", "--providers", "cpu",
+def test_evaluate_reuses_the_checkpoint(scratch):
+    before = (scratch / "model.safetensors").read_bytes(), (scratch / "model.safetensors").stat().st_mtime_ns
+    assert main(["evaluate", "--checkpoint", str(scratch), *FAST, "--recipes", "dynamic", "--providers", "cpu",
                  "--no-outliers"]) == 0
-    assert (evaluated / "model.safetensors").stat().st_mtime_ns == before
+    assert ((scratch / "model.safetensors").read_bytes(), (scratch / "model.safetensors").stat().st_mtime_ns) == before
+    results = json.loads((scratch / "results.json").read_text())
+    assert [r["name"] for r in results["recipes"]] == ["dynamic"]  # it did evaluate again
 
 
 @pytest.mark.parametrize("args, message", [
@@ -80,10 +97,12 @@ def test_evaluate_reuses_the_checkpoint(evaluated):
     (["--calib-samples", "0"], "calib-samples"),
     (["--calib-samples", "100000"], "calibration"),
 ])
-def test_evaluate_bad_input(evaluated, capsys, args, message):
-    assert main(["evaluate", "--checkpoint", str(evaluated), "--quiet", *args]) == 2
+def test_evaluate_bad_input(scratch, capsys, args, message):
+    before = _files(scratch)
+    assert main(["evaluate", "--checkpoint", str(scratch), "--quiet", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
+    assert _files(scratch) == before  # refused before anything was written
 
 
 def test_checkpoint_must_be_a_run_dir(tmp_path, capsys):
@@ -100,17 +119,17 @@ def test_bench_rejects_corrupt_onnx(evaluated, tmp_path, capsys):
     assert "truncated.onnx" in err and len(err.splitlines()) == 1
 
 
-def test_exclude_keeps_matching_nodes_in_fp32(evaluated):
+def test_exclude_keeps_matching_nodes_in_fp32(scratch):
     import onnx
 
-    assert main(["evaluate", "--checkpoint", str(evaluated), *FAST, "--recipes", "static-minmax-matmul",
+    assert main(["evaluate", "--checkpoint", str(scratch), *FAST, "--recipes", "static-minmax-matmul",
                  "--providers", "cpu", "--no-outliers", "--exclude", "head/*"]) == 0
-    results = json.loads((evaluated / "results.json").read_text())
+    results = json.loads((scratch / "results.json").read_text())
     (entry,) = results["recipes"]
     assert entry["name"].startswith("static-minmax-matmul-mixed-") and entry["settings"]["excluded_nodes"]
-    graph = onnx.load(str(evaluated / entry["path"])).graph
+    graph = onnx.load(str(scratch / entry["path"])).graph
     head = [n for n in graph.node if n.name == "head/MatMul"][0]
     producers = {o: n.op_type for n in graph.node for o in n.output}
     assert all(producers.get(i) != "DequantizeLinear" for i in head.input)  # the head stays FP32
-    assert main(["evaluate", "--checkpoint", str(evaluated), *FAST, "--recipes", "dynamic", "--providers", "cpu",
+    assert main(["evaluate", "--checkpoint", str(scratch), *FAST, "--recipes", "dynamic", "--providers", "cpu",
                  "--no-outliers", "--exclude", "no-such-node*"]) == 2

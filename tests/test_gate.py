@@ -6,16 +6,29 @@ import math
 import xml.etree.ElementTree as ET
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from quantnorm.cli import main
-from quantnorm.gate import GateError, Policy, PolicyError, evaluate_gate, load_policy, run_gate
+from quantnorm.gate import (
+    ACCURACY_RANGES,
+    LATENCY_RANGES,
+    GateError,
+    Policy,
+    PolicyError,
+    ResultsError,
+    evaluate_gate,
+    load_policy,
+    run_gate,
+    validate_results,
+)
 
 CPU, CUDA = "CPUExecutionProvider", "CUDAExecutionProvider"
 
 
 def _acc(ppl_ratio=1.001, kld_mean=0.001, kld_p99=0.01, top1=0.995):
     return {"ppl_fp32": 7.0, "ppl_int8": 7.0 * ppl_ratio, "ppl_ratio": ppl_ratio, "kld_mean": kld_mean,
-            "kld_p99": kld_p99, "kld_max": 0.1, "top1_agreement": top1}
+            "kld_p99": kld_p99, "kld_max": max(0.1, kld_mean, kld_p99), "top1_agreement": top1}
 
 
 def _row(provider, variant, batch, p50=None, status="measured"):
@@ -98,7 +111,7 @@ def test_latency_ratio_value_and_pass(tmp_path, capsys):
 
 def test_best_mode_one_passing_recipe_is_enough_but_listed_mode_is_strict(tmp_path, capsys):
     data = results()
-    data["recipes"][1]["accuracy"]["ppl_ratio"] = 1.5  # dynamic fails
+    data["recipes"][1]["accuracy"] = _acc(ppl_ratio=1.5)  # dynamic fails
     path = write(tmp_path / "results.json", data)
     code, out, _ = gate([path], capsys)
     assert code == 0 and "fail (not blocking)" in out and "`static-minmax-matmul`" in out
@@ -127,24 +140,121 @@ def test_broken_recipe_never_passes(tmp_path, capsys):
 
 @pytest.mark.parametrize("mutate, reason", [
     (lambda d: [r["accuracy"].pop("kld_mean") for r in d["recipes"]], "accuracy.kld_mean absent"),
-    (lambda d: [r["accuracy"].__setitem__("ppl_ratio", float("nan")) for r in d["recipes"]], "not a finite"),
-    (lambda d: [r["accuracy"].__setitem__("top1_agreement", "0.99") for r in d["recipes"]], "not a number"),
-    (lambda d: [r["accuracy"].__setitem__("top1_agreement", None) for r in d["recipes"]], "not a number"),
-    (lambda d: [r.pop("accuracy") for r in d["recipes"]], "no accuracy section"),
-    (lambda d: d.pop("recipes"), "no recipes list"),
     (lambda d: d.__setitem__("recipes", []), "lists no recipe"),
 ])
 def test_missing_number_fails_exit_1(tmp_path, capsys, mutate, reason):
+    """A well-formed run that lacks a number the policy needs (an encoder has no perplexity) fails."""
     data = results()
     mutate(data)
     code, out, _ = gate([write(tmp_path / "results.json", data)], capsys)
     assert code == 1 and reason in out
 
 
-def test_nan_in_json_text_fails(tmp_path, capsys):
-    text = json.dumps(results()).replace('"kld_mean": 0.001', '"kld_mean": NaN')
-    code, out, _ = gate([write(tmp_path / "results.json", text)], capsys)
-    assert code == 1 and "nan (not a finite number)" in out
+def _set(path, value):
+    """A mutation of results(): set the key at ``path`` (a tuple of keys and indices) to ``value``."""
+    def mutate(d):
+        for key in path[:-1]:
+            d = d[key]
+        d[path[-1]] = value
+    return mutate
+
+
+def _drop(path):
+    def mutate(d):
+        for key in path[:-1]:
+            d = d[key]
+        del d[path[-1]]
+    return mutate
+
+
+ACC = ("recipes", 0, "accuracy")
+LAT = ("latency", 0)
+# every malformed or impossible results.json the gate must refuse to judge: (mutation, field named)
+MALFORMED = [
+    (_set(("schema_version",), 3), "schema_version 3"),
+    (_set(("schema_version",), "1"), "schema_version '1'"),
+    (_set(("schema_version",), True), "schema_version True"),
+    (_drop(("recipes",)), "recipes is missing"),
+    (_set(("recipes",), {"dynamic": {}}), "recipes must be a list"),
+    (_set(("recipes", 0), "dynamic"), "recipes[0] must be an object"),
+    (_drop(("recipes", 0, "name")), "recipes[0].name must be a non-empty string"),
+    (_set(("recipes", 1, "name"), "static-minmax-matmul"), "recipes[1].name 'static-minmax-matmul' duplicates recipes[0]"),
+    (_set(("recipes", 1, "name"), "fp32"), "recipes[1].name 'fp32' is the FP32 baseline"),
+    (_set(("recipes", 0, "status"), "fine"), "recipes[0].status is 'fine'"),
+    (_drop(ACC), "recipes[0].accuracy is missing"),
+    (_set(ACC, [1.0]), "recipes[0].accuracy must be an object"),
+    (_set(ACC + ("ppl_ratio",), float("nan")), "recipes[0].accuracy.ppl_ratio is nan, not a finite"),
+    (_set(ACC + ("kld_mean",), float("inf")), "recipes[0].accuracy.kld_mean is inf, not a finite"),
+    (_set(ACC + ("top1_agreement",), "0.99"), "recipes[0].accuracy.top1_agreement is '0.99', not a number"),
+    (_set(ACC + ("top1_agreement",), None), "recipes[0].accuracy.top1_agreement is None, not a number"),
+    (_set(ACC + ("kld_mean",), -1.0), "recipes[0].accuracy.kld_mean = -1.0 is impossible: a KL divergence is >= 0"),
+    (_set(ACC + ("kld_p99",), -0.5), "kld_p99 = -0.5 is impossible"),
+    (_set(ACC + ("top1_agreement",), 1.5), "top1_agreement = 1.5 is impossible: a fraction lies in [0, 1]"),
+    (_set(ACC + ("top1_agreement",), -0.1), "top1_agreement = -0.1 is impossible"),
+    (_set(ACC + ("nn_agreement",), 2), "nn_agreement = 2 is impossible"),
+    (_set(ACC + ("cosine_mean",), 1.2), "cosine_mean = 1.2 is impossible: a cosine"),
+    (_set(ACC + ("ppl_ratio",), 0.0), "ppl_ratio = 0.0 is impossible: a ratio of perplexities is > 0"),
+    (_set(ACC + ("ppl_ratio",), -1.001), "ppl_ratio = -1.001 is impossible"),
+    (_set(ACC + ("ppl_fp32",), 0.5), "ppl_fp32 = 0.5 is impossible: a perplexity is >= 1"),
+    (_set(ACC + ("ppl_ratio",), 0.9), "ppl_ratio = 0.9 is not ppl_int8 / ppl_fp32"),
+    (_set(ACC + ("kld_mean",), 0.5), "kld_mean = 0.5 exceeds kld_max"),
+    (_set(ACC + ("n_scored",), 1.5), "n_scored = 1.5 must be an integer"),
+    (_set(ACC + ("extra",), float("nan")), "accuracy.extra is nan"),
+    (_set(("latency",), {}), "latency must be a list"),
+    (_set(LAT, "fast"), "latency[0] must be an object"),
+    (_drop(LAT + ("provider",)), "latency[0].provider must be a non-empty string"),
+    (_set(LAT + ("provider",), ""), "latency[0].provider must be a non-empty string"),
+    (_drop(LAT + ("variant",)), "latency[0].variant must be a non-empty string"),
+    (_drop(LAT + ("status",)), "latency[0].status is None"),
+    (_set(LAT + ("status",), "skipped"), "latency[0].status is 'skipped'"),
+    (_drop(LAT + ("p50_ms",)), "latency[0].p50_ms is missing in a measured row"),
+    (_set(LAT + ("p50_ms",), 0.0), "latency[0].p50_ms = 0.0 is impossible: a latency is > 0 ms"),
+    (_set(LAT + ("p50_ms",), float("nan")), "latency[0].p50_ms is nan"),
+    (_set(LAT + ("p99_ms",), 1.0), "latency[0] percentiles are not ordered"),
+    (_set(LAT + ("batch",), 0), "latency[0].batch = 0 is impossible"),
+    (_set(("latency", 1), _row(CPU, "fp32", 1, 2.0)), "latency[1] duplicates latency[0]"),
+]
+
+
+@pytest.mark.parametrize("mutate, needle", MALFORMED)
+def test_malformed_results_exit_2_naming_file_and_field(tmp_path, capsys, mutate, needle):
+    data = results()
+    mutate(data)
+    path = write(tmp_path / "run" / "results.json", json.dumps(data))  # NaN/Infinity: Python's JSON extension
+    code, out, err = gate([path], capsys)
+    assert code == 2 and out == "", (out, err)
+    assert_one_line_error(err, str(path), needle)
+    with pytest.raises(ResultsError, match="^src: ") as info:  # the Python API refuses the same
+        evaluate_gate(data, Policy(), source="src")
+    assert needle in str(info.value) and isinstance(info.value, GateError)
+
+
+def test_broken_recipe_without_accuracy_and_fp16_recipe_are_well_formed(tmp_path, capsys):
+    """RESULTS.md: a recipe that could not run is {name, status: "broken: ..."} with no accuracy
+    block (a failing check, never an error); fp16 is a recipe like the INT8 ones."""
+    data = results()
+    data["recipes"] = [{"name": "smoothquant", "status": "broken: no norm to fold into"},
+                       {"name": "rotate", "status": "not applicable: no rotation for bert"},
+                       {"name": "fp16", "status": "ok", "accuracy": _acc(ppl_ratio=1.0)}]
+    data["latency"].append(_row(CPU, "fp16", 1, 1.9))
+    path = write(tmp_path / "results.json", data)
+    code, out, _ = gate([path, "--require-provider", "cpu"], capsys)
+    assert code == 0 and "`fp16`" in out and "recipe broken: no norm to fold into" in out
+    assert gate([path, "--recipe", "smoothquant"], capsys)[0] == 1  # broken never passes
+    code, out, _ = gate([path, "--recipe", "rotate"], capsys)  # nor does a recipe that does not apply
+    assert code == 1 and "recipe not applicable: no rotation for bert" in out
+    data["recipes"] = data["recipes"][:2]
+    assert gate([write(tmp_path / "results.json", data)], capsys)[0] == 1
+
+
+def test_committed_reports_are_well_formed():
+    """Every results.json the repository ships validates: the rules refuse nothing real."""
+    from pathlib import Path
+
+    files = sorted((Path(__file__).resolve().parent.parent / "reports").rglob("results.json"))
+    assert len(files) > 10
+    for f in files:
+        validate_results(json.loads(f.read_text()), str(f))
 
 
 def test_required_provider_not_measured_fails(tmp_path, capsys):
@@ -188,7 +298,7 @@ def test_corrupt_json_exits_2(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("data, needle", [
-    ({**results(), "schema_version": 2}, "schema_version 2"),
+    ({**results(), "schema_version": 0}, "schema_version 0"),
     ({"recipes": []}, "no schema_version"),
     ([1, 2], "no schema_version"),
 ])
@@ -202,6 +312,12 @@ def test_wrong_schema_exits_2(tmp_path, capsys, data, needle):
 
 @pytest.mark.parametrize("text, needles", [
     ("[gate]\nmax_ppl = 1.02\n", ["unknown key 'max_ppl'", "known keys"]),
+    ("[gate]\nmax_pll_ratio = 1.02\n", ["unknown key 'max_pll_ratio'", "did you mean 'max_ppl_ratio'?"]),
+    ("[gate]\nmax_ppl_ratio = 1\nmin_top1 = [0.9]\n", ["'min_top1'", "must be a number (float)", "list"]),
+    ("[gate]\nmax_latency_ratio = -1.0\n", ["'max_latency_ratio'", "must be > 0"]),
+    ("[gate]\nmax_kld = nan\n", ["'max_kld'", "finite"]),
+    ("[gate]\nrequire_provider = [\"\"]\n", ["'require_provider'", "non-empty strings"]),
+    ("gate = 1\n", ["key 'gate' must be a table"]),
     ("max_ppl_ratio = 1.02\nthreshold = 3\n", ["unknown key 'threshold'"]),
     ("[gate]\nmin_top1 = 0.9\n[other]\nx = 1\n", ["unknown top-level key 'other'"]),
     ('[gate]\nmax_kld = "0.01"\n', ["'max_kld'", "must be a number (float)", "string"]),
@@ -218,7 +334,7 @@ def test_bad_policy_exits_2(tmp_path, capsys, text, needles):
     policy.write_text(text)
     code, out, err = gate([path, "--policy", policy], capsys)
     assert code == 2 and out == ""
-    assert_one_line_error(err, *needles)
+    assert_one_line_error(err, str(policy), *needles)  # names the file and the field
 
 
 def test_bad_policy_values_and_missing_policy_file(tmp_path, capsys):
@@ -232,6 +348,19 @@ def test_bad_policy_values_and_missing_policy_file(tmp_path, capsys):
     for bad in ({"max_kld": -1}, {"max_latency_ratio": 0}, {"recipes": "dynamic"}, {"min_top1": 1.5}):
         with pytest.raises(PolicyError):
             Policy(**bad)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"max_ppl_ratio": None, "max_kld": None, "min_top1": None},
+    {"max_ppl_ratio": None, "max_kld": None, "min_top1": 0.0},  # top-1 >= 0 cannot fail
+    {"max_ppl_ratio": None, "max_kld": None, "min_top1": None, "recipes": ("dynamic",)},
+])
+def test_policy_that_checks_nothing_is_refused(kwargs):
+    with pytest.raises(PolicyError, match="checks nothing"):
+        Policy(**kwargs)
+    # one real check is enough
+    assert Policy(**{**kwargs, "require_provider": ("cpu",)}).effective_checks() == ("require_provider",)
+    assert Policy(**{**kwargs, "max_kld_p99": 0.1}).effective_checks() == ("max_kld_p99",)
 
 
 def test_policy_file_and_flag_override(tmp_path, capsys):
@@ -308,7 +437,7 @@ def test_sweep_dir_errors_and_diverged_cells(tmp_path, capsys):
 
 def test_junit_xml_counts_failures(tmp_path, capsys):
     data = results()
-    data["recipes"][1]["accuracy"].update(ppl_ratio=1.5, kld_mean=0.5)  # dynamic: 2 failing checks
+    data["recipes"][1]["accuracy"] = _acc(ppl_ratio=1.5, kld_mean=0.5)  # dynamic: 2 failing checks
     path = write(tmp_path / "results.json", data)
     xml_path = tmp_path / "out" / "gate.xml"
     assert gate([path, "--recipe", "static-minmax-matmul,dynamic", "--junit", xml_path], capsys)[0] == 1
@@ -416,3 +545,98 @@ def test_committed_plateau_cell_fails_from_its_data_ranges(capsys):
     cell = Path(__file__).resolve().parents[1] / "reports" / "reference" / "cells" / "post-layer-L4-w30-seed0"
     code, out, _ = gate([cell], capsys)
     assert code == 1 and "collapsed: 4.691 bits/byte vs unigram 4.688" in out
+
+
+# ---- property-based: no malformed results.json ever passes -----------------------------------
+
+_NOT_A_NUMBER = st.one_of(st.none(), st.booleans(), st.text(max_size=5), st.lists(st.integers(), max_size=2),
+                          st.sampled_from([float("nan"), float("inf"), float("-inf")]))
+
+
+def _impossible(rule) -> st.SearchStrategy:
+    """Values that no measurement can give for a key with this range."""
+    options = [_NOT_A_NUMBER]
+    if rule.lo is not None:
+        below = st.floats(max_value=rule.lo if rule.lo_open else rule.lo - 1e-3, allow_nan=False,
+                          allow_infinity=False)
+        options.append(below)
+    if rule.hi is not None:
+        options.append(st.floats(min_value=rule.hi + 1e-3, allow_nan=False, allow_infinity=False))
+    if rule.integer:
+        options.append(st.floats(min_value=1.1, max_value=1e6).filter(lambda v: v != int(v)))
+    return st.one_of(options)
+
+
+@st.composite
+def malformed_results(draw) -> dict:
+    data = results()
+    data["recipes"][0]["accuracy"].update(nn_agreement=0.9, cosine_mean=0.99, n_scored=100)
+    kind = draw(st.sampled_from(["accuracy", "latency", "schema", "duplicate", "drop", "status"]))
+    i = draw(st.integers(0, len(data["recipes"]) - 1))
+    if kind == "accuracy":
+        key = draw(st.sampled_from(sorted(ACCURACY_RANGES)))
+        data["recipes"][i].setdefault("accuracy", {})[key] = draw(_impossible(ACCURACY_RANGES[key]))
+    elif kind == "latency":
+        row = data["latency"][draw(st.sampled_from([0, 1, 2]))]  # the measured CPU rows
+        key = draw(st.sampled_from(sorted(LATENCY_RANGES)))
+        row[key] = draw(_impossible(LATENCY_RANGES[key]))
+    elif kind == "schema":
+        data["schema_version"] = draw(st.one_of(st.integers().filter(lambda v: v not in (1, 2)), _NOT_A_NUMBER))
+    elif kind == "duplicate":
+        data["recipes"].append(copy.deepcopy(data["recipes"][i]))
+    elif kind == "drop":
+        target, key = draw(st.sampled_from([
+            (data, "schema_version"), (data, "recipes"), (data["recipes"][i], "name"),
+            (data["recipes"][i], "accuracy"), (data["latency"][0], "provider"), (data["latency"][1], "variant"),
+            (data["latency"][2], "status"), (data["latency"][0], "p50_ms")]))
+        del target[key]
+    else:
+        valid = ("broken: ", "not applicable: ")
+        data["recipes"][i]["status"] = draw(st.one_of(
+            st.text(max_size=20).filter(lambda v: v != "ok" and not v.startswith(valid)), _NOT_A_NUMBER))
+    return data
+
+
+_LAX = Policy(max_ppl_ratio=1e6, max_kld=1e6, min_top1=1e-9)  # the most lenient policy: only validity can fail
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=malformed_results(), policy=st.sampled_from([Policy(), _LAX, Policy(require_provider=("cpu",))]))
+def test_property_malformed_results_never_pass_the_api(data, policy):
+    with pytest.raises(ResultsError):
+        evaluate_gate(data, policy, source="x/results.json")
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=malformed_results())
+def test_property_malformed_results_exit_2_on_the_cli(data):
+    import contextlib
+    import io
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "results.json"
+        path.write_text(json.dumps(data))
+        err = io.StringIO()
+        with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.redirect_stderr(err):
+            code = main(["gate", str(path), "--max-ppl-ratio", "1e6", "--max-kld", "1e6", "--min-top1", "1e-9"])
+    assert code == 2 and out.getvalue() == ""
+    line = err.getvalue().strip()
+    assert len(line.splitlines()) == 1 and str(path) in line, line
+
+
+@settings(max_examples=60, deadline=None)
+@given(ppl_ratio=st.floats(0.5, 2.0), kld=st.floats(0, 1), top1=st.floats(0, 1),
+       broken=st.booleans())
+def test_property_a_pass_means_every_threshold_holds(ppl_ratio, kld, top1, broken):
+    data = results(ppl_ratio=ppl_ratio, kld_mean=kld, kld_p99=kld, top1=top1)
+    if broken:
+        data["recipes"][1]["status"] = "broken: saturates"
+    policy = Policy(max_ppl_ratio=1.01, max_kld=0.01, min_top1=0.98)
+    verdict = evaluate_gate(data, policy)
+    holds = ppl_ratio <= 1.01 and kld <= 0.01 and top1 >= 0.98
+    assert verdict.passed == holds
+    if verdict.passed:
+        assert all(verdict.recipe_passed(r) for r in verdict.passing_recipes)
+        assert "static-minmax-matmul" in verdict.passing_recipes

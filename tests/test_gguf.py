@@ -112,34 +112,12 @@ def test_gguf_end_to_end_through_the_cli(tiny_gguf, tmp_path, capsys):
     assert tiny_gguf.name in report and source["sha256"] in report
 
 
-def test_packaged_checkpoints_are_named_by_package(tiny_gguf, tmp_path, monkeypatch):
-    """A file inside an importable package is recorded as pkg:<module>/<path>, never by its path."""
-    from quantnorm.hf.gguf import package_reference, resolve_model_arg
-
-    package = tmp_path / "site" / "tiny_gguf_pkg"
-    package.mkdir(parents=True)
-    (package / "__init__.py").write_text("raise ImportError('never imported')\n")
-    (package / tiny_gguf.name).write_bytes(tiny_gguf.read_bytes())
-    monkeypatch.syspath_prepend(str(tmp_path / "site"))
-    ref = f"pkg:tiny_gguf_pkg/{tiny_gguf.name}"
-    assert resolve_model_arg(ref) == package / tiny_gguf.name
-    with pytest.raises(ConfigError, match="no installed package"):
-        resolve_model_arg("pkg:no_such_pkg_here/x.gguf")
-    # A directory below site-packages is named by its top-level package too.
-    site = tmp_path / "venv" / "site-packages" / "tiny_dir_pkg" / "model"
-    site.mkdir(parents=True)
-    (site.parent / "__init__.py").write_text("")
-    monkeypatch.syspath_prepend(str(tmp_path / "venv" / "site-packages"))
-    assert package_reference(site) == "pkg:tiny_dir_pkg/model"
-    assert package_reference(tmp_path) is None
-
-
 def test_parts_in_sibling_packages_are_found_through_chunk_paths(tiny_gguf, tmp_path, monkeypatch):
     """The Gemma 3 layout: part k lives in package ``<main>_part<k+1>``, and only the main package
     knows the order (``chunk_paths()``) and the checksum (``EXPECTED_SHA256``)."""
     import importlib
 
-    site = tmp_path / "site"
+    site = tmp_path / "site-packages"  # portable.owning_distribution looks in installed-package dirs
     parts = split_into_parts(tiny_gguf, tmp_path / "raw", n=2)
     sha = hashlib.sha256(tiny_gguf.read_bytes()).hexdigest()
     homes = []

@@ -31,7 +31,7 @@ CUDA_WORKS = provider_status("cuda") is None
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
     """A 1-layer CausalLM exported to ONNX, plus a dynamic (MatMulInteger) and a static QDQ INT8 copy."""
-    torch = pytest.importorskip("torch")
+    import torch
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quantize_dynamic, quantize_static
 
     from quantnorm.models import CausalLM, ModelConfig
@@ -88,12 +88,45 @@ def test_resolve_providers():
         assert short in str(err.value)
 
 
-def test_provider_status_says_why():
+def test_provider_status_says_why(monkeypatch):
+    """Each way a GPU provider can be unusable gives its own reason; a usable one gives None. The
+    machine's own answer is not trusted to cover the branches: each is set up here."""
+    import quantnorm.hardware
+
+    probed: list[str] = []
+
+    def setup(built: list[str], gpu: bool, probe: str | None = None) -> None:
+        probed.clear()
+        monkeypatch.setattr(sessions, "_STATUS_CACHE", {})
+        monkeypatch.setattr(sessions.ort, "get_available_providers", lambda: built)
+        monkeypatch.setattr(quantnorm.hardware, "gpu_device_present", lambda: gpu)
+        monkeypatch.setattr(sessions, "_probe", lambda p: probed.append(p) or probe)
+
+    cpu_only = ["CPUExecutionProvider"]
+    gpu_build = ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
+    setup(cpu_only, gpu=True)
     assert provider_status("cpu") is None
     for p in ("cuda", "tensorrt"):
-        status = provider_status(p)
-        assert status is None or (isinstance(status, str) and status)
-    if not CUDA_WORKS:
+        assert provider_status(p).startswith("not built into this onnxruntime")
+        assert "available: CPUExecutionProvider" in provider_status(p)
+    setup(gpu_build, gpu=False)  # onnxruntime-gpu lists CUDA without a GPU (pitfall 3)
+    assert provider_status("cuda") == "no CUDA device" and provider_status("tensorrt") == "no CUDA device"
+    assert probed == []  # no session is even tried without a device
+    setup(gpu_build, gpu=True, probe="libcudnn.so.9: cannot open shared object file")
+    assert provider_status("cuda") == "libcudnn.so.9: cannot open shared object file"
+    setup(gpu_build, gpu=True, probe=None)
+    assert provider_status("cuda") is None and provider_status("tensorrt") is None
+    assert probed == ["CUDAExecutionProvider", "TensorrtExecutionProvider"]
+    provider_status("cuda")
+    assert len(probed) == 2  # cached per process
+
+
+def test_usable_providers_on_this_machine():
+    assert provider_status("cpu") is None
+    if CUDA_WORKS:
+        assert "CUDAExecutionProvider" in resolve_providers(None)
+    else:
+        assert isinstance(provider_status("cuda"), str) and provider_status("cuda")
         assert "CUDAExecutionProvider" not in resolve_providers(None)
 
 

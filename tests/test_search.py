@@ -162,6 +162,9 @@ def test_evaluate_wiring_keeps_the_chosen_model_as_auto_entry(lm, tmp_path):
     assert (tmp_path / entry["path"]).is_file() and not (tmp_path / "search").exists()
     assert int8_paths == {"auto:static-minmax-matmul": tmp_path / "model.int8.auto.onnx"}
 
+    # evaluate quantizes the smoothquant recipe (making its smoothed export) before this section;
+    # do it here too rather than rely on an earlier test of the module having made it
+    assert smoothed.fp32_for(cfg.recipe("smoothquant"), fp32) != fp32 and smoothed.exports
     section = smoothquant_section(root, cfg, fp32, smoothed, CONTEXT)
     assert section["folded"] and section["explicit_scale"] and section["fp32_latency"]["batch"] == 8
     assert section["fp32_latency_ratio"] > 0 and "statement" in section

@@ -29,9 +29,10 @@ from ..evaluate import AUTO, measure_latency, results_header, run_search, smooth
 from ..fileio import write_json_atomic
 from ..hardware import cpu_has_vnni
 from ..measure.sessions import SessionSpec, make_session
+from ..portable import portable_path
 from ..quantize import quantize
 from ..runs import FP32_ONNX_FILE, PLOTS_DIR, RESULTS_FILE, check_out_dir, int8_onnx_file
-from .gguf import gguf_checkpoint, is_gguf_path, package_reference, resolve_gguf, resolve_model_arg
+from .gguf import gguf_checkpoint, is_gguf_path, resolve_gguf
 
 FP16_CHECK_WINDOWS = 4  # torch float16 on a CPU is slow; the overflow shows on any window with BOS
 
@@ -173,7 +174,7 @@ def evaluate_hf(opts: HFOptions, cfg, *, command: str) -> tuple[dict, Path]:
 
     results = {
         **results_header(command, cfg.threads),
-        "model": model_section(loaded, opts, max_positions),
+        "model": model_section(loaded, opts, max_positions, run_dir),
         "data": data.describe(),
         "train": {"pretrained": True, "diverged": False, "note": "pretrained checkpoint: not trained by quantnorm"},
         "export": exported.to_dict(run_dir),
@@ -274,12 +275,12 @@ def _max_positions(config) -> int | None:
     return None
 
 
-def model_section(loaded, opts: HFOptions, max_positions: int | None) -> dict:
+def model_section(loaded, opts: HFOptions, max_positions: int | None, run_dir: Path) -> dict:
     """``results["model"]``: the zoo's keys where they have a meaning, plus what was detected."""
     config, spec, files = loaded.model.config, loaded.spec, loaded.files
     d_model = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
     return {
-        "source": opts.provenance if opts.provenance is not None else f"hf:{package_reference(opts.path) or opts.path}",
+        "source": opts.provenance if opts.provenance is not None else f"hf:{portable_path(opts.path.resolve(), run_dir)}",
         "architecture": spec.model_type,
         "architectures": list(files.config.get("architectures") or []),
         "model_class": type(loaded.model).__name__,
@@ -331,13 +332,7 @@ def evaluate_from_cli(model_path: Path, cfg, flags: dict, *, checkpoint, out, al
     eval_tokens = flags.get("eval_tokens")
     max_eval_windows = HFOptions.max_eval_windows if eval_tokens is None else max(2, int(eval_tokens) // window)
     provenance = None
-    typed = str(model_path)
-    model_path = resolve_model_arg(model_path)
-    reference = package_reference(model_path) if model_path.exists() else None
-    if reference is not None and typed != reference:
-        # A packaged checkpoint: record the command with the package-relative form, which runs on
-        # any machine that has the package (no path of this machine in results or reports).
-        command = command.replace(typed, reference)
+    model_path = Path(model_path)
     if is_gguf_path(model_path):
         # A GGUF file: dequantize once into <run dir>/checkpoint, then the same pipeline reads it.
         gguf = resolve_gguf(model_path, progress=cfg.progress)

