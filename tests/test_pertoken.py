@@ -123,3 +123,15 @@ def test_zoo_pipeline_runs_pertoken_and_says_rotation_does_not_apply(tmp_path, c
     assert recipes["pertoken"]["status"] == "ok" and recipes["pertoken"]["accuracy"]["kld_mean"] >= 0
     assert recipes["rotated-pertoken"]["status"].startswith("not applicable: ")
     assert "accuracy" not in recipes["rotated-pertoken"]
+
+
+def test_fused_kernel_computes_the_same(tmp_path, planted):
+    weight, x = planted
+    src = matmul_model(tmp_path / "mm.onnx", weight)
+    quantize_per_token(src, tmp_path / "plain.onnx", ["mm"], reduce_range=False)
+    info = quantize_per_token(src, tmp_path / "fused.onnx", ["mm"], reduce_range=False, fused=True)
+    ops = {n.op_type for n in onnx.load(str(tmp_path / "fused.onnx")).graph.node}
+    assert "MatMulIntegerToFloat" in ops and "MatMulInteger" not in ops and "ONNX Runtime" in info["kernel"]
+    plain, fused = run(tmp_path / "plain.onnx", x)[0], run(tmp_path / "fused.onnx", x)[0]
+    assert np.allclose(plain, fused, rtol=1e-5, atol=1e-4 * np.abs(plain).max())
+    assert get_recipe("pertoken-fused").settings(vnni=True)["pertoken_kernel"] == "ort-fused"

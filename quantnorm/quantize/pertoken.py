@@ -50,9 +50,11 @@ def fake_quantize_rows(x: np.ndarray) -> np.ndarray:
     return (q - ACT_ZERO_POINT) * s
 
 
-def quantize_per_token(src: Path, dst: Path, nodes: list[str], *, reduce_range: bool) -> dict:
+def quantize_per_token(src: Path, dst: Path, nodes: list[str], *, reduce_range: bool, fused: bool = False) -> dict:
     """Rewrite the MatMuls named in ``nodes`` of the model at ``src`` into per-token INT8; save to
-    ``dst``. Returns what was done (for ``recipes[].settings``)."""
+    ``dst``. Returns what was done (for ``recipes[].settings``). ``fused``: ONNX Runtime's
+    ``com.microsoft.MatMulIntegerToFloat`` instead of ``MatMulInteger`` + Cast + two Muls (same
+    arithmetic; runs on ONNX Runtime only)."""
     model = onnx.load(str(src))
     graph = model.graph
     qmax = 63 if reduce_range else 127
@@ -95,6 +97,15 @@ def quantize_per_token(src: Path, dst: Path, nodes: list[str], *, reduce_range: 
                 helper.make_node("Cast", [t + "x_clip"], [t + "x_quantized"], name=t + "Cast", to=TensorProto.UINT8),
             ]
         x_q, x_scale = quantized_inputs[x]
+        if fused:
+            # ORT's contrib op rescales inside the GEMM (a_scale [..., M, 1] broadcasts per row):
+            # one pass over the output instead of three (measured 1.45x faster on a 262k-wide head).
+            new_nodes.append(helper.make_node(
+                "MatMulIntegerToFloat", [x_q, f"{p}/pertoken/W_quantized", x_scale, f"{p}/pertoken/W_scale",
+                                         "pertoken_zp_u8"], [node.output[0]], name=t + "MatMulIntegerToFloat",
+                domain="com.microsoft"))
+            replaced.append(node.name)
+            continue
         new_nodes += [
             helper.make_node("MatMulInteger", [x_q, f"{p}/pertoken/W_quantized", "pertoken_zp_u8"],
                              [t + "y_int32"], name=t + "MatMulInteger"),
@@ -111,11 +122,15 @@ def quantize_per_token(src: Path, dst: Path, nodes: list[str], *, reduce_range: 
     del graph.initializer[:]
     graph.initializer.extend(kept + new_inits)
     _ensure_opset(model)
+    if fused and not any(imp.domain == "com.microsoft" for imp in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     onnx.checker.check_model(model)
     onnx.save(model, str(dst))
     return {"pertoken_matmuls": replaced, "weight_qmax": qmax, "activation_zero_point": ACT_ZERO_POINT,
             "activation_scale": "per row: max|x| / 127 (computed at run time)",
-            "kernel": "MatMulInteger (u8 activations x s8 weights, int32 accumulate) + float rescale"}
+            "kernel": ("com.microsoft.MatMulIntegerToFloat (u8 x s8, rescaled in the kernel; ONNX Runtime only)"
+                       if fused else "MatMulInteger (u8 activations x s8 weights, int32 accumulate) + float rescale "
+                                     "(standard ONNX ops: any runtime)")}
 
 
 def _shared_constants(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:

@@ -24,6 +24,7 @@ OP_SCOPES = ("matmul", "all")
 # MatMuls multiply by a constant Hadamard matrix and are never quantized by any recipe.
 ONLINE_ROTATION_MARKER = "online_hadamard"
 ROTATIONS = (None, "hadamard")
+PERTOKEN_KERNELS = ("standard", "ort-fused")
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,9 @@ class Recipe:
     # "hadamard": quantize the rotated FP32 model (residual stream rotated, online Hadamard before
     # each down-projection; quantnorm.hf.rotation), not the plain export. None: no rotation.
     rotation: str | None = None
+    # pertoken only: "standard" ONNX ops (MatMulInteger + Muls, any runtime) or ORT's fused
+    # com.microsoft.MatMulIntegerToFloat ("ort-fused").
+    pertoken_kernel: str = "standard"
 
     def __post_init__(self) -> None:
         # The name goes into file names (model.int8.<name>.onnx) and results.json.
@@ -72,6 +76,8 @@ class Recipe:
             raise ConfigError(f"recipe {self.name}: percentile must be in (0, 100], got {self.percentile}")
         if isinstance(self.excluded, str) or not all(isinstance(p, str) and p for p in self.excluded):
             raise ConfigError(f"recipe {self.name}: excluded must be a tuple of non-empty node names or patterns")
+        if self.pertoken_kernel not in PERTOKEN_KERNELS:
+            raise ConfigError(f"recipe {self.name}: pertoken_kernel must be one of {PERTOKEN_KERNELS}")
         if self.rotation not in ROTATIONS:
             raise ConfigError(f"recipe {self.name}: rotation must be one of {ROTATIONS}, got {self.rotation!r}")
         if self.rotation is not None and self.smoothquant_alpha is not None:
@@ -120,6 +126,8 @@ class Recipe:
             out["smoothquant_alpha"] = self.smoothquant_alpha
         if self.rotation is not None:
             out["rotation"] = self.rotation
+        if self.mode == "pertoken":
+            out["pertoken_kernel"] = self.pertoken_kernel
         return out
 
     def describe(self) -> str:
@@ -127,6 +135,10 @@ class Recipe:
         that a new recipe describes itself."""
         if self.mode == "dynamic":
             parts = ["dynamic: INT8 weights, activations quantized per batch at run time"]
+        elif self.mode == "pertoken":
+            parts = ["per-token dynamic: INT8 weights, each token's activations with its own scale at run time ("
+                     + ("ORT's fused MatMulIntegerToFloat" if self.pertoken_kernel == "ort-fused"
+                        else "standard ONNX ops") + ")"]
         else:
             ranges = {"minmax": "MinMax ranges", "entropy": "entropy calibration (KL-optimal clipping)",
                       "percentile": f"{self.percentile:g}th-percentile clipping",
@@ -140,6 +152,8 @@ class Recipe:
             parts.append("7-bit weights" if self.reduce_range else "8-bit weights even without VNNI")
         if self.smoothquant_alpha is not None:
             parts.append(f"on the SmoothQuant-smoothed model (alpha {self.smoothquant_alpha:g})")
+        if self.rotation is not None:
+            parts.append("on the Hadamard-rotated model (Pre-RMSNorm checkpoints)")
         if self.excluded:
             parts.append(f"{len(self.excluded)} node pattern(s) kept in FP32")
         return ", ".join(parts)
@@ -170,6 +184,10 @@ _RECIPE_LIST = [
     Recipe("pertoken", "pertoken", None, True, "matmul", False, "auto"),
     # The same on the Hadamard-rotated model (QuaRot-style; Pre-RMSNorm checkpoints, hf/rotation.py).
     Recipe("rotated-pertoken", "pertoken", None, True, "matmul", False, "auto", rotation="hadamard"),
+    # The same two with ONNX Runtime's fused MatMulIntegerToFloat (rescale inside the GEMM).
+    Recipe("pertoken-fused", "pertoken", None, True, "matmul", False, "auto", pertoken_kernel="ort-fused"),
+    Recipe("rotated-pertoken-fused", "pertoken", None, True, "matmul", False, "auto", rotation="hadamard",
+           pertoken_kernel="ort-fused"),
     # The baseline on the SmoothQuant-smoothed FP32 model (outliers moved into the weights).
     _static("smoothquant", "minmax", smoothquant_alpha=0.5),
 ]
