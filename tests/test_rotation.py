@@ -118,3 +118,30 @@ def test_rotation_is_refused_where_it_does_not_apply():
     assert "Pre-RMSNorm" in rotation_support(ARCHITECTURES["bert"])
     with pytest.raises(ConfigError, match="rotation"):
         rotate_wrapper(tiny_llama(plant=False), ARCHITECTURES["gemma3_text"])
+
+
+def tiny_gemma(seed=0):
+    torch.manual_seed(seed)
+    config = transformers.Gemma3TextConfig(vocab_size=64, hidden_size=40, intermediate_size=96, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                           max_position_embeddings=64)
+    model = transformers.Gemma3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for norm in (m for m in model.modules() if type(m).__name__.endswith("RMSNorm")):
+            norm.weight.uniform_(-0.5, 0.5)
+        # An outlier channel in the normalized MLP input of block 0 (a stand-in for Gemma's own).
+        model.model.layers[0].pre_feedforward_layernorm.weight[3] = 100.0
+    return Wrapper(model).eval()
+
+
+def test_online_rotation_is_exact_for_peri_ln_and_shrinks_per_token_error():
+    from quantnorm.hf.rotation import rotate_linear_inputs
+
+    wrapper = tiny_gemma()
+    ids = torch.randint(0, 64, (2, 16))
+    rotated, plan = rotate_linear_inputs(wrapper, ARCHITECTURES["gemma3_text"])
+    with torch.no_grad():
+        ref, got = wrapper(ids), rotated(ids)
+    assert (got - ref).abs().max() / ref.abs().max() < 1e-4
+    assert plan.untied_head and "Linear" in plan.online
+    assert per_token_input_error(rotated, ids) < 0.5 * per_token_input_error(wrapper, ids)

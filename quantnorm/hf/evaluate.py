@@ -164,8 +164,8 @@ def evaluate_hf(opts: HFOptions, cfg, *, command: str) -> tuple[dict, Path]:
     if AUTO in cfg.recipes:
         extra["search"] = timed("search", run_search_hf, run_dir, cfg, spec.kind, fp32_path, accuracy, smoothed,
                                 data, mlm, spec_session, vnni, recipes_out, int8_paths, fp32_sources)
-    if smoothed.rotated is not None:
-        extra["rotation"] = smoothed.rotated.to_dict(run_dir)
+    if smoothed.rotated:
+        extra["rotation"] = {form: r.to_dict(run_dir) for form, r in smoothed.rotated.items()}
     if smoothed.exports:
         extra["smoothquant"] = timed("smoothquant_latency", smoothquant_section, run_dir, cfg, fp32_path, smoothed,
                                      data.window)

@@ -247,6 +247,39 @@ class RotatedInput(nn.Module):
         return self.linear(getattr(self, ONLINE_ROTATION_MARKER)(h))
 
 
+def rotate_linear_inputs(wrapper, spec=None):
+    """Form (b): every Linear's input rotated online, ``y = (x M)(W M)^T``, exact for any
+    placement (nothing is folded, the residual stream is untouched). Each Linear of the model gets
+    a two-step Hadamard ``M`` of its input width before it; a head tied to the embedding is untied
+    (only the head's copy is rotated). Costs ``a + b`` MACs per input element per Linear."""
+    rotated = copy.deepcopy(wrapper)
+    lm = rotated.model
+    head = getattr(lm, "lm_head", None)
+    embed = lm.get_input_embeddings() if hasattr(lm, "get_input_embeddings") else None
+    untied = False
+    if head is not None and embed is not None and head.weight.data_ptr() == embed.weight.data_ptr():
+        head.weight = nn.Parameter(embed.weight.detach().clone())
+        lm.config.tie_word_embeddings = False
+        untied = True
+    count, widths = 0, set()
+    with torch.no_grad():
+        for name, module in list(lm.named_modules()):
+            for child_name, child in list(module.named_children()):
+                if not isinstance(child, nn.Linear) or isinstance(module, RotatedInput):
+                    continue
+                a, b = split_for_online(child.in_features)
+                online = OnlineHadamard(a, b)
+                child.weight.data = (child.weight.detach().double() @ online.matrix()).float()
+                setattr(module, child_name, RotatedInput(online, child))
+                count += 1
+                widths.add(f"{child.in_features}={a}x{b}")
+    d = int(getattr(lm.config, "hidden_size", 0) or 0)
+    plan = RotationPlan(d, "none (the residual stream is not rotated)",
+                        f"Hadamard before every Linear ({count} Linears; widths {', '.join(sorted(widths))})",
+                        len(getattr(lm.base_model, spec.layers if spec else "layers", []) or []), untied)
+    return rotated.eval(), plan
+
+
 # ---------------------------------------------------------------------------------------------
 # Export, with parity against the original
 
@@ -265,11 +298,12 @@ class RotatedExport:
 
 
 def rotate_and_export(loaded, wrapper, parity_inputs: np.ndarray, out_path: Path, *, outputs, max_positions,
-                      opset: int, tolerance: float = DEFAULT_PARITY_TOLERANCE) -> RotatedExport:
+                      opset: int, tolerance: float = DEFAULT_PARITY_TOLERANCE, form: str = "hadamard") -> RotatedExport:
     from ..smoothquant import max_output_diff
     from .export import export_hf_onnx, onnx_outputs, torch_outputs
 
-    rotated, plan = rotate_wrapper(wrapper, loaded.spec)
+    rotated, plan = rotate_wrapper(wrapper, loaded.spec) if form == "hadamard" else \
+        rotate_linear_inputs(wrapper, loaded.spec)
     out_path = Path(out_path)
     exported = export_hf_onnx(rotated, out_path, parity_inputs, outputs=outputs, max_positions=max_positions,
                               opset=opset)

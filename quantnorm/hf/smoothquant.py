@@ -109,20 +109,22 @@ class HFSmoothedModels(SmoothedModels):
                  max_positions: int | None, opset: int):
         super().__init__(wrapper, calib_inputs, parity_inputs, out_dir, opset=opset)
         self.loaded, self.outputs, self.max_positions = loaded, outputs, max_positions
-        self.rotated = None  # the Hadamard-rotated FP32 export (quantnorm.hf.rotation), made on first use
+        self.rotated: dict = {}  # rotation form -> its rotated FP32 export (quantnorm.hf.rotation), on first use
 
     def fp32_for(self, recipe, default: Path) -> Path:
         """The FP32 model ``recipe`` quantizes: the rotated export for a rotation recipe, the
         smoothed one for a SmoothQuant recipe, else ``default``."""
-        if getattr(recipe, "rotation", None) is None:
+        form = getattr(recipe, "rotation", None)
+        if form is None:
             return super().fp32_for(recipe, default)
-        if self.rotated is None:
+        if form not in self.rotated:
             from .rotation import rotate_and_export  # imports torch: only when a rotation recipe runs
 
-            self.rotated = rotate_and_export(self.loaded, self.model, self.parity_inputs,
-                                             self.out_dir / ROTATED_ONNX_FILE, outputs=self.outputs,
-                                             max_positions=self.max_positions, opset=self.opset)
-        return self.rotated.path
+            name = ROTATED_ONNX_FILE if form == "hadamard" else ROTATED_ONNX_FILE.replace("rotated", f"rotated-{form}")
+            self.rotated[form] = rotate_and_export(self.loaded, self.model, self.parity_inputs, self.out_dir / name,
+                                                   outputs=self.outputs, max_positions=self.max_positions,
+                                                   opset=self.opset, form=form)
+        return self.rotated[form].path
 
     def _export(self, alpha: float, path: Path) -> HFSmoothQuantExport:
         return smooth_and_export(self.loaded, self.model, self.calib_inputs, self.parity_inputs, path, alpha=alpha,

@@ -23,7 +23,9 @@ OP_SCOPES = ("matmul", "all")
 # Modules of this name are online rotations inside the FP32 model (quantnorm.hf.rotation): their
 # MatMuls multiply by a constant Hadamard matrix and are never quantized by any recipe.
 ONLINE_ROTATION_MARKER = "online_hadamard"
-ROTATIONS = (None, "hadamard")
+# "hadamard": the residual stream rotated and folded (QuaRot, Pre-RMSNorm); "online": every
+# Linear's input rotated in the graph (exact for any placement; quantnorm.hf.rotation).
+ROTATIONS = (None, "hadamard", "online")
 PERTOKEN_KERNELS = ("standard", "ort-fused")
 
 
@@ -152,8 +154,10 @@ class Recipe:
             parts.append("7-bit weights" if self.reduce_range else "8-bit weights even without VNNI")
         if self.smoothquant_alpha is not None:
             parts.append(f"on the SmoothQuant-smoothed model (alpha {self.smoothquant_alpha:g})")
-        if self.rotation is not None:
-            parts.append("on the Hadamard-rotated model (Pre-RMSNorm checkpoints)")
+        if self.rotation == "hadamard":
+            parts.append("on the Hadamard-rotated model (residual stream; Pre-RMSNorm checkpoints)")
+        elif self.rotation == "online":
+            parts.append("every Linear's input Hadamard-rotated online (any placement)")
         if self.excluded:
             parts.append(f"{len(self.excluded)} node pattern(s) kept in FP32")
         return ", ".join(parts)
@@ -187,6 +191,9 @@ _RECIPE_LIST = [
     # The same two with ONNX Runtime's fused MatMulIntegerToFloat (rescale inside the GEMM).
     Recipe("pertoken-fused", "pertoken", None, True, "matmul", False, "auto", pertoken_kernel="ort-fused"),
     Recipe("rotated-pertoken-fused", "pertoken", None, True, "matmul", False, "auto", rotation="hadamard",
+           pertoken_kernel="ort-fused"),
+    # Every Linear's input rotated online (exact for any placement, Peri-LN included).
+    Recipe("online-rotated-pertoken-fused", "pertoken", None, True, "matmul", False, "auto", rotation="online",
            pertoken_kernel="ort-fused"),
     # The baseline on the SmoothQuant-smoothed FP32 model (outliers moved into the weights).
     _static("smoothquant", "minmax", smoothquant_alpha=0.5),
