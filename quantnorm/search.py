@@ -229,6 +229,7 @@ class SearchResult:
     worst_tensors: tuple[dict, ...] = ()  # the SQNR ranking the fallback used
     skipped: tuple[str, ...] = ()
     level: str = "byte"                 # what the PPL ratio is over: bytes (zoo) or tokens (--model)
+    target_max_kld: float | None = None
 
     @property
     def status(self) -> str:
@@ -239,6 +240,7 @@ class SearchResult:
             "status": self.status,
             "target_max_ppl_ratio": self.target_max_ppl_ratio,
             "target_min_top1": self.target_min_top1,
+            "target_max_kld": self.target_max_kld,
             "metric": "1/ppl_ratio (higher is better; FP32 baseline 1)",
             "tolerable_loss": self.tolerable_loss,
             "pick": self.pick, "max_trials": self.max_trials, "eval_windows": self.eval_windows,
@@ -385,6 +387,7 @@ def search_recipes(fp32_path: Path, work_dir: Path, calib_inputs: np.ndarray, ev
         target_max_ppl_ratio=cfg.max_ppl_ratio, target_min_top1=cfg.min_top1, tolerable_loss=cfg.tolerable_loss, pick=cfg.pick,
         max_trials=cfg.max_trials, eval_windows=int(len(inputs)), trials=trials, chosen=chosen, best=best,
         stopped_by=stopped_by, worst_tensors=tuple(worst), skipped=tuple(skipped), level=level,
+        target_max_kld=cfg.max_kld,
     )
 
 

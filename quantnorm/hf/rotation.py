@@ -263,7 +263,7 @@ def rotate_linear_inputs(wrapper, spec=None):
         untied = True
     count, widths = 0, set()
     with torch.no_grad():
-        for name, module in list(lm.named_modules()):
+        for module in list(lm.modules()):
             for child_name, child in list(module.named_children()):
                 if not isinstance(child, nn.Linear) or isinstance(module, RotatedInput):
                     continue

@@ -1,0 +1,170 @@
+"""Publish the real-checkpoint runs of tools/real_models.sh into reports/real-models/: each run's
+results.json, report.md and plots (never its checkpoint or ONNX files), and one side-by-side
+report.md written from those results.json files alone.
+
+Run:  python tools/publish_real_models.py RUNS_DIR reports/real-models
+      (RUNS_DIR holds one run directory per model, e.g. smollm2/, gemma3/, minilm/)
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+KEEP = ("results.json", "report.md")
+ORDER = ("smollm2", "gemma3", "minilm")
+GOALS = {"ppl_ratio": 1.01, "kld_mean": 0.007, "top1_agreement": 0.95}
+
+
+def fmt(value, spec=".4f") -> str:
+    return "–" if value is None else format(value, spec)
+
+
+def pct(value) -> str:
+    return "–" if value is None else f"{100 * value:.2f}%"
+
+
+def table(head: list[str], rows: list[list]) -> list[str]:
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return out
+
+
+def source_name(model: dict) -> str:
+    s = model.get("source")
+    if isinstance(s, dict):
+        return f"{s.get('file')} ({s.get('package')} {s.get('package_version')}, {s.get('quant_type')})"
+    return str(s).removeprefix("hf:")
+
+
+def latency(results: dict, variant: str, batch: int = 8):
+    for row in results.get("latency", []):
+        if row.get("provider") == "CPUExecutionProvider" and row.get("variant") == variant and \
+                row.get("batch") == batch and row.get("status") == "measured":
+            return row.get("p50_ms")
+    return None
+
+
+def model_section(name: str, r: dict) -> list[str]:
+    m, hw = r["model"], r["hardware"]
+    check = m.get("placement_check", {})
+    L = [f"## {name}: {source_name(m)}", "",
+         f"{m['architecture']}, **{m['placement']} / {m['norm']}** ({'verified' if check.get('verified') else 'NOT verified'}"
+         f" on block 0: {check.get('detail', '')}); {m['n_layers']} blocks, d_model {m['d_model']}, "
+         f"{m['n_params']:,} parameters, vocabulary {m.get('vocab_size'):,}. Full report: [{name}/report.md]({name}/report.md).",
+         ""]
+    recipes = r["recipes"]
+    fp32 = latency(r, "fp32")
+    first = next((x["accuracy"] for x in recipes if x.get("accuracy")), {})
+    if "ppl_fp32" in first:
+        L.append(f"FP32 perplexity {first['ppl_fp32']:.3f} over {first.get('n_scored', 0):,} held-out tokens "
+                 f"({r['data']['corpus']} evaluation range); FP32 p50 at batch 8: {fmt(fp32, '.1f')} ms on "
+                 f"{hw.get('cpu')} ({', '.join(f for f in hw.get('cpu_flags', []) if f in ('avx2', 'avx512_vnni', 'avx_vnni', 'amx_int8')) or 'no VNNI'}), {hw.get('threads')} threads.")
+        L.append("")
+        rows = []
+        sizes = r.get("file_sizes_bytes", {})
+        for x in recipes:
+            a = x.get("accuracy")
+            if not a:
+                rows.append([x["name"], x.get("status", "")[:90], "", "", "", "", ""])
+                continue
+            p50 = latency(r, x["name"])
+            meets = all(a.get(k) is not None and (a[k] <= v if k != "top1_agreement" else a[k] >= v)
+                        for k, v in GOALS.items())
+            rows.append([x["name"], fmt(a["ppl_ratio"]), f"{a['kld_mean']:.4f}", pct(a["top1_agreement"]),
+                         fmt(p50 / fp32 if p50 and fp32 else None, ".2f"),
+                         fmt(sizes.get(x["name"], 0) / 2**20, ".0f") + " MiB", "**yes**" if meets else "no"])
+        L += table(["recipe", "PPL ratio", "KL mean", "top-1", "latency / FP32 (b8)", "size",
+                    "meets KL <= 0.007, PPL <= 1.01, top-1 >= 95%"], rows)
+    else:  # an encoder: embedding agreement
+        L.append(f"FP32 p50 at batch 8: {fmt(fp32, '.1f')} ms.")
+        L.append("")
+        rows = []
+        for x in recipes:
+            a = x.get("accuracy")
+            if not a:
+                rows.append([x["name"], x.get("status", "")[:90], "", "", ""])
+                continue
+            p50 = latency(r, x["name"])
+            rows.append([x["name"], fmt(a.get("cosine_mean"), ".4f"), fmt(a.get("cosine_p1"), ".4f"),
+                         pct(a.get("nn_agreement")), fmt(p50 / fp32 if p50 and fp32 else None, ".2f")])
+        L += table(["recipe", "cosine mean", "cosine p1", "NN agreement", "latency / FP32 (b8)"], rows)
+    s = r.get("search")
+    if s:
+        chosen = s.get("chosen") or {}
+        L += ["", f"Search (`--recipes auto`, targets PPL ratio <= {s.get('target_max_ppl_ratio')}, top-1 >= "
+              f"{s.get('target_min_top1')}, KL mean <= {s.get('target_max_kld')}): "
+              f"{len(s.get('trials', []))} trials on {s.get('eval_windows')} windows, stopped by {s.get('stopped_by')}; "
+              f"picked **{chosen.get('name', 'none')}**."]
+        L += table(["trial", "recipe", "status", "PPL ratio", "KL mean", "top-1", "p50 ms", "passed"], [
+            [t["index"], t["name"], t["status"][:60], fmt(t.get("ppl_ratio")), fmt(t.get("kld_mean"), ".4f"),
+             pct(t.get("top1_agreement")), fmt(t.get("latency_p50_ms"), ".0f"), "yes" if t.get("passed") else "no"]
+            for t in s.get("trials", [])])
+    o = r.get("outliers", {})
+    born = o.get("massive_born", [])
+    if born:
+        L += ["", "Massive activations, where born (first block whose output holds a massive entry its input lacks):", ""]
+        L += table(["block", "position (token)", "channel", "value", "max/median", "born in"], [
+            [b["layer"], f"{b['position']} `{b.get('token')}`", b["channel"], f"{b['value']:.4g}",
+             fmt(b.get("ratio"), ".0f"), f"`{b.get('born_in')}`"] for b in born[:4]])
+    resid = o.get("residual", [])
+    if resid:
+        peak = max(resid, key=lambda x: abs(x["top"][0]["value"]) if x.get("top") else 0)
+        t = peak["top"][0]
+        L += ["", f"Largest residual |a|: {abs(t['value']):,.0f} at block {peak['layer']}, position {t['position']} "
+              f"(`{t.get('token')}`), channel {t['channel']}, {fmt(peak.get('ratio'), '.0f')}x the median; "
+              f"{o.get('massive_total', 0)} massive entries (|a| > 100 and >= 1000x the median)."]
+    carriers = [x for x in o.get("matmul_inputs", []) if x.get("carries_massive")]
+    worst = sorted(o.get("matmul_inputs", []), key=lambda x: -(x.get("inf_norm") or 0))[:3]
+    if o.get("matmul_inputs"):
+        L.append(f"Quantized MatMul inputs that carry a massive value: {len(carriers)}"
+                 + (" (" + ", ".join(f"`{x['tensor']}` {abs(x['top'][0]['value']):,.0f}" for x in carriers[:4]) + ")"
+                    if carriers else "") + "; the largest inputs: "
+                 + ", ".join(f"`{x['tensor']}` {abs(x['top'][0]['value']):,.0f} (SQNR per token "
+                             f"{fmt(x.get('sqnr_db_fake', {}).get('per_token'), '.1f')} dB, per tensor "
+                             f"{fmt(x.get('sqnr_db_fake', {}).get('per_tensor_dynamic'), '.1f')} dB)" for x in worst) + ".")
+    f = r.get("fp16")
+    if f:
+        fw = f.get("forwards", {})
+        L += ["", f"FP16: **{f['verdict']}**. " + "; ".join(
+            f"{k}: {v.get('status')}" + (f" (PPL ratio {v['ppl_ratio']:.4f}, KL {v['kld_mean']:.4f})" if v.get("ppl_ratio") else "")
+            for k, v in fw.items()) + "."]
+    secs = r.get("stage_seconds", {})
+    L += ["", f"Run: `{r['command']}`; {sum(secs.values()) / 60:.1f} min of stages."]
+    return L
+
+
+def main(runs: str, dest: str) -> int:
+    src, out = Path(runs), Path(dest)
+    found = [(n, src / n) for n in ORDER if (src / n / "results.json").is_file()]
+    if not found:
+        print(f"{src} holds none of {', '.join(ORDER)} with a results.json: run tools/real_models.sh first")
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    L = ["# Real checkpoints with massive activations: does INT8 survive them?", "",
+         "SmolLM2-135M (Pre-RMSNorm), Gemma 3 270M (Peri-RMSNorm) and all-MiniLM-L6-v2 (Post-LayerNorm encoder), "
+         "each from its package on the index, through `quantnorm evaluate --model`. GGUF checkpoints are dequantized "
+         "to float32: that dequantized model is the FP32 baseline of every ratio. Regenerate with "
+         "`bash tools/real_models.sh` (commands and package versions inside; the runs' own commands are below).", ""]
+    for name, run in found:
+        r = json.loads((run / "results.json").read_text())
+        target = out / name
+        target.mkdir(parents=True, exist_ok=True)
+        for keep in KEEP:
+            shutil.copy2(run / keep, target / keep)
+        if (run / "plots").is_dir():
+            shutil.rmtree(target / "plots", ignore_errors=True)
+            shutil.copytree(run / "plots", target / "plots")
+        L += ["", *model_section(name, r)]
+    (out / "report.md").write_text("\n".join(L) + "\n", encoding="utf-8")
+    print(out / "report.md")
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        print(__doc__)
+        sys.exit(2)
+    sys.exit(main(sys.argv[1], sys.argv[2]))
