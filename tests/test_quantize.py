@@ -161,6 +161,10 @@ def test_every_recipe_quantizes_pre_rms_ok(tmp_path_factory, tmp_path):
         elif recipe.mode == "dynamic":
             ops = [n.op_type for n in onnx.load(str(out)).graph.node]
             assert ops.count("MatMulInteger") == 25 and ops.count("MatMul") == 8
+        elif recipe.mode == "pertoken":  # the 25 weight MatMuls per token, the attention ones FP32
+            ops = [n.op_type for n in onnx.load(str(out)).graph.node]
+            kernel = "MatMulIntegerToFloat" if recipe.pertoken_kernel == "ort-fused" else "MatMulInteger"
+            assert ops.count(kernel) == 25 and ops.count("MatMul") == 8, name
         else:  # "all": the attention MatMuls, the adds and the norms' Muls are quantized too
             quantized, matmuls = qdq_weight_matmuls(out)
             assert quantized == matmuls
