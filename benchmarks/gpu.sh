@@ -1,0 +1,151 @@
+#!/usr/bin/env bash
+# GPU numbers in one command: installs the GPU libraries (from a folder of wheels or the
+# registry), then runs `python -m quantnorm.gpu_bench` (FP32/FP16/INT8 on CUDA and TensorRT, CPU
+# as reference), which writes reports/gpu/results.json and report.md and prints a table.
+#
+#   bash benchmarks/gpu.sh [--wheels DIR | --online | --no-install] [gpu_bench options...]
+#   bash benchmarks/gpu.sh --download DIR [--python-version 3.11]   # on a machine with a registry
+#
+# --wheels DIR   install offline: pip install --no-index --find-links DIR (parts made by
+#                --download, NAME.whl.part-aa ..., are joined and checked against NAME.whl.sha256)
+# --online       install from the registry
+# (neither)      install from the registry only when a GPU is visible and onnxruntime lacks the
+#                CUDA provider; pip gives up after one try when there is no registry
+# --no-install   never install; use what is importable
+# --download DIR fill DIR with every wheel the GPU run needs (not torch: the GPU machine has one),
+#                split those over 60 MB into parts for transfers limited to 64 MiB, and exit
+#
+# The packages go into a virtual environment (.gpu-venv, --system-site-packages) so the
+# preinstalled PyTorch is reused and a preinstalled CPU onnxruntime is shadowed, not removed.
+# A package that cannot be installed is reported and skipped: its provider's rows then read
+# "not measured: <why>", and the rest is still measured. Without a GPU every GPU row says
+# "not measured: no CUDA device" and the script exits 0.
+set -uo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PY="${PYTHON:-python3}"
+VENV="${GPU_VENV:-$REPO/.gpu-venv}"
+ORT_GPU="${ORT_GPU_SPEC:-onnxruntime-gpu[cuda,cudnn]==1.31.1}"
+# ORT 1.31.1's TensorRT provider links libnvinfer.so.10 and libnvonnxparser.so.10 (readelf -d
+# libonnxruntime_providers_tensorrt.so): TensorRT 10, not 11. The -libs wheel carries them; the
+# `tensorrt-cu13` package is only a wrapper around it and the Python bindings, which ORT does not use.
+TRT_PKGS=("${TRT_SPEC:-tensorrt-cu13-libs>=10.13,<11}")
+PART_SIZE=60M
+
+mode=auto wheels="" download="" pyver="" args=()
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --wheels) wheels="$2"; mode=offline; shift 2 ;;
+    --online) mode=online; shift ;;
+    --no-install) mode=none; shift ;;
+    --download) download="$2"; shift 2 ;;
+    --python-version) pyver="$2"; shift 2 ;;
+    -h|--help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; echo; exec "$PY" -m quantnorm.gpu_bench --help ;;
+    *) args+=("$1"); shift ;;
+  esac
+done
+
+# The project's runtime dependencies from pyproject.toml, less torch (preinstalled on the GPU
+# machine; a registry would pull a multi-GB build) and onnxruntime (the GPU build is installed).
+project_deps() {
+  "$PY" - "$REPO/pyproject.toml" <<'EOF'
+import re, sys
+text = open(sys.argv[1], encoding="utf-8").read()
+block = re.search(r"^dependencies = \[(.*?)^\]", text, re.S | re.M).group(1)
+for spec in re.findall(r'"([^"]+)"', block):
+    name = re.split(r"[ <>=!;\[]", spec, maxsplit=1)[0].lower()
+    if name not in ("torch", "onnxruntime", "onnxruntime-gpu"):
+        print(spec)
+EOF
+}
+
+if [[ -n "$download" ]]; then
+  mkdir -p "$download"
+  plat=()
+  if [[ -n "$pyver" ]]; then
+    plat=(--python-version "$pyver" --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64
+          --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --implementation cp)
+  fi
+  mapfile -t deps < <(project_deps)
+  set -e
+  "$PY" -m pip download --only-binary=:all: "${plat[@]}" -d "$download" "$ORT_GPU"
+  "$PY" -m pip download --only-binary=:all: "${plat[@]}" -d "$download" "${TRT_PKGS[@]}" \
+    || echo "gpu.sh: TensorRT wheels not downloaded: the TensorRT rows will read not measured" >&2
+  "$PY" -m pip download --only-binary=:all: "${plat[@]}" -d "$download" "${deps[@]}" setuptools wheel
+  set +e
+  # Transfers are limited to 64 MiB per file: split the big wheels, keep a checksum to verify the join.
+  for whl in "$download"/*.whl; do
+    if [[ $(stat -c %s "$whl") -gt $((60 * 1024 * 1024)) ]]; then
+      (cd "$download" && sha256sum "$(basename "$whl")" > "$(basename "$whl").sha256")
+      split -b "$PART_SIZE" "$whl" "$whl.part-" && rm "$whl"
+    fi
+  done
+  echo "gpu.sh: $download holds $(ls "$download" | wc -l) files, $(du -sh "$download" | cut -f1); copy it to the GPU machine and run: bash benchmarks/gpu.sh --wheels DIR"
+  exit 0
+fi
+
+gpu_visible() { command -v nvidia-smi >/dev/null && nvidia-smi -L 2>/dev/null | grep -q GPU; }
+has_cuda_ep() { "$1" -c "import onnxruntime as o, sys; sys.exit('CUDAExecutionProvider' not in o.get_available_providers())" 2>/dev/null; }
+
+if [[ "$mode" == auto ]]; then
+  if gpu_visible && ! has_cuda_ep "$PY" && ! { [[ -x "$VENV/bin/python" ]] && has_cuda_ep "$VENV/bin/python"; }; then
+    mode=online
+  else
+    mode=none
+  fi
+fi
+
+RUN_PY="$PY"
+failed=()
+if [[ "$mode" != none ]]; then
+  if [[ "$mode" == offline ]]; then
+    [[ -d "$wheels" ]] || { echo "gpu.sh: --wheels $wheels is not a directory" >&2; exit 2; }
+    # Join parts (NAME.whl.part-aa, -ab, ...) into NAME.whl and verify it.
+    for first in "$wheels"/*.whl.part-aa; do
+      [[ -e "$first" ]] || continue
+      whl="${first%.part-aa}"
+      if [[ ! -f "$whl" ]]; then
+        cat "$whl".part-* > "$whl.tmp" && mv "$whl.tmp" "$whl"
+      fi
+      if [[ -f "$whl.sha256" ]] && ! (cd "$wheels" && sha256sum -c --quiet "$(basename "$whl").sha256"); then
+        echo "gpu.sh: $whl does not match its checksum (a part is missing or damaged); removing it" >&2
+        rm -f "$whl"
+      fi
+    done
+    PIP_SRC=(--no-index --find-links "$wheels")
+  else
+    PIP_SRC=(--retries 0 --timeout 15)
+  fi
+  if [[ ! -x "$VENV/bin/python" ]]; then
+    "$PY" -m venv --system-site-packages "$VENV" || { echo "gpu.sh: cannot create $VENV" >&2; exit 2; }
+  fi
+  RUN_PY="$VENV/bin/python"
+  pip_install() { "$RUN_PY" -m pip install -q --disable-pip-version-check "${PIP_SRC[@]}" "$@"; }
+  # One package set at a time: what fails is named and skipped, the rest is still installed.
+  mapfile -t deps < <(project_deps)
+  pip_install "${deps[@]}" || failed+=("quantnorm's dependencies")
+  pip_install "$ORT_GPU" || failed+=("$ORT_GPU")
+  pip_install "${TRT_PKGS[@]}" || failed+=("${TRT_PKGS[*]}")
+fi
+
+# The CUDA, cuDNN and TensorRT libraries that pip wheels put under site-packages: on the loader
+# path before onnxruntime starts (its providers dlopen them by soname).
+libdirs="$("$RUN_PY" - <<'EOF'
+import glob, os, site, sys
+roots = [p for p in sys.path if p.endswith("site-packages")] + site.getsitepackages()
+dirs = []
+for root in dict.fromkeys(roots):
+    dirs += glob.glob(os.path.join(root, "nvidia", "*", "lib")) + glob.glob(os.path.join(root, "nvidia", "cu*", "lib"))
+    dirs += glob.glob(os.path.join(root, "tensorrt_libs")) + glob.glob(os.path.join(root, "tensorrt_cu*_libs"))
+print(":".join(d for d in dict.fromkeys(dirs) if os.path.isdir(d)))
+EOF
+)"
+export LD_LIBRARY_PATH="${libdirs}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+
+for f in "${failed[@]}"; do
+  echo "gpu.sh: could not install $f (the providers that need it will read not measured)" >&2
+done
+cd "$REPO"
+# What this script did, for results.json (and the reason of a provider that then cannot load).
+export QUANTNORM_GPU_INSTALL="mode=$mode;failed=$(IFS='|'; echo "${failed[*]}")"
+PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" exec "$RUN_PY" -m quantnorm.gpu_bench "${args[@]}"
