@@ -14,8 +14,10 @@ recorded as not measured, never dropped silently):
    (PPL ratio, KL, top-1 on the evaluation windows), latency p50/p90/p99 per batch size, which
    provider ran each node (ORT's profile), and for TensorRT the engine build time apart from the
    run time (the FP16/INT8 engine flags are the variant's: ``trt_fp16_enable`` / ``trt_int8_enable``);
-3. writes ``results.json`` (the RESULTS.md contract, plus a ``gpu`` section) and ``report.md``
-   atomically, and prints a one-screen table.
+3. writes ``results.json`` (the RESULTS.md contract, plus ``gpu``, ``install``, ``models`` and
+   ``engine_builds``; every ``recipes`` and ``latency`` entry names its ``model``, and
+   ``accuracy.ppl_int8`` keeps the contract's name for the perplexity of the variant under test,
+   FP16 included) and ``report.md`` atomically, and prints a one-screen table.
 
 Honesty rules (PITFALLS.md 3 and 4): a provider is measured only when ``make_session`` confirms
 the session really runs on it; without a GPU every CUDA/TensorRT row reads "not measured: no CUDA
@@ -87,7 +89,7 @@ class GpuBenchConfig:
     providers: tuple[str, ...] = ("cpu", "cuda", "tensorrt")
     extra_onnx: tuple[Path, ...] = ()
     windows: Path | None = None              # token windows (.npy, int64 [n, seq]) for the extra models
-    budget_s: float = 330.0                  # soft limit on the measuring: what is left is "not measured"
+    budget_s: float = 330.0                  # soft limit on the whole run: cells past it are "not measured"
     progress: bool = True
     zoo: bool = True                         # measure the zoo model (off: only --onnx models)
 
@@ -170,6 +172,20 @@ def install_section() -> dict:
     return {"mode": fields.get("mode", "unknown"), "failed": [f for f in fields.get("failed", "").split("|") if f]}
 
 
+def _preload_gpu_libraries() -> None:
+    """Let onnxruntime-gpu find CUDA and cuDNN in pip's nvidia packages before the first session
+    (gpu.sh also puts them on LD_LIBRARY_PATH; this covers a plain ``python -m`` run)."""
+    import onnxruntime as ort
+
+    preload = getattr(ort, "preload_dlls", None)  # onnxruntime-gpu >= 1.21
+    if preload is None or CUDA not in ort.get_available_providers():
+        return
+    try:
+        preload()
+    except Exception:  # noqa: BLE001 -- a library it cannot find is reported by the provider probe
+        pass
+
+
 def provider_reasons(providers: tuple[str, ...], install: dict | None = None) -> dict[str, str | None]:
     """None for a usable provider, else why not. A missing GPU is said the same way whatever the
     onnxruntime build (a CPU-only build would otherwise say "not built into ..."); with a GPU, a
@@ -177,6 +193,8 @@ def provider_reasons(providers: tuple[str, ...], install: dict | None = None) ->
     from .hardware import gpu_device_present
 
     gpu = gpu_device_present()
+    if gpu:
+        _preload_gpu_libraries()
     failed = (install or {}).get("failed") or []
     reasons: dict[str, str | None] = {}
     for p in providers:
@@ -302,7 +320,7 @@ def prepare_zoo(cfg: GpuBenchConfig) -> ModelGroup:
                             {"recipe": recipe.name, **q.settings}))
     section = {"placement": cfg.placement, "norm": cfg.norm, "n_layers": cfg.layers, "d_model": cfg.d_model,
                "n_heads": cfg.heads, "context": cfg.context, "n_params": model.n_params(), "source": "trained",
-               "steps": cfg.steps, "run_dir": str(work)}
+               "steps": cfg.steps, "run_dir": _rel(work)}
     return ModelGroup("zoo", tuple(variants), eval_inputs, eval_targets,
                       f"{len(eval_inputs)} evaluation windows of the built-in corpus (bytes)", data.window,
                       zoo=True, section=section)
@@ -344,7 +362,7 @@ def prepare_extra(cfg: GpuBenchConfig) -> list[ModelGroup]:
                 variants.append(Variant(f"{INT8}:{p.name}", p))
         seq, inputs, targets, what = _extra_windows(fp32 or paths[0], windows, cfg)
         out.append(ModelGroup(name, tuple(variants), inputs, targets, what, seq,
-                              section={"source": "onnx", "files": [str(p) for p in paths]}))
+                              section={"source": "onnx", "files": [_rel(p) for p in paths]}))
     return out
 
 
@@ -361,12 +379,16 @@ def _load_windows(path: Path) -> np.ndarray:
 def _extra_windows(path: Path, windows: np.ndarray | None, cfg: GpuBenchConfig):
     """Token windows for an extra model: ``--windows`` (next-token targets, so perplexity too), else
     seeded random tokens inside the vocabulary (agreement only: random text has no perplexity)."""
-    import onnxruntime as ort
+    import onnx
 
-    sess = ort.InferenceSession(str(path), providers=[CPU])
-    vocab = sess.get_outputs()[0].shape[-1]
-    seq_dim = sess.get_inputs()[0].shape[1] if len(sess.get_inputs()[0].shape) > 1 else None
-    del sess
+    graph = onnx.load(str(path), load_external_data=False).graph  # shapes only: no weights read
+
+    def dims(value) -> list:
+        return [d.dim_value or None for d in value.type.tensor_type.shape.dim]
+
+    vocab = (dims(graph.output[0]) or [None])[-1]
+    in_dims = dims(graph.input[0])
+    seq_dim = in_dims[1] if len(in_dims) > 1 else None
     if windows is not None:
         w = windows[: cfg.eval_windows]
         return w.shape[1] - 1, w[:, :-1], w[:, 1:], f"{len(w)} token windows from {cfg.windows} (next-token targets)"
@@ -399,7 +421,7 @@ def token_agreement(ref, other, inputs: np.ndarray, targets: np.ndarray | None, 
            "top1_agreement": agree / n, "n_scored": n}
     if targets is not None:
         ppl_ref, ppl = float(np.exp(nll[0] / n)), float(np.exp(nll[1] / n))
-        out = {"ppl_fp32": ppl_ref, "ppl_variant": ppl, "ppl_ratio": ppl / ppl_ref, **out}
+        out = {"ppl_fp32": ppl_ref, "ppl_int8": ppl, "ppl_ratio": ppl / ppl_ref, **out}
     return out
 
 
@@ -412,8 +434,6 @@ def measure_accuracy(group: ModelGroup, variant: Variant, ref_spec: SessionSpec,
         sess = make_session(variant.path, spec)
         if group.zoo:
             acc = compare(ref, sess, group.inputs, group.targets, batch_size=8).to_dict()
-            acc["ppl_variant"] = acc.pop("ppl_int8")
-            acc["bits_per_byte_variant"] = acc.pop("bits_per_byte_int8")
         else:
             acc = token_agreement(ref, sess, group.inputs, group.targets)
     except ProviderUnavailable as exc:
@@ -426,6 +446,17 @@ def measure_accuracy(group: ModelGroup, variant: Variant, ref_spec: SessionSpec,
 # --- the run ----------------------------------------------------------------------------------
 
 _SHORT = {CPU: "CPU", CUDA: "CUDA", TENSORRT: "TensorRT"}
+
+
+def _rel(path: Path | None) -> str | None:
+    """A path relative to the working directory when it lies below it (results.json names no
+    absolute paths of the machine it ran on where it can help it), else as given."""
+    if path is None:
+        return None
+    try:
+        return Path(path).resolve().relative_to(Path.cwd().resolve()).as_posix()
+    except ValueError:
+        return str(path)
 
 
 def _short(provider: str) -> str:
@@ -478,7 +509,7 @@ def measure_group(group: ModelGroup, cfg: GpuBenchConfig, reasons: dict[str, str
             else:
                 specs[variant.name] = base_spec
         for variant in group.variants:
-            entry = {"model": group.name, "name": variant.name, "path": str(variant.path) if variant.path else None,
+            entry = {"model": group.name, "name": variant.name, "path": _rel(variant.path),
                      "settings": variant.settings, "session": (specs.get(variant.name) or base_spec).to_dict()}
             reason = reasons[provider] or budget.spent()
             if variant.path is None:
@@ -542,7 +573,9 @@ def run_gpu_bench(cfg: GpuBenchConfig, *, command: str) -> dict:
     from .evaluate import results_header
 
     stage: dict[str, float] = {}
-    t0 = time.perf_counter()
+    # The budget covers the whole run (training and exports too): what the lease must fit.
+    budget = Budget(cfg.budget_s)
+    t0 = budget.start
     install = install_section()
     reasons = provider_reasons(cfg.providers, install)
     groups: list[ModelGroup] = []
@@ -550,8 +583,7 @@ def run_gpu_bench(cfg: GpuBenchConfig, *, command: str) -> dict:
         groups.append(prepare_zoo(cfg))
     groups += prepare_extra(cfg)
     stage["prepare"] = round(time.perf_counter() - t0, 2)
-
-    budget = Budget(cfg.budget_s)
+    t1 = time.perf_counter()
     recipes, latency, builds = [], [], []
     with tempfile.TemporaryDirectory(prefix="quantnorm-trt-") as cache_root:
         for group in groups:
@@ -559,7 +591,7 @@ def run_gpu_bench(cfg: GpuBenchConfig, *, command: str) -> dict:
             recipes += acc
             latency += [{"model": group.name, **r.to_dict()} for r in rows]
             builds += eng
-    stage["measure"] = round(time.perf_counter() - budget.start, 2)
+    stage["measure"] = round(time.perf_counter() - t1, 2)
 
     zoo = next((g for g in groups if g.zoo), None)
     results = {
@@ -569,7 +601,7 @@ def run_gpu_bench(cfg: GpuBenchConfig, *, command: str) -> dict:
         "providers_status": {p: reasons[p] or "usable" for p in cfg.providers},
         "model": zoo.section if zoo else groups[0].section,
         "models": [{"name": g.name, **g.section, "windows": g.windows, "seq": g.seq,
-                    "variants": [{"name": v.name, "path": str(v.path) if v.path else None, "status": v.status}
+                    "variants": [{"name": v.name, "path": _rel(v.path), "status": v.status}
                                  for v in g.variants]} for g in groups],
         "settings": {"batches": list(cfg.batches), "iters": cfg.iters, "warmup": cfg.warmup,
                      "eval_windows": cfg.eval_windows, "int8_recipe": cfg.int8_recipe, "budget_s": cfg.budget_s},
@@ -707,7 +739,7 @@ def _cli():
     @click.option("--int8-recipe", default="static-minmax-matmul-symact", show_default=True,
                   help="Recipe of the INT8 variant (signed symmetric: what TensorRT runs as real INT8).")
     @click.option("--budget-s", type=float, default=330.0, show_default=True,
-                  help="Seconds of measuring; cells past it are recorded as not measured.")
+                  help="Seconds for the whole run; cells past it are recorded as not measured.")
     @click.option("--quiet", is_flag=True, help="No progress bars.")
     @click.option("--debug", is_flag=True, help="Full tracebacks instead of one-line errors.")
     def main(out, work_dir, extra, windows, no_zoo, providers, batches, iters, warmup, steps, layers, d_model, heads,

@@ -171,6 +171,14 @@ def test_extra_onnx_models_on_random_tokens(zoo, tmp_path):
     assert acc["status"] == "measured" and 0 <= acc["top1_agreement"] <= 1 and "ppl_ratio" not in acc
     assert all(r.measured for r in rows)
 
+    # With --windows the targets are the next tokens, so the perplexity ratio is measured too.
+    np.save(tmp_path / "windows.npy", group.inputs)
+    (g,) = prepare_extra(replace(extra, windows=tmp_path / "windows.npy"))
+    assert g.seq == group.inputs.shape[1] - 1
+    accuracy, _, _ = measure_group(g, replace(extra, batches=(1,)), {CPU: None}, Budget(1e9), tmp_path)
+    acc = accuracy[-1]["accuracy"]
+    assert acc["status"] == "measured" and 0.5 < acc["ppl_ratio"] < 2
+
 
 def test_config_errors_are_one_line(tmp_path, no_gpu):
     result = CliRunner().invoke(gpu_bench._cli(), ["--out", str(tmp_path), "--providers", "cuda"])
