@@ -605,7 +605,9 @@ def run_gpu_bench(cfg: GpuBenchConfig, *, command: str) -> dict:
                                  for v in g.variants]} for g in groups],
         "settings": {"batches": list(cfg.batches), "iters": cfg.iters, "warmup": cfg.warmup,
                      "eval_windows": cfg.eval_windows, "int8_recipe": cfg.int8_recipe, "budget_s": cfg.budget_s},
-        "recipes": recipes,
+        # The FP32 models are the references, not recipes: the gate would judge them otherwise.
+        "references": [e for e in recipes if e["name"] == FP32],
+        "recipes": [e for e in recipes if e["name"] != FP32],
         "latency": latency,
         "engine_builds": builds,
         "stage_seconds": stage,
@@ -627,6 +629,19 @@ def _placement(row: dict) -> str:
     return " ".join(f"{_short(p)}:{n}" for p, n in nodes.items()) or "-"
 
 
+def _entries(results: dict) -> list[dict]:
+    """References and recipes in the order they were measured: model, provider, then variant."""
+    models = [m["name"] for m in results.get("models", [])]
+    providers = list(PROVIDERS.values())
+
+    def key(e: dict) -> tuple:
+        model = models.index(e["model"]) if e["model"] in models else len(models)
+        provider = e["session"]["provider"]
+        return model, providers.index(provider) if provider in providers else len(providers), e["name"] != FP32
+
+    return sorted([*results.get("references", []), *results["recipes"]], key=key)  # stable: variant order kept
+
+
 def summary_table(results: dict) -> list[str]:
     """One line per model x variant x provider: p50 per batch, accuracy, node placement."""
     batches = results["settings"]["batches"]
@@ -637,7 +652,7 @@ def summary_table(results: dict) -> list[str]:
     for r in results["latency"]:
         rows.setdefault((r["model"], r["variant"], r["provider"]), {})[r["batch"]] = r
     builds = {(b["model"], b["variant"]): b for b in results.get("engine_builds", [])}
-    for entry in results["recipes"]:
+    for entry in _entries(results):
         key = (entry["model"], entry["name"], entry["session"]["provider"])
         label = f"{entry['model']}/{entry['name']}"[:24]
         prov = _short(key[2])
@@ -701,7 +716,7 @@ def render_report(results: dict) -> str:
         lines.append(f"| {b['model']} | {b['variant']} | {b['status']} | {_fmt(b.get('engine_build_s'), '.2f')} |")
     lines += ["", "## Accuracy against FP32 on the same provider", "",
               "| model | variant | provider | status | PPL ratio | KL mean | KL p99 | top-1 |", "|---|---|---|---|---|---|---|---|"]
-    for e in results["recipes"]:
+    for e in _entries(results):
         a = e.get("accuracy", {})
         lines.append(f"| {e['model']} | {e['name']} | {_short(e['session']['provider'])} | "
                      f"{a.get('status', e.get('status'))} | {_fmt(a.get('ppl_ratio'), '.4f')} | "

@@ -87,6 +87,7 @@ def test_no_gpu_path_end_to_end(zoo, work, tmp_path, no_gpu):
             assert row["status"] == "measured" and row["p50_ms"] > 0 and row["node_providers"] == {CPU: row["node_providers"][CPU]}
         else:
             assert row["status"] == f"not measured: {NO_GPU}" and not TIMING_KEYS & set(row)
+    assert {e["name"] for e in results["references"]} == {FP32} and FP32 not in {e["name"] for e in results["recipes"]}
     cpu_acc = {e["name"]: e["accuracy"] for e in results["recipes"] if e["session"]["provider"] == CPU}
     assert cpu_acc[INT8]["status"] == "measured" and 0.5 < cpu_acc[INT8]["ppl_ratio"] < 2
     assert all(e["accuracy"]["status"] == f"not measured: {NO_GPU}"
