@@ -13,7 +13,8 @@
 #                CUDA provider; pip gives up after one try when there is no registry
 # --no-install   never install; use what is importable
 # --download DIR fill DIR with every wheel the GPU run needs (not torch: the GPU machine has one),
-#                split those over 60 MB into parts for transfers limited to 64 MiB, and exit
+#                split those over 60 MiB into parts for transfers limited to 64 MiB, and exit
+# --split DIR    only the splitting, for a folder filled by hand
 #
 # The packages go into a virtual environment (.gpu-venv, --system-site-packages) so the
 # preinstalled PyTorch is reused and a preinstalled CPU onnxruntime is shadowed, not removed.
@@ -30,15 +31,18 @@ ORT_GPU="${ORT_GPU_SPEC:-onnxruntime-gpu[cuda,cudnn]==1.31.1}"
 # libonnxruntime_providers_tensorrt.so): TensorRT 10, not 11. The -libs wheel carries them; the
 # `tensorrt-cu13` package is only a wrapper around it and the Python bindings, which ORT does not use.
 TRT_PKGS=("${TRT_SPEC:-tensorrt-cu13-libs>=10.13,<11}")
-PART_SIZE=60M
+# Transfers to the GPU machine are limited to 64 MiB per file: bigger wheels travel as parts.
+PART_SIZE="${GPU_PART_SIZE:-60M}"
+SPLIT_OVER="${GPU_SPLIT_OVER:-$((60 * 1024 * 1024))}"
 
-mode=auto wheels="" download="" pyver="" args=()
+mode=auto wheels="" download="" split_dir="" pyver="" args=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --wheels) wheels="$2"; mode=offline; shift 2 ;;
     --online) mode=online; shift ;;
     --no-install) mode=none; shift ;;
     --download) download="$2"; shift 2 ;;
+    --split) split_dir="$2"; shift 2 ;;
     --python-version) pyver="$2"; shift 2 ;;
     -h|--help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; echo; exec "$PY" -m quantnorm.gpu_bench --help ;;
     *) args+=("$1"); shift ;;
@@ -59,6 +63,37 @@ for spec in re.findall(r'"([^"]+)"', block):
 EOF
 }
 
+# NAME.whl (over SPLIT_OVER bytes) -> NAME.whl.sha256 + NAME.whl.part-aa, -ab, ...
+split_big() {
+  local whl
+  for whl in "$1"/*.whl; do
+    [[ -e "$whl" ]] || continue
+    if [[ $(stat -c %s "$whl") -gt $SPLIT_OVER ]]; then
+      (cd "$1" && sha256sum "$(basename "$whl")" > "$(basename "$whl").sha256") \
+        && split -b "$PART_SIZE" "$whl" "$whl.part-" && rm "$whl"
+    fi
+  done
+}
+
+# NAME.whl.part-* -> NAME.whl, checked against NAME.whl.sha256 (removed when it does not match)
+join_parts() {
+  local first whl
+  for first in "$1"/*.whl.part-aa; do
+    [[ -e "$first" ]] || continue
+    whl="${first%.part-aa}"
+    [[ -f "$whl" ]] || { cat "$whl".part-* > "$whl.tmp" && mv "$whl.tmp" "$whl"; }
+    if [[ -f "$whl.sha256" ]] && ! (cd "$1" && sha256sum -c --quiet "$(basename "$whl").sha256"); then
+      echo "gpu.sh: $whl does not match its checksum (a part is missing or damaged); removing it" >&2
+      rm -f "$whl"
+    fi
+  done
+}
+
+if [[ -n "$split_dir" ]]; then
+  split_big "$split_dir"
+  exit 0
+fi
+
 if [[ -n "$download" ]]; then
   mkdir -p "$download"
   plat=()
@@ -73,13 +108,7 @@ if [[ -n "$download" ]]; then
     || echo "gpu.sh: TensorRT wheels not downloaded: the TensorRT rows will read not measured" >&2
   "$PY" -m pip download --only-binary=:all: "${plat[@]}" -d "$download" "${deps[@]}" setuptools wheel
   set +e
-  # Transfers are limited to 64 MiB per file: split the big wheels, keep a checksum to verify the join.
-  for whl in "$download"/*.whl; do
-    if [[ $(stat -c %s "$whl") -gt $((60 * 1024 * 1024)) ]]; then
-      (cd "$download" && sha256sum "$(basename "$whl")" > "$(basename "$whl").sha256")
-      split -b "$PART_SIZE" "$whl" "$whl.part-" && rm "$whl"
-    fi
-  done
+  split_big "$download"
   echo "gpu.sh: $download holds $(ls "$download" | wc -l) files, $(du -sh "$download" | cut -f1); copy it to the GPU machine and run: bash benchmarks/gpu.sh --wheels DIR"
   exit 0
 fi
@@ -100,18 +129,7 @@ failed=()
 if [[ "$mode" != none ]]; then
   if [[ "$mode" == offline ]]; then
     [[ -d "$wheels" ]] || { echo "gpu.sh: --wheels $wheels is not a directory" >&2; exit 2; }
-    # Join parts (NAME.whl.part-aa, -ab, ...) into NAME.whl and verify it.
-    for first in "$wheels"/*.whl.part-aa; do
-      [[ -e "$first" ]] || continue
-      whl="${first%.part-aa}"
-      if [[ ! -f "$whl" ]]; then
-        cat "$whl".part-* > "$whl.tmp" && mv "$whl.tmp" "$whl"
-      fi
-      if [[ -f "$whl.sha256" ]] && ! (cd "$wheels" && sha256sum -c --quiet "$(basename "$whl").sha256"); then
-        echo "gpu.sh: $whl does not match its checksum (a part is missing or damaged); removing it" >&2
-        rm -f "$whl"
-      fi
-    done
+    join_parts "$wheels"
     PIP_SRC=(--no-index --find-links "$wheels")
   else
     PIP_SRC=(--retries 0 --timeout 15)

@@ -189,3 +189,54 @@ def test_config_errors_are_one_line(tmp_path, no_gpu):
 def test_gpu_sh_parses():
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu.sh"
     assert subprocess.run(["bash", "-n", str(script)], check=False).returncode == 0
+
+
+def _dummy_wheel(folder: Path) -> Path:
+    """A minimal pure-Python wheel (qn-dummy 1.0) with an incompressible payload, a few KB."""
+    import os
+    import zipfile
+
+    whl = folder / "qn_dummy-1.0-py3-none-any.whl"
+    files = {"qn_dummy/__init__.py": "VALUE = 42\n", "qn_dummy/payload.bin": os.urandom(3000).hex(),
+             "qn_dummy-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: qn-dummy\nVersion: 1.0\n",
+             "qn_dummy-1.0.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                                             "Tag: py3-none-any\n"}
+    files["qn_dummy-1.0.dist-info/RECORD"] = "".join(f"{name},,\n" for name in files) + \
+        "qn_dummy-1.0.dist-info/RECORD,,\n"
+    with zipfile.ZipFile(whl, "w", zipfile.ZIP_DEFLATED) as z:
+        for name, text in files.items():
+            z.writestr(name, text)
+    return whl
+
+
+def test_gpu_sh_offline_install_joins_split_wheels(tmp_path):
+    """--split cuts a wheel into parts with a checksum, --wheels joins and installs them offline
+    into the venv; a damaged part is refused by name, and the run goes on either way."""
+    import os
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu.sh"
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    whl = _dummy_wheel(wheels)
+    env = {**os.environ, "PYTHON": sys.executable, "GPU_VENV": str(tmp_path / "venv"), "GPU_SPLIT_OVER": "1000",
+           "GPU_PART_SIZE": "1500", "ORT_GPU_SPEC": "qn-dummy==1.0", "TRT_SPEC": "qn-dummy"}
+    subprocess.run(["bash", str(script), "--split", str(wheels)], env=env, check=True)
+    parts = sorted(p.name for p in wheels.glob("*.part-*"))
+    assert not whl.exists() and len(parts) >= 2 and (wheels / f"{whl.name}.sha256").is_file()
+
+    # --providers cuda makes gpu_bench stop at once with a config error (exit 2): install only.
+    run = subprocess.run(["bash", str(script), "--wheels", str(wheels), "--providers", "cuda"], env=env,
+                         capture_output=True, text=True)
+    assert run.returncode == 2 and "CPU provider is the reference" in run.stderr, run.stderr
+    assert whl.is_file() and "could not install" not in run.stderr
+    venv_python = tmp_path / "venv" / "bin" / "python"
+    assert subprocess.run([str(venv_python), "-c", "import qn_dummy; assert qn_dummy.VALUE == 42"]).returncode == 0
+
+    whl.unlink()
+    damaged = wheels / parts[0]
+    damaged.write_bytes(b"x" + damaged.read_bytes()[1:])
+    run = subprocess.run(["bash", str(script), "--wheels", str(wheels), "--providers", "cuda"], env=env,
+                         capture_output=True, text=True)
+    assert "does not match its checksum" in run.stderr and not whl.exists()
+    assert run.returncode == 2  # the benchmark still ran (and stopped on its own config error)
