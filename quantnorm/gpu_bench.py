@@ -337,6 +337,8 @@ def _fp16_variant(fp32_path: Path, out: Path, convert) -> Variant:
 def prepare_extra(cfg: GpuBenchConfig) -> list[ModelGroup]:
     """The ``--onnx`` files, grouped by directory: a group's FP32 file is its reference, and an
     FP16 copy of it is made in the work directory. INT8 files are measured as given."""
+    import onnx
+
     from .quantize.fp16 import convert_fp16
 
     groups: dict[Path, list[Path]] = {}
@@ -361,23 +363,41 @@ def prepare_extra(cfg: GpuBenchConfig) -> list[ModelGroup]:
             if p != fp32:
                 variants.append(Variant(f"{INT8}:{p.name}", p))
         seq, inputs, targets, what = _extra_windows(fp32 or paths[0], windows, cfg)
+        output = onnx.load(str(fp32 or paths[0]), load_external_data=False).graph.output[0].name
         out.append(ModelGroup(name, tuple(variants), inputs, targets, what, seq,
-                              section={"source": "onnx", "files": [_rel(p) for p in paths]}))
+                              section={"source": "onnx", "files": [_rel(p) for p in paths], "output": output}))
     return out
 
 
-def _load_windows(path: Path) -> np.ndarray:
+def _load_windows(path: Path) -> tuple[np.ndarray, np.ndarray | None]:
+    """``--windows``: a .npz with ``inputs`` [n, seq] (and ``targets`` of the same shape: the
+    source's own protocol windows, e.g. quantnorm.hf.data's eval_inputs/eval_targets), or a .npy
+    of token windows [n, seq + 1] whose next tokens are the targets."""
     try:
-        arr = np.load(path)
+        loaded = np.load(path)
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"--windows {path}: cannot read a .npy array ({exc})") from exc
-    if arr.ndim != 2 or not np.issubdtype(arr.dtype, np.integer) or arr.shape[1] < 2:
-        raise ConfigError(f"--windows {path}: need an integer array [windows, seq >= 2], got {arr.dtype} {arr.shape}")
-    return arr.astype(np.int64)
+        raise ConfigError(f"--windows {path}: cannot read a .npy/.npz array ({exc})") from exc
+    if isinstance(loaded, np.lib.npyio.NpzFile):
+        if "inputs" not in loaded:
+            raise ConfigError(f"--windows {path}: a .npz needs an 'inputs' array (and optionally 'targets')")
+        inputs = loaded["inputs"]
+        targets = loaded["targets"] if "targets" in loaded else None
+    else:
+        if loaded.ndim != 2 or loaded.shape[1] < 2:
+            raise ConfigError(f"--windows {path}: need token windows [windows, seq >= 2], got shape {loaded.shape}")
+        inputs, targets = loaded[:, :-1], loaded[:, 1:]
+    for name, arr in (("inputs", inputs), ("targets", targets)):
+        if arr is None:
+            continue
+        if arr.ndim != 2 or not np.issubdtype(arr.dtype, np.integer) or 0 in arr.shape:
+            raise ConfigError(f"--windows {path}: {name} must be integer [windows, seq], got {arr.dtype} {arr.shape}")
+    if targets is not None and targets.shape != inputs.shape:
+        raise ConfigError(f"--windows {path}: targets {targets.shape} differ from inputs {inputs.shape}")
+    return inputs.astype(np.int64), None if targets is None else targets.astype(np.int64)
 
 
-def _extra_windows(path: Path, windows: np.ndarray | None, cfg: GpuBenchConfig):
-    """Token windows for an extra model: ``--windows`` (next-token targets, so perplexity too), else
+def _extra_windows(path: Path, windows: tuple[np.ndarray, np.ndarray | None] | None, cfg: GpuBenchConfig):
+    """Token windows for an extra model: ``--windows`` (with targets, so perplexity too), else
     seeded random tokens inside the vocabulary (agreement only: random text has no perplexity)."""
     import onnx
 
@@ -390,8 +410,9 @@ def _extra_windows(path: Path, windows: np.ndarray | None, cfg: GpuBenchConfig):
     in_dims = dims(graph.input[0])
     seq_dim = in_dims[1] if len(in_dims) > 1 else None
     if windows is not None:
-        w = windows[: cfg.eval_windows]
-        return w.shape[1] - 1, w[:, :-1], w[:, 1:], f"{len(w)} token windows from {cfg.windows} (next-token targets)"
+        inputs, targets = (None if a is None else a[: cfg.eval_windows] for a in windows)
+        what = "with their targets" if targets is not None else "(no targets: KL and top-1 only)"
+        return inputs.shape[1], inputs, targets, f"{len(inputs)} token windows from {cfg.windows} {what}"
     seq = seq_dim if isinstance(seq_dim, int) else cfg.context
     high = vocab if isinstance(vocab, int) else 256
     ids = np.random.default_rng(0).integers(0, high, size=(min(cfg.eval_windows, 16), seq), dtype=np.int64)
@@ -425,10 +446,13 @@ def token_agreement(ref, other, inputs: np.ndarray, targets: np.ndarray | None, 
     return out
 
 
-def measure_accuracy(group: ModelGroup, variant: Variant, ref_spec: SessionSpec, spec: SessionSpec,
-                     cpu_reference: dict | None = None) -> dict:
+def measure_accuracy(group: ModelGroup, variant: Variant, ref_spec: SessionSpec, spec: SessionSpec) -> dict:
     """The variant against the FP32 model on the same provider: ``{"status": "measured", ...}``,
     ``not measured: <why>`` (the provider refused) or ``broken: <why>`` (e.g. non-finite logits)."""
+    output = group.section.get("output", "logits")
+    if output != "logits":
+        # An encoder's first output is a hidden state: a softmax over it would be a number, not a metric.
+        return {"status": NOT_MEASURED + f"the model's first output is {output!r}, not next-token logits"}
     try:
         ref = make_session(group.variant(FP32).path, ref_spec)
         sess = make_session(variant.path, spec)
@@ -739,7 +763,8 @@ def _cli():
     @click.option("--onnx", "extra", multiple=True, type=click.Path(path_type=Path, exists=True, dir_okay=False),
                   help="Extra ONNX model (a run directory's model.fp32.onnx or model.int8.*.onnx); repeatable.")
     @click.option("--windows", type=click.Path(path_type=Path, exists=True, dir_okay=False), default=None,
-                  help="Token windows (.npy int64 [n, seq]) for the --onnx models' accuracy. [default: random tokens]")
+                  help="Token windows for the --onnx models' accuracy: .npz with inputs (and targets) [n, seq], or "
+                       ".npy [n, seq+1] (next tokens are the targets). [default: random tokens, no perplexity]")
     @click.option("--no-zoo", is_flag=True, help="Measure only the --onnx models.")
     @click.option("--providers", default="cpu,cuda,tensorrt", show_default=True, help="Comma-separated.")
     @click.option("--batches", default="1,8,32", show_default=True, help="Batch sizes.")

@@ -172,13 +172,24 @@ def test_extra_onnx_models_on_random_tokens(zoo, tmp_path):
     assert acc["status"] == "measured" and 0 <= acc["top1_agreement"] <= 1 and "ppl_ratio" not in acc
     assert all(r.measured for r in rows)
 
-    # With --windows the targets are the next tokens, so the perplexity ratio is measured too.
+    # With --windows (a .npy: next tokens are the targets) the perplexity ratio is measured too.
     np.save(tmp_path / "windows.npy", group.inputs)
     (g,) = prepare_extra(replace(extra, windows=tmp_path / "windows.npy"))
     assert g.seq == group.inputs.shape[1] - 1
     accuracy, _, _ = measure_group(g, replace(extra, batches=(1,)), {CPU: None}, Budget(1e9), tmp_path)
     acc = accuracy[-1]["accuracy"]
     assert acc["status"] == "measured" and 0.5 < acc["ppl_ratio"] < 2
+
+    # A .npz carries the source's own protocol windows: on the zoo's they give compare's numbers.
+    np.savez(tmp_path / "windows.npz", inputs=group.inputs, targets=group.targets)
+    (g,) = prepare_extra(replace(extra, windows=tmp_path / "windows.npz"))
+    assert g.seq == group.inputs.shape[1] and (g.targets == group.targets).all()
+    accuracy, _, _ = measure_group(g, replace(extra, batches=(1,)), {CPU: None}, Budget(1e9), tmp_path)
+    zoo_acc, _, _ = measure_group(group, replace(cfg, providers=("cpu",), batches=(1,)), {CPU: None}, Budget(1e9),
+                                  tmp_path)
+    mine, theirs = accuracy[-1]["accuracy"], next(e for e in zoo_acc if e["name"] == INT8)["accuracy"]
+    for key in ("ppl_fp32", "ppl_int8", "ppl_ratio", "kld_mean", "top1_agreement"):
+        assert mine[key] == pytest.approx(theirs[key], rel=1e-6), key
 
 
 def test_config_errors_are_one_line(tmp_path, no_gpu):
