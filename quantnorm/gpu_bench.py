@@ -518,7 +518,9 @@ def measure_group(group: ModelGroup, cfg: GpuBenchConfig, reasons: dict[str, str
     builds: list[dict] = []
     fp32 = group.variant(FP32)
     max_batch = max(cfg.batches)
-    for provider in cfg.providers:
+    # GPU providers first: when the budget runs out, it is the CPU reference that is cut, not
+    # the numbers the lease was for.
+    for provider in sorted(cfg.providers, key=lambda p: p == CPU):
         base_spec = SessionSpec(provider=provider)
         specs: dict[str, SessionSpec] = {}
         for variant in group.variants:
