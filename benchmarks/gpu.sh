@@ -18,7 +18,8 @@
 #
 # The packages go into a virtual environment (.gpu-venv, --system-site-packages) so the
 # preinstalled PyTorch is reused and a preinstalled CPU onnxruntime is shadowed, not removed.
-# A package that cannot be installed is reported and skipped: its provider's rows then read
+# The benchmark runs in the repository root: relative paths given to it (--out, --onnx, --windows)
+# are read from there. A package that cannot be installed is reported and skipped: its rows read
 # "not measured: <why>", and the rest is still measured. Without a GPU every GPU row says
 # "not measured: no CUDA device" and the script exits 0.
 set -uo pipefail
@@ -38,13 +39,14 @@ SPLIT_OVER="${GPU_SPLIT_OVER:-$((60 * 1024 * 1024))}"
 mode=auto wheels="" download="" split_dir="" pyver="" args=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    --wheels) wheels="$2"; mode=offline; shift 2 ;;
+    --wheels) wheels="$(realpath -m "$2")"; mode=offline; shift 2 ;;
     --online) mode=online; shift ;;
     --no-install) mode=none; shift ;;
-    --download) download="$2"; shift 2 ;;
-    --split) split_dir="$2"; shift 2 ;;
+    --download) download="$(realpath -m "$2")"; shift 2 ;;
+    --split) split_dir="$(realpath -m "$2")"; shift 2 ;;
     --python-version) pyver="$2"; shift 2 ;;
-    -h|--help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; echo; exec "$PY" -m quantnorm.gpu_bench --help ;;
+    -h|--help) sed -n '2,/^set -uo/p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'; echo
+               cd "$REPO" && PYTHONPATH="$REPO" exec "$PY" -m quantnorm.gpu_bench --help ;;
     *) args+=("$1"); shift ;;
   esac
 done
