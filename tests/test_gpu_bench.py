@@ -251,3 +251,46 @@ def test_gpu_sh_offline_install_joins_split_wheels(tmp_path):
                          capture_output=True, text=True)
     assert "does not match its checksum" in run.stderr and not whl.exists()
     assert run.returncode == 2  # the benchmark still ran (and stopped on its own config error)
+
+
+def test_gpu_code_path_with_a_pretend_gpu(zoo, tmp_path, monkeypatch):
+    """The measured-GPU path (engine builds, simulated-INT8 labels, the table) run on the CPU by a
+    fake that claims to be the provider asked for; it records the TensorRT options it was given.
+    Only this test pretends: nothing it produces is written anywhere a report would be read."""
+    cfg, group = zoo
+    seen: list = []
+    real = ort.InferenceSession
+
+    class Pretend:
+        def __init__(self, path, sess_options=None, providers=None, **kwargs):
+            first = providers[0]
+            self._name = first[0] if isinstance(first, tuple) else first
+            seen.append(first)
+            self._session = real(path, sess_options, providers=[CPU])
+
+        def get_providers(self):
+            return [self._name, CPU]
+
+        def __getattr__(self, name):
+            return getattr(self._session, name)
+
+    monkeypatch.setattr(sessions, "provider_status", lambda provider: None)
+    monkeypatch.setattr(latency, "provider_status", lambda provider: None)
+    monkeypatch.setattr(sessions.ort, "InferenceSession", Pretend)
+    accuracy, rows, builds = measure_group(group, cfg, {CPU: None, CUDA: None, TENSORRT: None}, Budget(1e9),
+                                           tmp_path)
+    assert all(r.measured for r in rows)
+    assert {r.variant for r in rows if r.simulated_int8} == {INT8}
+    assert all(r.provider == CUDA for r in rows if r.simulated_int8)
+    assert [b["variant"] for b in builds] == [FP32, FP16, INT8]
+    assert all(b["status"] == "measured" and b["engine_build_s"] > 0 for b in builds)
+    trt = [dict(opts) for name, opts in (s for s in seen if isinstance(s, tuple))]
+    assert any(o.get("trt_int8_enable") == "True" for o in trt) and any(o.get("trt_fp16_enable") == "True" for o in trt)
+    assert all(e["accuracy"]["status"] == "measured" for e in accuracy)
+    results = {"settings": {"batches": list(cfg.batches)}, "engine_builds": builds, "models": [{"name": "zoo"}],
+               "references": [e for e in accuracy if e["name"] == FP32],
+               "recipes": [e for e in accuracy if e["name"] != FP32],
+               "latency": [{"model": group.name, **r.to_dict()} for r in rows]}
+    table = summary_table(results)
+    assert len(table) == 2 + 9 and not any("not measured" in line for line in table)
+    assert sum("(simulated INT8)" in line for line in table) == 1
