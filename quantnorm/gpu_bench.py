@@ -290,17 +290,24 @@ class ModelGroup:
 def prepare_zoo(cfg: GpuBenchConfig) -> ModelGroup:
     """Train (when absent), export and make the FP16 and INT8 variants of the zoo model."""
     from .calibration import calibration_windows
-    from .cli import build_run_config
-    from .data import evaluation_windows, prepare_data
+    from .data import DataConfig, evaluation_windows, prepare_data
     from .evaluate import ensure_trained
     from .export import export_onnx
     from .hardware import cpu_has_vnni
+    from .models import ModelConfig
     from .quantize import get_recipe, quantize
     from .quantize.fp16 import convert_fp16
-    from .train import load_model
+    from .train import RunConfig, TrainConfig, load_model
 
-    run = build_run_config(cfg.placement, cfg.norm, cfg.layers, cfg.d_model, cfg.heads, cfg.context, cfg.steps,
-                           cfg.train_batch, 3e-3, None, 0, "builtin:pydoc")
+    # The CLI's defaults (lr, seed, corpus; warm-up min(30, steps/4)), built here: no import of the cli.
+    train_defaults = TrainConfig()
+    run = RunConfig(
+        model=ModelConfig(placement=cfg.placement, norm=cfg.norm, n_layers=cfg.layers, d_model=cfg.d_model,
+                          n_heads=cfg.heads, context=cfg.context),
+        train=TrainConfig(steps=cfg.steps, batch_size=cfg.train_batch,
+                          warmup=min(train_defaults.warmup, cfg.steps // 4)),
+        data=DataConfig(),
+    )
     data = prepare_data(run.data, run.model.context)
     work = Path(cfg.work_dir)
     run_dir = ensure_trained(run, work, data, cfg.progress)
