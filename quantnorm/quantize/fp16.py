@@ -18,7 +18,10 @@ Values outside the float16 range are clipped to +-65504 when weights are convert
 that large is a bug anyway); *activations* are not: a model whose activations pass 65504
 (Gemma 3's massive activations, PITFALLS.md 15) produces inf, which the accuracy check reports.
 Note that ORT's CPU provider computes many float16 ops in float32 (PITFALLS.md 13): an overflow
-shows only on a GPU.
+shows only on a GPU. Everything float becomes float16, the position arithmetic too: a
+``Cast(to=FLOAT)`` of integer positions (rotary embeddings) turns into float16, exact up to 2048
+and coarser past it; a tiny Llama exported by the dynamo exporter kept max |delta logit| 3.5e-4
+at 64 tokens on the CPU provider.
 """
 
 from __future__ import annotations
