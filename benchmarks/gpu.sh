@@ -16,17 +16,18 @@
 #                split those over 60 MiB into parts for transfers limited to 64 MiB, and exit
 # --split DIR    only the splitting, for a folder filled by hand
 #
-# The packages go into a virtual environment (.gpu-venv, --system-site-packages) so the
-# preinstalled PyTorch is reused and a preinstalled CPU onnxruntime is shadowed, not removed.
+# Only what is missing is installed, into .gpu-site/ (first on PYTHONPATH): the preinstalled
+# PyTorch and CUDA libraries are reused, a preinstalled CPU onnxruntime is shadowed, not removed.
 # The benchmark runs in the repository root: relative paths given to it (--out, --onnx, --windows)
 # are read from there. A package that cannot be installed is reported and skipped: its rows read
 # "not measured: <why>", and the rest is still measured. Without a GPU every GPU row says
 # "not measured: no CUDA device" and the script exits 0.
 set -uo pipefail
+export PIP_ROOT_USER_ACTION=ignore  # root is the norm on GPU nodes; the target folder is ours
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${PYTHON:-python3}"
-VENV="${GPU_VENV:-$REPO/.gpu-venv}"
+SITE="$(realpath -m "${GPU_SITE:-$REPO/.gpu-site}")"
 ORT_GPU="${ORT_GPU_SPEC:-onnxruntime-gpu[cuda,cudnn]==1.31.1}"
 # ORT 1.31.1's TensorRT provider links libnvinfer.so.10 and libnvonnxparser.so.10 (readelf -d
 # libonnxruntime_providers_tensorrt.so): TensorRT 10, not 11. The -libs wheel carries them; the
@@ -116,17 +117,39 @@ if [[ -n "$download" ]]; then
 fi
 
 gpu_visible() { command -v nvidia-smi >/dev/null && nvidia-smi -L 2>/dev/null | grep -q GPU; }
-has_cuda_ep() { "$1" -c "import onnxruntime as o, sys; sys.exit('CUDAExecutionProvider' not in o.get_available_providers())" 2>/dev/null; }
+has_cuda_ep() {
+  PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" "$PY" -c \
+    "import onnxruntime as o, sys; sys.exit('CUDAExecutionProvider' not in o.get_available_providers())" 2>/dev/null
+}
 
 if [[ "$mode" == auto ]]; then
-  if gpu_visible && ! has_cuda_ep "$PY" && ! { [[ -x "$VENV/bin/python" ]] && has_cuda_ep "$VENV/bin/python"; }; then
-    mode=online
-  else
-    mode=none
-  fi
+  if gpu_visible && ! has_cuda_ep; then mode=online; else mode=none; fi
 fi
 
-RUN_PY="$PY"
+# Install what is missing into a target folder ($SITE) put first on PYTHONPATH: pip resolves
+# against the interpreter's own packages (a dry run reports what is missing), and only that is
+# installed, without dependencies. So the preinstalled PyTorch and CUDA libraries are reused, a
+# preinstalled CPU onnxruntime is shadowed (not removed), and nothing outside $SITE changes;
+# this works the same when python3 is itself a virtual environment.
+missing() {
+  "$PY" -m pip install -q --disable-pip-version-check "${PIP_SRC[@]}" --dry-run --report - "$@" | "$PY" -c '
+import json, sys
+for item in json.load(sys.stdin).get("install", []):
+    meta = item["metadata"]
+    print(meta["name"] + "==" + meta["version"])'
+}
+install_missing() {  # label, specs...
+  local label="$1" need
+  shift
+  if ! need="$(PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" missing "$@")"; then
+    failed+=("$label"); return
+  fi
+  [[ -z "$need" ]] && return
+  mapfile -t need <<< "$need"
+  "$PY" -m pip install -q --disable-pip-version-check "${PIP_SRC[@]}" --no-deps --upgrade --no-compile \
+    --target "$SITE" "${need[@]}" || failed+=("$label")
+}
+
 failed=()
 if [[ "$mode" != none ]]; then
   if [[ "$mode" == offline ]]; then
@@ -136,21 +159,18 @@ if [[ "$mode" != none ]]; then
   else
     PIP_SRC=(--retries 0 --timeout 15)
   fi
-  if [[ ! -x "$VENV/bin/python" ]]; then
-    "$PY" -m venv --system-site-packages "$VENV" || { echo "gpu.sh: cannot create $VENV" >&2; exit 2; }
-  fi
-  RUN_PY="$VENV/bin/python"
-  pip_install() { "$RUN_PY" -m pip install -q --disable-pip-version-check "${PIP_SRC[@]}" "$@"; }
+  mkdir -p "$SITE"
   # One package set at a time: what fails is named and skipped, the rest is still installed.
   mapfile -t deps < <(project_deps)
-  pip_install "${deps[@]}" || failed+=("quantnorm's dependencies")
-  pip_install "$ORT_GPU" || failed+=("$ORT_GPU")
-  pip_install "${TRT_PKGS[@]}" || failed+=("${TRT_PKGS[*]}")
+  install_missing "quantnorm's dependencies" "${deps[@]}"
+  install_missing "$ORT_GPU" "$ORT_GPU"
+  install_missing "${TRT_PKGS[*]}" "${TRT_PKGS[@]}"
 fi
+export PYTHONPATH="$REPO:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 
 # The CUDA, cuDNN and TensorRT libraries that pip wheels put under site-packages: on the loader
 # path before onnxruntime starts (its providers dlopen them by soname).
-libdirs="$("$RUN_PY" - <<'EOF'
+libdirs="$("$PY" - <<'EOF'
 import glob, os, site, sys
 roots = [p for p in sys.path if p.endswith("site-packages")] + site.getsitepackages()
 dirs = []
@@ -168,4 +188,4 @@ done
 cd "$REPO"
 # What this script did, for results.json (and the reason of a provider that then cannot load).
 export QUANTNORM_GPU_INSTALL="mode=$mode;failed=$(IFS='|'; echo "${failed[*]}")"
-PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" exec "$RUN_PY" -m quantnorm.gpu_bench "${args[@]}"
+exec "$PY" -m quantnorm.gpu_bench "${args[@]}"
