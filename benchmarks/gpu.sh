@@ -52,16 +52,18 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 
-# The project's runtime dependencies from pyproject.toml, less torch (preinstalled on the GPU
-# machine; a registry would pull a multi-GB build) and onnxruntime (the GPU build is installed).
+# What the benchmark imports besides torch (preinstalled on the GPU machine; a registry would pull
+# a multi-GB build) and onnxruntime (the GPU build comes next), with pyproject.toml's version
+# ranges. The rest of quantnorm's dependencies (neural-compressor, matplotlib, ...) serve other
+# commands and are not needed here.
 project_deps() {
   "$PY" - "$REPO/pyproject.toml" <<'EOF'
 import re, sys
+needed = {"onnx", "onnxscript", "numpy", "click", "safetensors", "tqdm"}
 text = open(sys.argv[1], encoding="utf-8").read()
 block = re.search(r"^dependencies = \[(.*?)^\]", text, re.S | re.M).group(1)
 for spec in re.findall(r'"([^"]+)"', block):
-    name = re.split(r"[ <>=!;\[]", spec, maxsplit=1)[0].lower()
-    if name not in ("torch", "onnxruntime", "onnxruntime-gpu"):
+    if re.split(r"[ <>=!~;\[]", spec, maxsplit=1)[0].lower() in needed:
         print(spec)
 EOF
 }
@@ -109,7 +111,7 @@ if [[ -n "$download" ]]; then
   "$PY" -m pip download --only-binary=:all: "${plat[@]}" -d "$download" "$ORT_GPU"
   "$PY" -m pip download --only-binary=:all: "${plat[@]}" -d "$download" "${TRT_PKGS[@]}" \
     || echo "gpu.sh: TensorRT wheels not downloaded: the TensorRT rows will read not measured" >&2
-  "$PY" -m pip download --only-binary=:all: "${plat[@]}" -d "$download" "${deps[@]}" setuptools wheel
+  "$PY" -m pip download --only-binary=:all: "${plat[@]}" -d "$download" "${deps[@]}"
   set +e
   split_big "$download"
   echo "gpu.sh: $download holds $(ls "$download" | wc -l) files, $(du -sh "$download" | cut -f1); copy it to the GPU machine and run: bash benchmarks/gpu.sh --wheels DIR"
@@ -162,7 +164,7 @@ if [[ "$mode" != none ]]; then
   mkdir -p "$SITE"
   # One package set at a time: what fails is named and skipped, the rest is still installed.
   mapfile -t deps < <(project_deps)
-  install_missing "quantnorm's dependencies" "${deps[@]}"
+  install_missing "the benchmark's Python dependencies (${deps[*]})" "${deps[@]}"
   install_missing "$ORT_GPU" "$ORT_GPU"
   install_missing "${TRT_PKGS[*]}" "${TRT_PKGS[@]}"
 fi

@@ -202,8 +202,10 @@ def provider_reasons(providers: tuple[str, ...], install: dict | None = None) ->
             reasons[p] = NO_GPU
             continue
         reason = provider_status(p)
-        if reason is not None and failed:
-            reason += f" (gpu.sh could not install: {', '.join(failed)})"
+        # Only the packages this provider loads: onnxruntime-gpu for both, TensorRT's for TensorRT.
+        relevant = [f for f in failed if "onnxruntime" in f or (p == TENSORRT and "tensorrt" in f)]
+        if reason is not None and relevant:
+            reason += f" (gpu.sh could not install: {', '.join(relevant)})"
         reasons[p] = reason
     return reasons
 

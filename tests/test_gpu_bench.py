@@ -293,3 +293,16 @@ def test_gpu_code_path_with_a_pretend_gpu(zoo, tmp_path, monkeypatch):
     table = summary_table(results)
     assert len(table) == 2 + 9 and not any("not measured" in line for line in table)
     assert sum("(simulated INT8)" in line for line in table) == 1
+
+
+def test_install_failures_are_named_in_the_reason_of_their_provider(monkeypatch):
+    monkeypatch.setenv(gpu_bench.INSTALL_ENV, "mode=offline;failed=tensorrt-cu13-libs>=10.13,<11|numpy>=1.26")
+    monkeypatch.setattr(hardware, "gpu_device_present", lambda: True)
+    monkeypatch.setattr(gpu_bench, "_preload_gpu_libraries", lambda: None)
+    monkeypatch.setattr(gpu_bench, "provider_status",
+                        lambda p: None if p in (CPU, CUDA) else "TensorRT provider failed to load (missing library)")
+    install = gpu_bench.install_section()
+    assert install == {"mode": "offline", "failed": ["tensorrt-cu13-libs>=10.13,<11", "numpy>=1.26"]}
+    reasons = gpu_bench.provider_reasons((CPU, CUDA, TENSORRT), install)
+    assert reasons[CPU] is None and reasons[CUDA] is None
+    assert reasons[TENSORRT].endswith("(gpu.sh could not install: tensorrt-cu13-libs>=10.13,<11)")
