@@ -63,7 +63,7 @@ INSTALL_ENV = "QUANTNORM_GPU_INSTALL"
 LIBRARY_DISTS = ("onnxruntime-gpu", "onnxruntime", "torch", "onnx", "tensorrt", "tensorrt-cu13", "tensorrt-cu13-libs",
                  "tensorrt-cu13-bindings", "tensorrt-cu12", "tensorrt-cu12-libs", "nvidia-cudnn-cu13",
                  "nvidia-cudnn-cu12", "nvidia-cublas", "nvidia-cublas-cu12", "nvidia-cuda-runtime",
-                 "nvidia-cuda-runtime-cu12", "nvidia-curand", "nvidia-curand-cu12", "nvidia-cufft")
+                 "nvidia-cuda-runtime-cu12", "nvidia-cuda-nvrtc", "nvidia-curand", "nvidia-curand-cu12", "nvidia-cufft")
 
 
 @dataclass(frozen=True)
@@ -83,12 +83,14 @@ class GpuBenchConfig:
     batches: tuple[int, ...] = (1, 8, 32)
     iters: int = 50
     warmup: int = 10
+    cpu_iters: int = 20                      # the CPU reference is slow at batch 32 and not what the lease is for
+    cpu_warmup: int = 3
     eval_windows: int = 64
     calib_samples: int = 32
     int8_recipe: str = "static-minmax-matmul-symact"
     providers: tuple[str, ...] = ("cpu", "cuda", "tensorrt")
     extra_onnx: tuple[Path, ...] = ()
-    windows: Path | None = None              # token windows (.npy, int64 [n, seq]) for the extra models
+    windows: Path | None = None              # token windows (.npz inputs/targets or .npy) for the extra models
     budget_s: float = 330.0                  # soft limit on the whole run: cells past it are "not measured"
     progress: bool = True
     zoo: bool = True                         # measure the zoo model (off: only --onnx models)
@@ -108,8 +110,8 @@ class GpuBenchConfig:
             raise ConfigError("the CPU provider is the reference and cannot be left out")
         if not self.batches or min(self.batches) < 1:
             raise ConfigError(f"batch sizes must be >= 1, got {self.batches}")
-        if self.iters < 1 or self.warmup < 0 or self.eval_windows < 1 or self.steps < 1:
-            raise ConfigError("iters, eval windows and steps must be >= 1 and warmup >= 0")
+        if min(self.iters, self.cpu_iters, self.eval_windows, self.steps) < 1 or min(self.warmup, self.cpu_warmup) < 0:
+            raise ConfigError("iters, CPU iters, eval windows and steps must be >= 1, warm-ups >= 0")
         if not self.budget_s > 0:
             raise ConfigError(f"--budget-s must be > 0, got {self.budget_s}")
         for path in self.extra_onnx:
@@ -588,8 +590,10 @@ def measure_group(group: ModelGroup, cfg: GpuBenchConfig, reasons: dict[str, str
                     rows.append(not_measured(provider, variant.name, batch, group.seq, spent))
                     continue
                 try:
+                    on_cpu = provider == CPU
                     row = bench_model(variant.path, variant=variant.name, spec=spec, batch=batch, seq=group.seq,
-                                      warmup=cfg.warmup, iters=cfg.iters, progress=cfg.progress,
+                                      warmup=cfg.cpu_warmup if on_cpu else cfg.warmup,
+                                      iters=cfg.cpu_iters if on_cpu else cfg.iters, progress=cfg.progress,
                                       record_placement=placement is None)
                 except MeasureError as exc:
                     row = not_measured(provider, variant.name, batch, group.seq, f"run failed: {exc}")
@@ -639,6 +643,7 @@ def run_gpu_bench(cfg: GpuBenchConfig, *, command: str) -> dict:
                     "variants": [{"name": v.name, "path": _rel(v.path), "status": v.status}
                                  for v in g.variants]} for g in groups],
         "settings": {"batches": list(cfg.batches), "iters": cfg.iters, "warmup": cfg.warmup,
+                     "cpu_iters": cfg.cpu_iters, "cpu_warmup": cfg.cpu_warmup,
                      "eval_windows": cfg.eval_windows, "int8_recipe": cfg.int8_recipe, "budget_s": cfg.budget_s},
         # The FP32 models are the references, not recipes: the gate would judge them otherwise.
         "references": [e for e in recipes if e["name"] == FP32],
@@ -781,6 +786,8 @@ def _cli():
     @click.option("--batches", default="1,8,32", show_default=True, help="Batch sizes.")
     @click.option("--iters", type=int, default=50, show_default=True, help="Timed runs per cell.")
     @click.option("--warmup", type=int, default=10, show_default=True, help="Untimed runs per cell.")
+    @click.option("--cpu-iters", type=int, default=20, show_default=True, help="Timed runs per CPU reference cell.")
+    @click.option("--cpu-warmup", type=int, default=3, show_default=True, help="Untimed runs per CPU reference cell.")
     @click.option("--steps", type=int, default=150, show_default=True, help="Training steps of the zoo model.")
     @click.option("--layers", type=int, default=4, show_default=True)
     @click.option("--d-model", type=int, default=128, show_default=True)
@@ -793,8 +800,8 @@ def _cli():
                   help="Seconds for the whole run; cells past it are recorded as not measured.")
     @click.option("--quiet", is_flag=True, help="No progress bars.")
     @click.option("--debug", is_flag=True, help="Full tracebacks instead of one-line errors.")
-    def main(out, work_dir, extra, windows, no_zoo, providers, batches, iters, warmup, steps, layers, d_model, heads,
-             context, eval_windows, int8_recipe, budget_s, quiet, debug):
+    def main(out, work_dir, extra, windows, no_zoo, providers, batches, iters, warmup, cpu_iters, cpu_warmup, steps,
+             layers, d_model, heads, context, eval_windows, int8_recipe, budget_s, quiet, debug):
         """FP32/FP16/INT8 on the CUDA and TensorRT providers (CPU as reference); writes OUT/results.json,
         OUT/report.md and prints a one-screen table. Exits 0 when a provider cannot run (its rows say why)."""
         try:
@@ -802,6 +809,7 @@ def _cli():
                 out_dir=out, work_dir=work_dir, extra_onnx=tuple(extra), windows=windows, zoo=not no_zoo,
                 providers=tuple(p.strip().lower() for p in providers.split(",") if p.strip()),
                 batches=tuple(int(b) for b in batches.split(",") if b.strip()), iters=iters, warmup=warmup,
+                cpu_iters=cpu_iters, cpu_warmup=cpu_warmup,
                 steps=steps, layers=layers, d_model=d_model, heads=heads, context=context,
                 eval_windows=eval_windows, int8_recipe=int8_recipe, budget_s=budget_s, progress=not quiet)
             results = run_gpu_bench(cfg, command="python -m quantnorm.gpu_bench " + " ".join(sys.argv[1:]))

@@ -33,10 +33,10 @@ from quantnorm.measure import latency, sessions
 from quantnorm.measure.sessions import CPU, CUDA, TENSORRT
 
 TIMING_KEYS = {"p50_ms", "p90_ms", "p99_ms", "mean_ms", "tokens_per_s", "iterations", "node_providers", "node_ops"}
-SIZE = dict(steps=5, layers=1, d_model=32, heads=2, context=32, batches=(1, 2), iters=2, warmup=1, eval_windows=4,
-            calib_samples=4, progress=False)
+SIZE = dict(steps=5, layers=1, d_model=32, heads=2, context=32, batches=(1, 2), iters=2, warmup=1, cpu_iters=2,
+            cpu_warmup=1, eval_windows=4, calib_samples=4, progress=False)
 CLI_SIZE = ["--steps", "5", "--layers", "1", "--d-model", "32", "--heads", "2", "--context", "32", "--batches", "1,2",
-            "--iters", "2", "--warmup", "1", "--eval-windows", "4", "--quiet"]
+            "--iters", "2", "--warmup", "1", "--cpu-iters", "2", "--eval-windows", "4", "--quiet"]
 
 
 @pytest.fixture(scope="module")
