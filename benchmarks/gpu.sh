@@ -37,6 +37,7 @@ TRT_PKGS=("${TRT_SPEC:-tensorrt-cu13-libs>=10.13,<11}")
 PART_SIZE="${GPU_PART_SIZE:-60M}"
 SPLIT_OVER="${GPU_SPLIT_OVER:-$((60 * 1024 * 1024))}"
 
+invocation="bash benchmarks/gpu.sh $*"   # results.json records the command that produced it
 mode=auto wheels="" download="" split_dir="" pyver="" args=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -190,4 +191,5 @@ done
 cd "$REPO"
 # What this script did, for results.json (and the reason of a provider that then cannot load).
 export QUANTNORM_GPU_INSTALL="mode=$mode;failed=$(IFS='|'; echo "${failed[*]}")"
+export QUANTNORM_GPU_COMMAND="$invocation"
 exec "$PY" -m quantnorm.gpu_bench "${args[@]}"

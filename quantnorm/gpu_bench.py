@@ -239,6 +239,12 @@ def gpu_section() -> dict:
         except importlib.metadata.PackageNotFoundError:
             continue
     section: dict = {"gpus": gpus, "libraries": libraries}
+    try:  # the CUDA version onnxruntime-gpu was built for (absent in CPU builds)
+        from onnxruntime.capi import build_and_package_info as ort_build
+
+        section["onnxruntime_cuda"] = getattr(ort_build, "cuda_version", None)
+    except ImportError:
+        section["onnxruntime_cuda"] = None
     try:
         import torch
 
@@ -731,7 +737,8 @@ def render_report(results: dict) -> str:
         f"Created: {results['created']}  ",
         f"GPU: {names}  ",
         f"CPU: {hw['cpu']} ({hw['cpu_count']} CPUs); onnxruntime {hw['onnxruntime']}  ",
-        "Libraries: " + (", ".join(f"{k} {v}" for k, v in gpu["libraries"].items()) or "none found"),
+        "Libraries: " + (", ".join(f"{k} {v}" for k, v in gpu["libraries"].items()) or "none found")
+        + f"; onnxruntime built for CUDA {gpu.get('onnxruntime_cuda') or '-'}, torch for CUDA {gpu.get('torch_cuda') or '-'}",
         "",
         "Providers: " + "; ".join(f"{_short(p)}: {s}" for p, s in results["providers_status"].items()),
         "",
@@ -812,7 +819,9 @@ def _cli():
                 cpu_iters=cpu_iters, cpu_warmup=cpu_warmup,
                 steps=steps, layers=layers, d_model=d_model, heads=heads, context=context,
                 eval_windows=eval_windows, int8_recipe=int8_recipe, budget_s=budget_s, progress=not quiet)
-            results = run_gpu_bench(cfg, command="python -m quantnorm.gpu_bench " + " ".join(sys.argv[1:]))
+            # gpu.sh passes its own command line: that is what reproduces the run, installs included.
+            command = os.environ.get("QUANTNORM_GPU_COMMAND") or "python -m quantnorm.gpu_bench " + " ".join(sys.argv[1:])
+            results = run_gpu_bench(cfg, command=command)
         except (QuantnormError, ValueError) as exc:
             if debug:
                 raise
