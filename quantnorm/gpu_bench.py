@@ -745,7 +745,9 @@ def render_report(results: dict) -> str:
         "Accuracy is each variant against the FP32 model on the *same* provider; p50 in ms per batch size;"
         " 'nodes' is which provider ran the nodes (ORT profile). On CUDA a QDQ model is simulated INT8"
         " (float math between Q/DQ); real INT8 is TensorRT's (`trt_int8_enable`), FP16 engines use"
-        " `trt_fp16_enable`. A row that could not run says why and carries no number.",
+        " `trt_fp16_enable`. The FP32 model runs with each provider's default math settings (whether a GPU"
+        " MatMul may use TF32 is not set here), so the FP32 reference is the same one every variant on that"
+        " provider is read against. A row that could not run says why and carries no number.",
         "",
     ]
     for m in results["models"]:
