@@ -329,7 +329,7 @@ def prepare_zoo(cfg: GpuBenchConfig) -> ModelGroup:
     fp32_path = work / "model.fp32.onnx"
     exported = export_onnx(model, fp32_path, eval_inputs[:4])
     variants = [Variant(FP32, fp32_path, settings={"max_abs_logit_diff": exported.max_abs_logit_diff})]
-    variants.append(_fp16_variant(fp32_path, work / "model.fp16.onnx", convert_fp16))
+    variants.append(_fp16_variant(fp32_path, work / "model.fp16.onnx", convert_fp16, eval_inputs[:1]))
     recipe = get_recipe(cfg.int8_recipe)
     q = quantize(fp32_path, recipe, calib, work / f"model.int8.{recipe.name}.onnx", vnni=cpu_has_vnni(),
                  probe_inputs=eval_inputs[:2])
@@ -343,12 +343,57 @@ def prepare_zoo(cfg: GpuBenchConfig) -> ModelGroup:
                       zoo=True, section=section)
 
 
-def _fp16_variant(fp32_path: Path, out: Path, convert) -> Variant:
+def fp16_range(fp32_path: Path, window: np.ndarray, top: int = 5) -> dict:
+    """Which float tensors of the FP32 model pass float16's largest value (65504) on one window.
+
+    The CPU provider hides an FP16 overflow (PITFALLS.md 13), and on a GPU an RMSNorm whose
+    square overflows gives finite but wrong numbers (x * rsqrt(inf) = 0): this names the tensors
+    before any GPU runs. Every float tensor is exposed as an output of one CPU session without
+    graph optimization (so each exists as written), run on ``window`` [1, seq].
+    """
+    import onnx
+    import onnxruntime as ort
+
+    from .quantize.fp16 import FP16_MAX
+
+    model = onnx.load(str(fp32_path))
+    inferred = onnx.shape_inference.infer_shapes(model)
+    floats = {vi.name for vi in inferred.graph.value_info if vi.type.tensor_type.elem_type == onnx.TensorProto.FLOAT}
+    existing = {o.name for o in model.graph.output}
+    names = [o for node in model.graph.node for o in node.output if o in floats and o not in existing]
+    model.graph.output.extend(onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None) for n in names)
+    names += [o.name for o in model.graph.output[: len(existing)]
+              if o.type.tensor_type.elem_type == onnx.TensorProto.FLOAT]
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    opts.log_severity_level = 3
+    try:
+        session = ort.InferenceSession(model.SerializeToString(), opts, providers=[CPU])
+        values = session.run(names, {session.get_inputs()[0].name: np.ascontiguousarray(window, dtype=np.int64)})
+    except Exception as exc:  # noqa: BLE001 -- the check is a diagnosis; its failure is recorded, not raised
+        return {"status": f"not measured: {' '.join(str(exc).split())[:200]}"}
+    peaks = {n: float(np.max(np.abs(v))) if v.size else 0.0 for n, v in zip(names, values)}
+    # Attention masks built from float32's lowest value (Hugging Face's causal mask) are sentinels,
+    # not activations: the conversion clips that constant to -65504 and the softmax still gives 0.
+    sentinel = float(np.finfo(np.float32).max) / 2
+    masks = [n for n, m in peaks.items() if m >= sentinel]
+    real = {n: m for n, m in peaks.items() if m < sentinel or np.isnan(m)}
+    over = sorted(((n, m) for n, m in real.items() if not m <= FP16_MAX), key=lambda item: -item[1])
+    largest = max(real.items(), key=lambda item: item[1]) if real else (None, 0.0)
+    return {"status": "measured", "windows": 1, "tensors": len(peaks), "fp16_max": FP16_MAX,
+            "largest": {"tensor": largest[0], "max_abs": largest[1]}, "n_over": len(over),
+            "over": [{"tensor": n, "max_abs": m} for n, m in over[:top]], "mask_sentinels": len(masks)}
+
+
+def _fp16_variant(fp32_path: Path, out: Path, convert, window: np.ndarray | None = None) -> Variant:
     try:
         convert(fp32_path, out)
     except QuantnormError as exc:
         return Variant(FP16, None, f"broken: {exc}")
-    return Variant(FP16, out, settings={"conversion": "quantnorm.quantize.fp16 (float32 inputs/outputs)"})
+    settings: dict = {"conversion": "quantnorm.quantize.fp16 (float32 inputs/outputs)"}
+    if window is not None:
+        settings["fp16_range"] = fp16_range(fp32_path, window)
+    return Variant(FP16, out, settings=settings)
 
 
 def prepare_extra(cfg: GpuBenchConfig) -> list[ModelGroup]:
@@ -369,17 +414,17 @@ def prepare_extra(cfg: GpuBenchConfig) -> list[ModelGroup]:
         sibling = directory / "model.fp32.onnx"
         if fp32 is None and sibling.is_file():
             fp32 = sibling  # an INT8 file's reference: the run directory's FP32 model
+        seq, inputs, targets, what = _extra_windows(fp32 or paths[0], windows, cfg)
         variants: list[Variant] = []
         if fp32 is None:
             variants.append(Variant(FP32, None, "broken: no FP32 model given or beside the INT8 files"))
         else:
             variants.append(Variant(FP32, fp32))
             variants.append(_fp16_variant(fp32, Path(cfg.work_dir) / "extra" / name / "model.fp16.onnx",
-                                          convert_fp16))
+                                          convert_fp16, inputs[:1]))
         for p in paths:
             if p != fp32:
                 variants.append(Variant(f"{INT8}:{p.name}", p))
-        seq, inputs, targets, what = _extra_windows(fp32 or paths[0], windows, cfg)
         output = onnx.load(str(fp32 or paths[0]), load_external_data=False).graph.output[0].name
         out.append(ModelGroup(name, tuple(variants), inputs, targets, what, seq,
                               section={"source": "onnx", "files": [_rel(p) for p in paths], "output": output}))
@@ -720,6 +765,9 @@ def summary_table(results: dict) -> list[str]:
         tag = " (simulated INT8)" if any(c.get("simulated_int8") for c in measured) else ""
         if acc.get("status", "measured") != "measured":
             tag += f" accuracy {acc['status']}"[:60]
+        rng = entry.get("settings", {}).get("fp16_range", {})
+        if rng.get("n_over"):
+            tag += f" ({rng['n_over']} FP32 tensors past 65504)"
         lines.append(f"{label:<24} {prov:<9}{p50} {_fmt(ratio, '.4f'):>9} {_fmt(top1, '.3f'):>6} "
                      f"{_fmt(bs, '.1f'):>7}  {_placement(measured[0])}{tag}")
     return lines
@@ -771,6 +819,23 @@ def render_report(results: dict) -> str:
                      f"{a.get('status', e.get('status'))} | {_fmt(a.get('ppl_ratio'), '.4f')} | "
                      f"{_fmt(a.get('kld_mean'), '.2e')} | {_fmt(a.get('kld_p99'), '.2e')} | "
                      f"{_fmt(a.get('top1_agreement'), '.4f')} |")
+    lines += ["", "## FP16 range of the FP32 models (one window, CPU)", "",
+              "Tensors whose largest |value| passes float16's 65504 overflow in the FP16 variant on a GPU"
+              " (the CPU provider computes float16 in float32 and hides it).", ""]
+    seen: set[str] = set()
+    for e in results["recipes"]:
+        rng = e.get("settings", {}).get("fp16_range")
+        if e["name"] != FP16 or not rng or e["model"] in seen:
+            continue
+        seen.add(e["model"])
+        if rng.get("status") != "measured":
+            lines.append(f"- `{e['model']}`: {rng.get('status')}")
+            continue
+        over = ", ".join(f"`{o['tensor']}` {o['max_abs']:.4g}" for o in rng["over"]) or "none"
+        lines.append(f"- `{e['model']}`: {rng['n_over']} of {rng['tensors']} tensors past 65504 ({over}); largest"
+                     f" `{rng['largest']['tensor']}` {rng['largest']['max_abs']:.4g}"
+                     + (f"; {rng['mask_sentinels']} attention-mask tensors at float32's limit (clipped, harmless)"
+                        if rng.get("mask_sentinels") else ""))
     lines += ["", f"Stage seconds: {results['stage_seconds']}", ""]
     return "\n".join(lines)
 

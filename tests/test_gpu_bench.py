@@ -306,3 +306,23 @@ def test_install_failures_are_named_in_the_reason_of_their_provider(monkeypatch)
     reasons = gpu_bench.provider_reasons((CPU, CUDA, TENSORRT), install)
     assert reasons[CPU] is None and reasons[CUDA] is None
     assert reasons[TENSORRT].endswith("(gpu.sh could not install: tensorrt-cu13-libs>=10.13,<11)")
+
+
+def test_fp16_range_names_the_tensors_past_65504(tmp_path):
+    from onnx import TensorProto, helper
+
+    ids = helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, 4])
+    out = helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 4])
+    graph = helper.make_graph(
+        [helper.make_node("Cast", ["input_ids"], ["as_float"], to=TensorProto.FLOAT),
+         helper.make_node("Mul", ["as_float", "big"], ["scaled"]),
+         helper.make_node("Div", ["scaled", "big"], ["logits"])],
+        "range", [ids], [out], [helper.make_tensor("big", TensorProto.FLOAT, [], [1000.0])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 10
+    path = tmp_path / "m.onnx"
+    onnx.save(model, str(path))
+    found = gpu_bench.fp16_range(path, np.array([[1, 2, 3, 200]]))
+    assert found["status"] == "measured" and found["n_over"] == 1
+    assert found["over"] == [{"tensor": "scaled", "max_abs": 200000.0}]
+    assert gpu_bench.fp16_range(path, np.array([[1, 2, 3, 4]]))["n_over"] == 0
