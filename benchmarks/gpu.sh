@@ -14,6 +14,7 @@
 # --no-install   never install; use what is importable
 # --download DIR fill DIR with every wheel the GPU run needs (not torch: the GPU machine has one),
 #                split those over 60 MiB into parts for transfers limited to 64 MiB, and exit
+#                (GPU_DOWNLOAD=minimal: the onnxruntime-gpu and TensorRT wheels alone, no dependencies)
 # --split DIR    only the splitting, for a folder filled by hand
 #
 # Only what is missing is installed, into .gpu-site/ (first on PYTHONPATH): the preinstalled
@@ -33,6 +34,9 @@ ORT_GPU="${ORT_GPU_SPEC:-onnxruntime-gpu[cuda,cudnn]==1.31.1}"
 # libonnxruntime_providers_tensorrt.so): TensorRT 10, not 11. The -libs wheel carries them; the
 # `tensorrt-cu13` package is only a wrapper around it and the Python bindings, which ORT does not use.
 TRT_PKGS=("${TRT_SPEC:-tensorrt-cu13-libs>=10.13,<11}")
+# GPU_TENSORRT=0: neither download nor install TensorRT (its wheels are over a gigabyte); the
+# TensorRT rows then read "not measured: <why>".
+[[ "${GPU_TENSORRT:-1}" == 0 ]] && TRT_PKGS=()
 # Transfers to the GPU machine are limited to 64 MiB per file: bigger wheels travel as parts.
 PART_SIZE="${GPU_PART_SIZE:-60M}"
 SPLIT_OVER="${GPU_SPLIT_OVER:-$((60 * 1024 * 1024))}"
@@ -108,11 +112,16 @@ if [[ -n "$download" ]]; then
           --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --implementation cp)
   fi
   mapfile -t deps < <(project_deps)
+  nodeps=()
+  # GPU_DOWNLOAD=minimal: the named wheels alone, none of their dependencies, for a GPU machine
+  # that has numpy, protobuf, onnx, CUDA 13 and cuDNN 9 already (a CUDA 13 PyTorch image does).
+  [[ "${GPU_DOWNLOAD:-full}" == minimal ]] && { nodeps=(--no-deps); deps=(); }
   set -e
-  "$PY" -m pip download --only-binary=:all: "${plat[@]}" -d "$download" "$ORT_GPU"
-  "$PY" -m pip download --only-binary=:all: "${plat[@]}" -d "$download" "${TRT_PKGS[@]}" \
+  "$PY" -m pip download --only-binary=:all: "${plat[@]}" "${nodeps[@]}" -d "$download" "$ORT_GPU"
+  [[ ${#TRT_PKGS[@]} -eq 0 ]] \
+    || "$PY" -m pip download --only-binary=:all: "${plat[@]}" "${nodeps[@]}" -d "$download" "${TRT_PKGS[@]}" \
     || echo "gpu.sh: TensorRT wheels not downloaded: the TensorRT rows will read not measured" >&2
-  "$PY" -m pip download --only-binary=:all: "${plat[@]}" -d "$download" "${deps[@]}"
+  [[ ${#deps[@]} -eq 0 ]] || "$PY" -m pip download --only-binary=:all: "${plat[@]}" -d "$download" "${deps[@]}"
   set +e
   split_big "$download"
   echo "gpu.sh: $download holds $(ls "$download" | wc -l) files, $(du -sh "$download" | cut -f1); copy it to the GPU machine and run: bash benchmarks/gpu.sh --wheels DIR"
@@ -167,7 +176,7 @@ if [[ "$mode" != none ]]; then
   mapfile -t deps < <(project_deps)
   install_missing "the benchmark's Python dependencies (${deps[*]})" "${deps[@]}"
   install_missing "$ORT_GPU" "$ORT_GPU"
-  install_missing "${TRT_PKGS[*]}" "${TRT_PKGS[@]}"
+  [[ ${#TRT_PKGS[@]} -eq 0 ]] || install_missing "${TRT_PKGS[*]}" "${TRT_PKGS[@]}"
 fi
 export PYTHONPATH="$REPO:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 
