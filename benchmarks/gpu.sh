@@ -184,7 +184,8 @@ export PYTHONPATH="$REPO:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 # path before onnxruntime starts (its providers dlopen them by soname).
 libdirs="$("$PY" - <<'EOF'
 import glob, os, site, sys
-roots = [p for p in sys.path if p.endswith("site-packages")] + site.getsitepackages()
+# Every folder on the path: site-packages, dist-packages and .gpu-site alike.
+roots = [p for p in sys.path if p and os.path.isdir(p)] + site.getsitepackages()
 dirs = []
 for root in dict.fromkeys(roots):
     dirs += glob.glob(os.path.join(root, "nvidia", "*", "lib")) + glob.glob(os.path.join(root, "nvidia", "cu*", "lib"))
