@@ -592,8 +592,13 @@ def measure_group(group: ModelGroup, cfg: GpuBenchConfig, reasons: dict[str, str
                 kind = INT8 if variant.name.startswith(INT8) else variant.name
                 cache = cache_root / f"{group.name}-{variant.name.replace(':', '_')}"
                 cache.mkdir(parents=True, exist_ok=True)
-                specs[variant.name] = EngineSpec(provider=provider, options=trt_options(
-                    kind, _input_name(variant.path), group.seq, max_batch, cache))
+                # TensorRT optimizes the subgraphs it takes itself; ORT's own passes (constant folding
+                # of a weight's DequantizeLinear, fusions into contrib ops) could only hide the Q/DQ
+                # pattern it builds INT8 from, so they are off for every TensorRT session (as in
+                # Optimum's TensorRT INT8 example). results.json records the level with each entry.
+                specs[variant.name] = EngineSpec(provider=provider, graph_optimization_level="disable",
+                                                 options=trt_options(kind, _input_name(variant.path), group.seq,
+                                                                     max_batch, cache))
             else:
                 specs[variant.name] = base_spec
         for variant in group.variants:

@@ -285,6 +285,8 @@ def test_gpu_code_path_with_a_pretend_gpu(zoo, tmp_path, monkeypatch):
     assert all(b["status"] == "measured" and b["engine_build_s"] > 0 for b in builds)
     trt = [dict(opts) for name, opts in (s for s in seen if isinstance(s, tuple))]
     assert any(o.get("trt_int8_enable") == "True" for o in trt) and any(o.get("trt_fp16_enable") == "True" for o in trt)
+    assert {e["session"]["graph_optimization_level"] for e in accuracy if e["session"]["provider"] == TENSORRT} \
+        == {"ORT_DISABLE_ALL"}
     assert all(e["accuracy"]["status"] == "measured" for e in accuracy)
     results = {"settings": {"batches": list(cfg.batches)}, "engine_builds": builds, "models": [{"name": "zoo"}],
                "references": [e for e in accuracy if e["name"] == FP32],
