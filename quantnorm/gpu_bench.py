@@ -36,12 +36,22 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import click
 import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+from onnxruntime.capi import build_and_package_info as ort_build
 
+from .calibration import calibration_windows
+from .data import DataConfig, evaluation_windows, prepare_data
 from .errors import ConfigError, MeasureError, QuantnormError
+from .evaluate import ensure_trained, results_header
+from .export import export_onnx
 from .fileio import write_json_atomic, write_text_atomic
+from .hardware import cpu_has_vnni, gpu_device_present
 from .measure.accuracy import compare, log_softmax, run_logits
-from .measure.latency import NOT_MEASURED, LatencyRow, bench_model, not_measured, quant_format
+from .measure.latency import NOT_MEASURED, LatencyRow, bench_model, not_measured, quant_format, random_input_ids
 from .measure.sessions import (
     CPU,
     CUDA,
@@ -52,6 +62,10 @@ from .measure.sessions import (
     make_session,
     provider_status,
 )
+from .models import ModelConfig
+from .quantize import get_recipe, quantize
+from .quantize.fp16 import FP16_MAX, convert_fp16
+from .train import RunConfig, TrainConfig, load_model
 
 GPU_PROVIDERS = (CUDA, TENSORRT)
 NO_GPU = "no CUDA device"
@@ -96,8 +110,6 @@ class GpuBenchConfig:
     zoo: bool = True                         # measure the zoo model (off: only --onnx models)
 
     def __post_init__(self) -> None:
-        from .models import ModelConfig
-        from .quantize import get_recipe
 
         ModelConfig(placement=self.placement, norm=self.norm, n_layers=self.layers, d_model=self.d_model,
                     n_heads=self.heads, context=self.context)
@@ -177,7 +189,6 @@ def install_section() -> dict:
 def _preload_gpu_libraries() -> None:
     """Let onnxruntime-gpu find CUDA and cuDNN in pip's nvidia packages before the first session
     (gpu.sh also puts them on LD_LIBRARY_PATH; this covers a plain ``python -m`` run)."""
-    import onnxruntime as ort
 
     preload = getattr(ort, "preload_dlls", None)  # onnxruntime-gpu >= 1.21
     if preload is None or CUDA not in ort.get_available_providers():
@@ -192,7 +203,6 @@ def provider_reasons(providers: tuple[str, ...], install: dict | None = None) ->
     """None for a usable provider, else why not. A missing GPU is said the same way whatever the
     onnxruntime build (a CPU-only build would otherwise say "not built into ..."); with a GPU, a
     failed install by gpu.sh is named beside ORT's own reason."""
-    from .hardware import gpu_device_present
 
     gpu = gpu_device_present()
     if gpu:
@@ -239,15 +249,9 @@ def gpu_section() -> dict:
         except importlib.metadata.PackageNotFoundError:
             continue
     section: dict = {"gpus": gpus, "libraries": libraries}
-    try:  # the CUDA version onnxruntime-gpu was built for (absent in CPU builds)
-        from onnxruntime.capi import build_and_package_info as ort_build
-
-        section["onnxruntime_cuda"] = getattr(ort_build, "cuda_version", None)
-    except ImportError:
-        section["onnxruntime_cuda"] = None
+    # The CUDA version onnxruntime-gpu was built for (a CPU build has no cuda_version).
+    section["onnxruntime_cuda"] = getattr(ort_build, "cuda_version", None)
     try:
-        import torch
-
         section["torch_cuda"] = torch.version.cuda
         if torch.cuda.is_available():
             section["torch_cudnn"] = torch.backends.cudnn.version()
@@ -299,15 +303,6 @@ class ModelGroup:
 
 def prepare_zoo(cfg: GpuBenchConfig) -> ModelGroup:
     """Train (when absent), export and make the FP16 and INT8 variants of the zoo model."""
-    from .calibration import calibration_windows
-    from .data import DataConfig, evaluation_windows, prepare_data
-    from .evaluate import ensure_trained
-    from .export import export_onnx
-    from .hardware import cpu_has_vnni
-    from .models import ModelConfig
-    from .quantize import get_recipe, quantize
-    from .quantize.fp16 import convert_fp16
-    from .train import RunConfig, TrainConfig, load_model
 
     # The CLI's defaults (lr, seed, corpus; warm-up min(30, steps/4)), built here: no import of the cli.
     train_defaults = TrainConfig()
@@ -351,10 +346,7 @@ def fp16_range(fp32_path: Path, window: np.ndarray, top: int = 5) -> dict:
     before any GPU runs. Every float tensor is exposed as an output of one CPU session without
     graph optimization (so each exists as written), run on ``window`` [1, seq].
     """
-    import onnx
-    import onnxruntime as ort
 
-    from .quantize.fp16 import FP16_MAX
 
     model = onnx.load(str(fp32_path))
     inferred = onnx.shape_inference.infer_shapes(model)
@@ -399,9 +391,7 @@ def _fp16_variant(fp32_path: Path, out: Path, convert, window: np.ndarray | None
 def prepare_extra(cfg: GpuBenchConfig) -> list[ModelGroup]:
     """The ``--onnx`` files, grouped by directory: a group's FP32 file is its reference, and an
     FP16 copy of it is made in the work directory. INT8 files are measured as given."""
-    import onnx
 
-    from .quantize.fp16 import convert_fp16
 
     groups: dict[Path, list[Path]] = {}
     for path in cfg.extra_onnx:
@@ -461,7 +451,6 @@ def _load_windows(path: Path) -> tuple[np.ndarray, np.ndarray | None]:
 def _extra_windows(path: Path, windows: tuple[np.ndarray, np.ndarray | None] | None, cfg: GpuBenchConfig):
     """Token windows for an extra model: ``--windows`` (with targets, so perplexity too), else
     seeded random tokens inside the vocabulary (agreement only: random text has no perplexity)."""
-    import onnx
 
     graph = onnx.load(str(path), load_external_data=False).graph  # shapes only: no weights read
 
@@ -550,7 +539,6 @@ def _short(provider: str) -> str:
 
 
 def _input_name(path: Path) -> str:
-    import onnx
 
     return onnx.load(str(path), load_external_data=False).graph.input[0].name
 
@@ -558,7 +546,6 @@ def _input_name(path: Path) -> str:
 def engine_build(path: Path, spec: SessionSpec, batches: tuple[int, ...], seq: int) -> dict:
     """Session creation plus the first run at every batch size, from an empty engine cache: for
     TensorRT that is the engine build (it builds on the first run of a shape profile)."""
-    from .measure.latency import random_input_ids
 
     start = time.perf_counter()
     session = make_session(path, spec)
@@ -665,7 +652,6 @@ def measure_group(group: ModelGroup, cfg: GpuBenchConfig, reasons: dict[str, str
 
 def run_gpu_bench(cfg: GpuBenchConfig, *, command: str) -> dict:
     """Prepare the models, measure them on every provider, write results.json and report.md."""
-    from .evaluate import results_header
 
     stage: dict[str, float] = {}
     # The budget covers the whole run (training and exports too): what the lease must fit.
@@ -848,7 +834,6 @@ def render_report(results: dict) -> str:
 # --- command line -------------------------------------------------------------------------------
 
 def _cli():
-    import click
 
     @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
     @click.option("--out", type=click.Path(path_type=Path), default=Path("reports/gpu"), show_default=True,

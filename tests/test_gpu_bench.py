@@ -14,7 +14,7 @@ import onnxruntime as ort
 import pytest
 from click.testing import CliRunner
 
-from quantnorm import gpu_bench, hardware
+from quantnorm import gpu_bench
 from quantnorm.gpu_bench import (
     FP16,
     FP32,
@@ -52,7 +52,9 @@ def zoo(work):
 
 @pytest.fixture
 def no_gpu(monkeypatch):
-    monkeypatch.setattr(hardware, "gpu_device_present", lambda: False)
+    # Both readers of the device check: gpu_bench's own reasons and the provider probe's.
+    monkeypatch.setattr(gpu_bench, "gpu_device_present", lambda: False)
+    monkeypatch.setattr(sessions, "gpu_device_present", lambda: False)
     monkeypatch.setattr(sessions, "_STATUS_CACHE", {})
 
 
@@ -299,7 +301,7 @@ def test_gpu_code_path_with_a_pretend_gpu(zoo, tmp_path, monkeypatch):
 
 def test_install_failures_are_named_in_the_reason_of_their_provider(monkeypatch):
     monkeypatch.setenv(gpu_bench.INSTALL_ENV, "mode=offline;failed=tensorrt-cu13-libs>=10.13,<11|numpy>=1.26")
-    monkeypatch.setattr(hardware, "gpu_device_present", lambda: True)
+    monkeypatch.setattr(gpu_bench, "gpu_device_present", lambda: True)
     monkeypatch.setattr(gpu_bench, "_preload_gpu_libraries", lambda: None)
     monkeypatch.setattr(gpu_bench, "provider_status",
                         lambda p: None if p in (CPU, CUDA) else "TensorRT provider failed to load (missing library)")

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper, inliner, numpy_helper
 
 from ..errors import QuantizeError
 from ..fileio import atomic_path
@@ -93,8 +93,6 @@ def to_fp16_model(model: onnx.ModelProto) -> onnx.ModelProto:
     """A float16 copy of ``model`` with float32 graph inputs and outputs (see the module doc)."""
     model = onnx.ModelProto.FromString(model.SerializeToString())  # never touch the caller's copy
     if model.functions:
-        from onnx import inliner
-
         model = inliner.inline_local_functions(model)
     graph = model.graph
     _convert_graph(graph)
