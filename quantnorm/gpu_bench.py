@@ -65,6 +65,7 @@ from .measure.sessions import (
 from .models import ModelConfig
 from .quantize import get_recipe, quantize
 from .quantize.fp16 import FP16_MAX, convert_fp16
+from .runs import TRAIN_SUMMARY_FILE
 from .train import RunConfig, TrainConfig, load_model
 
 GPU_PROVIDERS = (CUDA, TENSORRT)
@@ -326,13 +327,19 @@ def prepare_zoo(cfg: GpuBenchConfig) -> ModelGroup:
     variants = [Variant(FP32, fp32_path, settings={"max_abs_logit_diff": exported.max_abs_logit_diff})]
     variants.append(_fp16_variant(fp32_path, work / "model.fp16.onnx", convert_fp16, eval_inputs[:1]))
     recipe = get_recipe(cfg.int8_recipe)
-    q = quantize(fp32_path, recipe, calib, work / f"model.int8.{recipe.name}.onnx", vnni=cpu_has_vnni(),
-                 probe_inputs=eval_inputs[:2])
-    variants.append(Variant(INT8, q.path if q.status == "ok" else None, q.status,
-                            {"recipe": recipe.name, **q.settings}))
+    try:
+        q = quantize(fp32_path, recipe, calib, work / f"model.int8.{recipe.name}.onnx", vnni=cpu_has_vnni(),
+                     probe_inputs=eval_inputs[:2])
+        variants.append(Variant(INT8, q.path if q.status == "ok" else None, q.status,
+                                {"recipe": recipe.name, **q.settings}))
+    except QuantnormError as exc:  # a failed INT8 copy is this variant's result, not the run's end
+        variants.append(Variant(INT8, None, f"broken: {exc}", {"recipe": recipe.name}))
+    summary = run_dir.read_json(TRAIN_SUMMARY_FILE)
     section = {"placement": cfg.placement, "norm": cfg.norm, "n_layers": cfg.layers, "d_model": cfg.d_model,
                "n_heads": cfg.heads, "context": cfg.context, "n_params": model.n_params(), "source": "trained",
-               "steps": cfg.steps, "run_dir": _rel(work)}
+               "steps": cfg.steps, "run_dir": _rel(work),
+               "train": {k: summary[k] for k in ("status", "eval_bits_per_byte", "unigram_bits_per_byte", "diverged")
+                         if k in summary}}
     return ModelGroup("zoo", tuple(variants), eval_inputs, eval_targets,
                       f"{len(eval_inputs)} evaluation windows of the built-in corpus (bytes)", data.window,
                       zoo=True, section=section)
@@ -790,7 +797,11 @@ def render_report(results: dict) -> str:
         "",
     ]
     for m in results["models"]:
-        lines.append(f"- model `{m['name']}`: {m['windows']}; sequence {m['seq']}")
+        trained = m.get("train") or {}
+        how = (f"; {m['n_layers']} layers, d_model {m['d_model']}, {m['steps']} steps, "
+               f"{trained.get('eval_bits_per_byte', float('nan')):.3f} bits/byte ({trained.get('status', '?')})"
+               if "n_layers" in m else "")
+        lines.append(f"- model `{m['name']}`: {m['windows']}; sequence {m['seq']}{how}")
     lines += ["", "```", *summary_table(results), "```", "", "## Latency", "",
               "| model | variant | provider | batch | status | p50 ms | p90 ms | p99 ms | tokens/s | nodes |",
               "|---|---|---|---|---|---|---|---|---|---|"]
