@@ -100,6 +100,8 @@ def test_provider_status_says_why(monkeypatch):
         monkeypatch.setattr(sessions, "_STATUS_CACHE", {})
         monkeypatch.setattr(sessions.ort, "get_available_providers", lambda: built)
         monkeypatch.setattr(quantnorm.hardware, "gpu_device_present", lambda: gpu)
+        if hasattr(sessions, "gpu_device_present"):  # imported by name into sessions
+            monkeypatch.setattr(sessions, "gpu_device_present", lambda: gpu)
         monkeypatch.setattr(sessions, "_probe", lambda p: probed.append(p) or probe)
 
     cpu_only = ["CPUExecutionProvider"]

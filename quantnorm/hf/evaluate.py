@@ -28,6 +28,7 @@ from ..errors import ConfigError, QuantizeError
 from ..evaluate import AUTO, measure_latency, results_header, run_search, smoothquant_section
 from ..fileio import write_json_atomic
 from ..hardware import cpu_has_vnni
+from ..measure.placement import detect_placement
 from ..measure.sessions import SessionSpec, make_session
 from ..portable import portable_path
 from ..quantize import quantize
@@ -172,9 +173,10 @@ def evaluate_hf(opts: HFOptions, cfg, *, command: str) -> tuple[dict, Path]:
 
     rows = timed("latency", measure_latency, cfg, {"fp32": fp32_path, **int8_paths}, data.window)
 
+    detected = timed("placement_from_graph", placement_from_graph, fp32_path, spec.placement)
     results = {
         **results_header(command, cfg.threads),
-        "model": model_section(loaded, opts, max_positions, run_dir),
+        "model": {**model_section(loaded, opts, max_positions, run_dir), "placement_detected": detected},
         "data": data.describe(),
         "train": {"pretrained": True, "diverged": False, "note": "pretrained checkpoint: not trained by quantnorm"},
         "export": exported.to_dict(run_dir),
@@ -273,6 +275,16 @@ def _max_positions(config) -> int | None:
         if isinstance(value, int) and value > 0:
             return value
     return None
+
+
+def placement_from_graph(fp32_path: Path, table_placement: str) -> dict:
+    """The placement read off the exported graph, beside the loader table's (a cross-check)."""
+    try:
+        found = detect_placement(fp32_path).to_dict()
+    except Exception as exc:  # noqa: BLE001 - a detector miss must not cost the measured run
+        return {"placement": None, "norm": None, "how": f"detector failed: {' '.join(str(exc).split())[:200]}",
+                "table": table_placement, "agrees": False}
+    return {**found, "table": table_placement, "agrees": found["placement"] == table_placement}
 
 
 def model_section(loaded, opts: HFOptions, max_positions: int | None, run_dir: Path) -> dict:

@@ -82,6 +82,10 @@ def render_hf(results: dict, plots: dict[str, str]) -> str:
         ["final norm", f"`{model['final_norm']}`" if model.get("final_norm") else "none"],
         ["QK-norm", ", ".join(f"`{n}`" for n in model.get("qk_norm", [])) or "no"],
         ["placement check", f"{verified}: {check.get('detail', '')} (max error {_fmt(check.get('max_abs_error'), '.2g')})"],
+        *([["placement from the ONNX graph", f"**{model['placement_detected'].get('placement')} / "
+            f"{model['placement_detected'].get('norm')}** ({'agrees with' if model['placement_detected'].get('agrees') else 'differs from'}"
+            f" the table's {model['placement_detected'].get('table')}): {model['placement_detected'].get('how')}"]]
+          if model.get("placement_detected") else []),
         ["layers, d_model, heads, positions", f"{model['n_layers']}, {model['d_model']}, {model['n_heads']}, {model['context']}"],
         ["parameters, vocabulary", f"{model['n_params']:,}, {model.get('vocab_size'):,}"],
         *([["encoder outputs", f"pooling {model.get('pooling')}; MLM head: {'yes' if model.get('mlm_head') else 'no'}"]]

@@ -1,0 +1,323 @@
+"""Placement and norm read from the FP32 ONNX graph, for any architecture.
+
+Why the graph: it is what every source becomes after export (zoo, Hugging Face, GGUF), and its
+dataflow says where the normalizations sit relative to the residual additions whatever the
+modules are called (HF's ``post_attention_layernorm`` is a pre-MLP norm in LLaMA and an
+attention-output norm in Gemma). The detector walks the residual stream from the token embedding:
+
+- a *norm* is a native ``LayerNormalization`` / ``RMSNormalization`` node, or the decomposed form
+  the exporter writes at opset 18: ``ReduceMean(x^2)`` (after ``x - mean(x)`` for LayerNorm), the
+  ``sqrt``/reciprocal, ``x *`` it, then any per-channel weight (``w``, ``1 + w``, a bias);
+- a *residual add* is an ``Add`` of the stream and a non-constant branch output;
+- per residual add: the norm reads the stream before the branch (**pre**), the branch output is a
+  norm output (**peri** with an input norm; **output-norm** without, as OLMo 2), or the sum is
+  normalized and the norm's output is the next stream (**post**; **deepnorm** when the skip is
+  scaled by a constant first). A second add whose branch hangs off the norm of the previous stream
+  is **parallel** (GPT-NeoX, Phi: attention and MLP read one normed input).
+
+The result is a label per residual add, the majority placement with how many adds agree, the
+norm kind and whether a final norm stands before the head. An architecture whose graph shows no
+residual add from the embedding gets ``placement = None`` and says what was found.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import onnx
+from onnx import numpy_helper
+
+NATIVE_NORMS = {"LayerNormalization": "layer", "RMSNormalization": "rms", "SimplifiedLayerNormalization": "rms"}
+PASS_THROUGH = ("Cast", "Identity")
+MAX_ADDS = 4096
+
+
+@dataclass
+class Norm:
+    input: str
+    output: str
+    kind: str            # "layer" | "rms"
+    how: str             # "native <op>" | "decomposed"
+
+
+@dataclass
+class GraphPlacement:
+    placement: str | None
+    norm: str | None
+    how: str
+    labels: list[str] = field(default_factory=list)
+    final_norm: bool = False
+
+    def to_dict(self) -> dict:
+        counts = Counter(self.labels)
+        return {"placement": self.placement, "norm": self.norm, "how": self.how,
+                "residual_adds": len(self.labels), "labels": dict(counts), "final_norm": self.final_norm}
+
+
+class _Graph:
+    def __init__(self, model: onnx.ModelProto):
+        g = model.graph
+        self.nodes = list(g.node)
+        self.consts = {i.name for i in g.initializer}
+        self.consts |= {n.output[0] for n in self.nodes if n.op_type == "Constant"}
+        self._values = {i.name: i for i in g.initializer}
+        self.producer = {o: n for n in self.nodes for o in n.output}
+        self.consumers: dict[str, list[onnx.NodeProto]] = {}
+        for n in self.nodes:
+            for i in n.input:
+                self.consumers.setdefault(i, []).append(n)
+        self.inputs = [i.name for i in g.input]
+
+    def is_const(self, name: str) -> bool:
+        return name in self.consts or name == ""
+
+    def const_value(self, name: str):
+        if name in self._values:
+            return numpy_helper.to_array(self._values[name])
+        node = self.producer.get(name)
+        if node is not None and node.op_type == "Constant":
+            for a in node.attribute:
+                if a.name == "value":
+                    return numpy_helper.to_array(a.t)
+        return None
+
+    def source(self, name: str) -> str:
+        """Back through Cast/Identity to the tensor they copy."""
+        seen = 0
+        while seen < 16:
+            node = self.producer.get(name)
+            if node is None or node.op_type not in PASS_THROUGH:
+                return name
+            name, seen = node.input[0], seen + 1
+        return name
+
+    def uses(self, name: str) -> list[onnx.NodeProto]:
+        """Consumers of ``name`` and of its Cast/Identity copies."""
+        out, todo = [], [name]
+        while todo:
+            t = todo.pop()
+            for n in self.consumers.get(t, []):
+                if n.op_type in PASS_THROUGH:
+                    todo.append(n.output[0])
+                else:
+                    out.append(n)
+        return out
+
+
+def find_norms(model: onnx.ModelProto) -> list[Norm]:
+    g = _Graph(model)
+    norms: list[Norm] = []
+    for node in g.nodes:
+        if node.op_type in NATIVE_NORMS:
+            norms.append(Norm(g.source(node.input[0]), node.output[0], NATIVE_NORMS[node.op_type], f"native {node.op_type}"))
+    for node in g.nodes:
+        if node.op_type != "ReduceMean":
+            continue
+        sq = g.producer.get(node.input[0])
+        if sq is None:
+            continue
+        if sq.op_type == "Pow" and g.is_const(sq.input[1]):
+            base = sq.input[0]
+        elif sq.op_type == "Mul" and sq.input[0] == sq.input[1]:
+            base = sq.input[0]
+        else:
+            continue
+        kind, origin = "rms", g.source(base)
+        centered = g.producer.get(base)
+        if centered is not None and centered.op_type == "Sub":
+            mean = g.producer.get(centered.input[1])
+            if mean is not None and mean.op_type == "ReduceMean" and g.source(mean.input[0]) == g.source(centered.input[0]):
+                kind, origin = "layer", g.source(centered.input[0])
+        out = _normalized_output(g, node.output[0], base)
+        if out is not None:
+            norms.append(Norm(origin, _after_affine(g, out), kind, "decomposed"))
+    return norms
+
+
+def _normalized_output(g: _Graph, stat: str, base: str) -> str | None:
+    """From ``mean(x^2)`` forward through eps/sqrt/reciprocal to the Mul or Div that scales ``x``."""
+    frontier, depth = [stat], 0
+    while frontier and depth < 6:
+        nxt = []
+        for t in frontier:
+            for n in g.uses(t):
+                ins = [g.source(i) for i in n.input]
+                if n.op_type in ("Mul", "Div") and g.source(base) in ins:
+                    return n.output[0]
+                if n.op_type in ("Add", "Sqrt", "Reciprocal", "Div", "Max", "Pow", "Mul") and n.output:
+                    nxt.append(n.output[0])
+        frontier, depth = nxt, depth + 1
+    return None
+
+
+def _after_affine(g: _Graph, t: str) -> str:
+    """Past the norm's per-channel weight and bias (Mul/Add by a constant or a function of one,
+    e.g. Gemma's ``1 + w``), while the chain is the tensor's only use."""
+    for _ in range(4):
+        uses = g.uses(t)
+        if len(uses) != 1 or uses[0].op_type not in ("Mul", "Add"):
+            return t
+        node = uses[0]
+        other = [i for i in node.input if g.source(i) != g.source(t)]
+        if not other or not _constant_expression(g, other[0]):
+            return t
+        t = node.output[0]
+    return t
+
+
+def _constant_expression(g: _Graph, name: str, depth: int = 3) -> bool:
+    if g.is_const(name):
+        return True
+    node = g.producer.get(name)
+    if node is None or depth == 0:
+        return False
+    return all(_constant_expression(g, i, depth - 1) for i in node.input if i)
+
+
+def _embedding_output(g: _Graph) -> str | None:
+    ids = set(g.inputs)
+
+    def from_ids(t: str, depth: int = 8) -> bool:
+        """``t`` is the token ids themselves, maybe reshaped or cast (not their shape)."""
+        if t in ids:
+            return True
+        node = g.producer.get(t)
+        if node is None or depth == 0 or node.op_type not in ("Reshape", "Cast", "Identity", "Unsqueeze",
+                                                               "Squeeze", "Flatten"):
+            return False
+        return from_ids(node.input[0], depth - 1)
+
+    for node in g.nodes:
+        if node.op_type == "Gather" and g.is_const(node.input[0]) and from_ids(node.input[1]):
+            t = node.output[0]
+            # past a constant scale (Gemma multiplies the embedding by sqrt(d)) or a position add
+            for _ in range(3):
+                uses = g.uses(t)
+                if len(uses) == 1 and uses[0].op_type in ("Mul", "Add") and \
+                        any(_constant_expression(g, i) or g.producer.get(i) is not None and
+                            g.producer[i].op_type == "Gather" for i in uses[0].input if g.source(i) != g.source(t)):
+                    if not [n for n in g.uses(uses[0].output[0]) if n.op_type in ("Add",)] or uses[0].op_type == "Mul":
+                        t = uses[0].output[0]
+                        continue
+                break
+            return t
+    return None
+
+
+def _descends_from(g: _Graph, tensor: str, ancestor: str, limit: int = 400) -> bool:
+    seen, todo = set(), [tensor]
+    while todo and len(seen) < limit:
+        t = todo.pop()
+        if t == ancestor:
+            return True
+        if t in seen:
+            continue
+        seen.add(t)
+        node = g.producer.get(t)
+        if node is not None:
+            todo.extend(i for i in node.input if i and not g.is_const(i))
+    return False
+
+
+def detect_placement(model_or_path) -> GraphPlacement:
+    model = onnx.load(str(model_or_path), load_external_data=False) if isinstance(model_or_path, (str, Path)) \
+        else model_or_path
+    g = _Graph(model)
+    norms = find_norms(model)
+    by_input: dict[str, list[Norm]] = {}
+    for n in norms:
+        by_input.setdefault(n.input, []).append(n)
+    outputs = {g.source(n.output): n for n in norms}
+    stream = _embedding_output(g)
+    if stream is None:
+        return GraphPlacement(None, None, f"no token embedding (Gather of a constant table by an input) found; "
+                                          f"{len(norms)} norms in the graph")
+    labels: list[str] = []
+    kinds: Counter = Counter()
+    previous_norm: Norm | None = None
+    final = False
+    for _ in range(MAX_ADDS):
+        s = g.source(stream)
+        reading = by_input.get(s, [])
+        adds = []
+        scaled = False
+        for n in g.uses(s):
+            if n.op_type == "Add" and not any(g.is_const(i) for i in n.input):
+                adds.append(n)
+            elif n.op_type == "Mul" and any(_constant_expression(g, i) for i in n.input if g.source(i) != s):
+                adds += [m for m in g.uses(n.output[0]) if m.op_type == "Add"]
+                scaled = bool(adds)
+        if not adds:
+            final = bool(reading)
+            if reading:
+                kinds[reading[0].kind] += 1
+            break
+        add = adds[0]
+        branch = next((i for i in add.input if g.source(i) != s and not _descends_scale(g, i, s)), add.input[-1])
+        branch_norm = outputs.get(g.source(branch))
+        after = add.output[0]
+        post_norm = by_input.get(g.source(after), [])
+        sum_feeds_add = any(n.op_type == "Add" and not any(g.is_const(i) for i in n.input) for n in g.uses(after))
+        if post_norm and not sum_feeds_add:
+            # The sum is normalized and only the norm reads it: post, unless this is the last add of
+            # a pre/peri stack (its sum goes to the final norm and then the head): told apart below.
+            label = "deepnorm" if scaled else "post"
+            kinds[post_norm[0].kind] += 1
+            nxt = post_norm[0].output
+            if not any(n.op_type == "Add" for n in g.uses(g.source(nxt))):
+                label = "last"
+        else:
+            if reading and branch_norm is not None:
+                label = "peri"
+            elif reading:
+                label = "pre"
+            elif branch_norm is not None:
+                label = "output-norm"
+            elif previous_norm is not None and _descends_from(g, g.source(branch), previous_norm.output):
+                label = "parallel"
+            else:
+                label = "none"
+            for nm in (reading[:1] + ([branch_norm] if branch_norm else [])):
+                kinds[nm.kind] += 1
+            nxt = after
+        previous_norm = reading[0] if reading else previous_norm
+        labels.append(label)
+        if label == "last":
+            break
+        stream = nxt
+    if not labels:
+        return GraphPlacement(None, None, f"no residual add on the stream from the embedding; {len(norms)} norms")
+    counts = Counter(x for x in labels if x != "last")
+    if labels[-1] == "last":
+        # The last sum goes through one norm to the head: a final norm in a pre/peri/output-norm
+        # stack, the last block's own norm in a post stack.
+        majority = counts.most_common(1)[0][0] if counts else "post"
+        if majority in ("post", "deepnorm"):
+            labels[-1], counts[majority] = majority, counts[majority] + 1
+        else:
+            labels[-1], final = majority, True
+            counts[majority] += 1
+    if not counts:
+        return GraphPlacement(None, None, f"no residual add on the stream from the embedding; {len(norms)} norms")
+    if counts.get("parallel"):
+        placement = "parallel"
+    else:
+        placement = counts.most_common(1)[0][0]
+    norm = kinds.most_common(1)[0][0] if kinds else None
+    n_agree = counts[placement] + (counts["pre"] if placement == "parallel" else 0)
+    labels = [x for x in labels]
+    how = (f"ONNX graph: {len(labels)} residual adds walked from the embedding, {n_agree} read as {placement} "
+           f"({', '.join(f'{k} {v}' for k, v in counts.most_common())}); norms: "
+           f"{', '.join(f'{k} {v}' for k, v in kinds.most_common()) or 'none'} "
+           f"({Counter(n.how for n in norms).most_common(1)[0][0] if norms else 'none found'}); "
+           f"final norm before the head: {'yes' if final else 'no'}")
+    return GraphPlacement(placement if placement != "none" else None, norm, how, labels, final)
+
+
+def _descends_scale(g: _Graph, tensor: str, stream: str) -> bool:
+    """``tensor`` is ``const * stream`` (DeepNorm's scaled skip)."""
+    node = g.producer.get(g.source(tensor))
+    return node is not None and node.op_type == "Mul" and stream in [g.source(i) for i in node.input]
+

@@ -1,0 +1,62 @@
+"""Placement and norm read from the exported ONNX graph (quantnorm.measure.placement), checked on
+tiny models of every family in the loader table, on one outside it (GPT-NeoX, parallel blocks),
+and on the zoo's own placements."""
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from test_hf import save_tiny
+
+from quantnorm.export import export_onnx
+from quantnorm.hf.export import export_hf_onnx, make_wrapper, output_names
+from quantnorm.hf.loader import load_checkpoint
+from quantnorm.measure.placement import detect_placement
+from quantnorm.models import CausalLM, ModelConfig
+
+EXPECTED = {"gpt2": ("pre", "layer"), "llama": ("pre", "rms"), "qwen2": ("pre", "rms"),
+            "gemma3_text": ("peri", "rms"), "olmo2": ("output-norm", "rms"), "bert": ("post", "layer")}
+
+
+@pytest.mark.parametrize("name", list(EXPECTED))
+def test_detected_from_the_graph_matches_the_table(name, tmp_path):
+    loaded = load_checkpoint(save_tiny(name, tmp_path / name))
+    ids = np.random.default_rng(0).integers(3, 250, size=(2, 12))
+    out = tmp_path / "m.onnx"
+    export_hf_onnx(make_wrapper(loaded), out, ids, outputs=output_names(loaded.spec.kind, loaded.files.mlm_head),
+                   max_positions=128, opset=18)
+    found = detect_placement(out)
+    assert (found.placement, found.norm) == EXPECTED[name], found.how
+    assert found.to_dict()["residual_adds"] == 4  # 2 blocks x (attention, MLP)
+    assert found.final_norm == (name != "bert")
+
+
+def test_a_family_outside_the_table_is_classified_parallel(tmp_path):
+    torch.manual_seed(0)
+    config = transformers.GPTNeoXConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, max_position_embeddings=64, use_parallel_residual=True)
+    model = transformers.GPTNeoXForCausalLM(config).eval()
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.model = m
+
+        def forward(self, input_ids):
+            return self.model(input_ids=input_ids, use_cache=False).logits
+
+    out = tmp_path / "neox.onnx"
+    export_hf_onnx(Wrapper(model).eval(), out, np.random.default_rng(0).integers(0, 64, size=(2, 10)),
+                   outputs=("logits",), max_positions=64, opset=18)
+    found = detect_placement(out)
+    assert (found.placement, found.norm) == ("parallel", "layer"), found.how
+
+
+@pytest.mark.parametrize("placement", ["pre", "post", "peri", "deepnorm"])
+def test_zoo_placements(placement, tmp_path):
+    torch.manual_seed(0)
+    model = CausalLM(ModelConfig(placement=placement, norm="rms", n_layers=2, d_model=32, n_heads=2, context=16))
+    out = tmp_path / "zoo.onnx"
+    export_onnx(model.eval(), out, np.random.default_rng(0).integers(0, 256, size=(2, 16)), opset=18)
+    found = detect_placement(out)
+    assert (found.placement, found.norm) == (placement, "rms"), found.how
