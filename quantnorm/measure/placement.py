@@ -192,18 +192,50 @@ def _embedding_output(g: _Graph) -> str | None:
     for node in g.nodes:
         if node.op_type == "Gather" and g.is_const(node.input[0]) and from_ids(node.input[1]):
             t = node.output[0]
-            # past a constant scale (Gemma multiplies the embedding by sqrt(d)) or a position add
-            for _ in range(3):
+            # past a constant scale (Gemma multiplies the embedding by sqrt(d)) and added position or
+            # token-type embeddings (GPT-2, BERT, the zoo): Adds of another table lookup
+            for _ in range(4):
                 uses = g.uses(t)
-                if len(uses) == 1 and uses[0].op_type in ("Mul", "Add") and \
-                        any(_constant_expression(g, i) or g.producer.get(i) is not None and
-                            g.producer[i].op_type == "Gather" for i in uses[0].input if g.source(i) != g.source(t)):
-                    if not [n for n in g.uses(uses[0].output[0]) if n.op_type in ("Add",)] or uses[0].op_type == "Mul":
-                        t = uses[0].output[0]
-                        continue
-                break
+                if len(uses) != 1 or uses[0].op_type not in ("Mul", "Add"):
+                    break
+                other = [i for i in uses[0].input if g.source(i) != g.source(t)]
+                if not other or not (_constant_expression(g, other[0]) or _is_lookup(g, other[0])):
+                    break
+                t = uses[0].output[0]
             return t
     return None
+
+
+def _two_branches_of(g: _Graph, branch: str, normed: str) -> bool:
+    node = g.producer.get(g.source(branch))
+    if node is None or node.op_type != "Add" or any(g.is_const(i) for i in node.input):
+        return False
+    return all(_descends_from(g, g.source(i), g.source(normed), limit=2000) for i in node.input)
+
+
+def _feeds_residual_add(g: _Graph, t: str) -> bool:
+    """``t`` goes into an Add directly, or scaled by a constant first (DeepNorm's alpha * x)."""
+    for n in g.uses(t):
+        if n.op_type == "Add":
+            return True
+        if n.op_type == "Mul" and any(_constant_expression(g, i) for i in n.input if g.source(i) != t) and \
+                any(m.op_type == "Add" for m in g.uses(n.output[0])):
+            return True
+    return False
+
+
+def _is_lookup(g: _Graph, name: str) -> bool:
+    """A Gather of a constant table, maybe reshaped (a position or token-type embedding)."""
+    for _ in range(6):
+        node = g.producer.get(name)
+        if node is None:
+            return False
+        if node.op_type == "Gather":
+            return g.is_const(node.input[0])
+        if node.op_type not in ("Unsqueeze", "Reshape", "Expand", "Cast", "Identity", "Squeeze"):
+            return False
+        name = node.input[0]
+    return False
 
 
 def _descends_from(g: _Graph, tensor: str, ancestor: str, limit: int = 400) -> bool:
@@ -249,6 +281,10 @@ def detect_placement(model_or_path) -> GraphPlacement:
             elif n.op_type == "Mul" and any(_constant_expression(g, i) for i in n.input if g.source(i) != s):
                 adds += [m for m in g.uses(n.output[0]) if m.op_type == "Add"]
                 scaled = bool(adds)
+        if not adds and not labels and reading and any(
+                n.op_type == "Add" for n in g.uses(g.source(reading[0].output))):
+            stream = reading[0].output  # an embedding norm (BERT) before the first block
+            continue
         if not adds:
             final = bool(reading)
             if reading:
@@ -266,10 +302,14 @@ def detect_placement(model_or_path) -> GraphPlacement:
             label = "deepnorm" if scaled else "post"
             kinds[post_norm[0].kind] += 1
             nxt = post_norm[0].output
-            if not any(n.op_type == "Add" for n in g.uses(g.source(nxt))):
+            if not _feeds_residual_add(g, g.source(nxt)):
                 label = "last"
         else:
-            if reading and branch_norm is not None:
+            if len(reading) >= 2 or (reading and _two_branches_of(g, branch, reading[0].output)):
+                # attention and MLP side by side on the stream: two norms read it, or one norm's
+                # output feeds both sublayers whose outputs are summed before the add (GPT-NeoX, Phi)
+                label = "parallel"
+            elif reading and branch_norm is not None:
                 label = "peri"
             elif reading:
                 label = "pre"
