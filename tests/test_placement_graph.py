@@ -60,3 +60,28 @@ def test_zoo_placements(placement, tmp_path):
     export_onnx(model.eval(), out, np.random.default_rng(0).integers(0, 256, size=(2, 16)), opset=18)
     found = detect_placement(out)
     assert (found.placement, found.norm) == (placement, "rms"), found.how
+
+
+def test_an_architecture_outside_the_table_is_evaluated_with_its_detected_placement(tmp_path):
+    from test_hf import tiny_tokenizer
+
+    from quantnorm.evaluate import EvaluateConfig
+    from quantnorm.hf.evaluate import HFOptions, evaluate_hf
+
+    torch.manual_seed(0)
+    config = transformers.GPTNeoXConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, max_position_embeddings=128,
+                                        use_parallel_residual=True, bos_token_id=1, eos_token_id=2)
+    path = tmp_path / "neox"
+    transformers.GPTNeoXForCausalLM(config).save_pretrained(path)
+    tiny_tokenizer(False).save_pretrained(path)
+    cfg = EvaluateConfig(recipes=("pertoken",), providers=("cpu",), calib_samples=4, latency_batches=(1,),
+                         latency_iters=2, latency_warmup=1, probe_windows=2, parity_windows=2, progress=False,
+                         threads=1)
+    results, _ = evaluate_hf(HFOptions(path=path, window=16, max_eval_windows=4, out_dir=tmp_path / "run"), cfg,
+                             command="test")
+    model = results["model"]
+    assert model["architecture"] == "gpt_neox" and "not in the loader table" in model["family"]
+    assert (model["placement"], model["norm"]) == ("parallel", "layer")
+    assert model["placement_detected"]["how"].startswith("ONNX graph")
+    assert results["recipes"][0]["status"] == "ok"

@@ -34,6 +34,7 @@ from ..portable import portable_path
 from ..quantize import quantize
 from ..runs import FP32_ONNX_FILE, PLOTS_DIR, RESULTS_FILE, check_out_dir, int8_onnx_file
 from .gguf import gguf_checkpoint, is_gguf_path, resolve_gguf
+from .loader import DETECTED
 
 FP16_CHECK_WINDOWS = 4  # torch float16 on a CPU is slow; the overflow shows on any window with BOS
 
@@ -174,9 +175,15 @@ def evaluate_hf(opts: HFOptions, cfg, *, command: str) -> tuple[dict, Path]:
     rows = timed("latency", measure_latency, cfg, {"fp32": fp32_path, **int8_paths}, data.window)
 
     detected = timed("placement_from_graph", placement_from_graph, fp32_path, spec.placement)
+    if spec.placement == DETECTED:  # outside the loader table: the graph's answer is the placement
+        if detected.get("placement") is None:
+            raise ConfigError(f"--model {opts.path}: {spec.model_type} is not in the loader table and its placement "
+                              f"cannot be read from the exported graph ({detected.get('how')})")
     results = {
         **results_header(command, cfg.threads),
-        "model": {**model_section(loaded, opts, max_positions, run_dir), "placement_detected": detected},
+        "model": {**model_section(loaded, opts, max_positions, run_dir), "placement_detected": detected,
+                  **({"placement": detected["placement"], "norm": detected["norm"]} if spec.placement == DETECTED
+                     else {})},
         "data": data.describe(),
         "train": {"pretrained": True, "diverged": False, "note": "pretrained checkpoint: not trained by quantnorm"},
         "export": exported.to_dict(run_dir),
@@ -284,6 +291,8 @@ def placement_from_graph(fp32_path: Path, table_placement: str) -> dict:
     except Exception as exc:  # noqa: BLE001 - a detector miss must not cost the measured run
         return {"placement": None, "norm": None, "how": f"detector failed: {' '.join(str(exc).split())[:200]}",
                 "table": table_placement, "agrees": False}
+    if table_placement == DETECTED:
+        return {**found, "table": None, "agrees": None}
     return {**found, "table": table_placement, "agrees": found["placement"] == table_placement}
 
 

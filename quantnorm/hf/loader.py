@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..errors import ConfigError
@@ -31,7 +31,9 @@ NORM_FORMULAS = {
     "layer": "gamma * (x - mean) / sqrt(var + eps) + beta",
     "rms": "w * x / sqrt(mean(x^2) + eps)",
     "rms_1p": "(1 + w) * x / sqrt(mean(x^2) + eps)",
+    "unknown": "read from the exported graph",
 }
+DETECTED = "detected"  # placement/norm of an architecture outside the table: read from the ONNX graph
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,19 @@ _ARCH_LIST = [
 ARCHITECTURES: dict[str, ArchSpec] = {a.model_type: a for a in _ARCH_LIST}
 
 
+def generic_causal_spec(config: dict) -> ArchSpec:
+    """A causal LM outside the table (``architectures`` names a ``*ForCausalLM``): its placement and
+    norm are read from the exported ONNX graph (quantnorm.measure.placement) and its block list is
+    found at load time; no SmoothQuant fold rule is known for it. Anything else: ``get_arch``'s error."""
+    names = [str(a) for a in config.get("architectures") or []]
+    model_type = config.get("model_type")
+    if not any(n.endswith("ForCausalLM") for n in names) or not model_type:
+        get_arch(model_type)  # raises the one-line error listing what is supported
+    return ArchSpec(str(model_type), f"{model_type} (not in the loader table)", "causal", DETECTED, DETECTED,
+                    "unknown", "", {}, None, "read from the exported ONNX graph", "none",
+                    notes="architecture outside the loader table: placement and norm detected on the graph")
+
+
 def supported_architectures() -> str:
     return ", ".join(f"{a.model_type} ({a.placement}/{a.norm})" for a in _ARCH_LIST)
 
@@ -124,7 +139,8 @@ def get_arch(model_type: str | None) -> ArchSpec:
     if model_type == "gemma3":
         hint = " (multimodal Gemma 3 is not supported; text-only Gemma3ForCausalLM checkpoints are 'gemma3_text')"
     raise ConfigError(f"unsupported architecture {model_type!r}{hint}: supported model_type values are "
-                      f"{supported_architectures()}")
+                      f"{supported_architectures()}, and any causal LM whose config.json names a *ForCausalLM class "
+                      f"(its placement is then read from the exported graph)")
 
 
 @dataclass(frozen=True)
@@ -164,7 +180,7 @@ def inspect_checkpoint(path: str | Path, *, allow_pickle: bool = False) -> Check
         # Custom code would be needed; we never run it (trust_remote_code stays False).
         raise ConfigError(f"--model {path}: config.json has auto_map (custom modeling code); quantnorm never sets "
                           f"trust_remote_code. Supported: {supported_architectures()}")
-    spec = get_arch(config.get("model_type"))
+    spec = ARCHITECTURES.get(str(config.get("model_type"))) or generic_causal_spec(config)
 
     safetensors = tuple(n for n in SAFETENSORS_FILES if (path / n).is_file())
     pickled = tuple(n for n in PICKLE_FILES if (path / n).is_file())
@@ -286,6 +302,9 @@ def load_checkpoint(path: str | Path, *, allow_pickle: bool = False) -> LoadedCh
     model.eval()
     _conv1d_to_linear(model)
     base = model.base_model
+    if not spec.layers:  # outside the table: the block list is the ModuleList of num_hidden_layers
+        spec = _with_block_list(spec, base, model.config)
+        files = replace(files, spec=spec)
     try:
         layers = list(base.get_submodule(spec.layers))
     except AttributeError:
@@ -294,6 +313,16 @@ def load_checkpoint(path: str | Path, *, allow_pickle: bool = False) -> LoadedCh
     loaded = LoadedCheckpoint(files, model, tokenizer, base, layers, {})
     loaded.placement_check = verify_placement(loaded)
     return loaded
+
+
+def _with_block_list(spec: ArchSpec, base, config) -> ArchSpec:
+    from torch import nn
+
+    n = getattr(config, "num_hidden_layers", None)
+    for name, module in base.named_modules():
+        if isinstance(module, nn.ModuleList) and name and (n is None or len(module) == n):
+            return replace(spec, layers=name)
+    raise ConfigError(f"{spec.model_type}: no block list (an nn.ModuleList of {n} blocks) in the base model")
 
 
 def _dtype_kwarg(transformers, dtype) -> dict:
@@ -368,6 +397,9 @@ def verify_placement(loaded: LoadedCheckpoint, seq: int = 8) -> dict:
     import torch
 
     spec = loaded.spec
+    if spec.check == "none":
+        return {"verified": False, "check": "none",
+                "reason": "architecture outside the loader table: no module-level check; placement read from the graph"}
     block = loaded.layers[0]
     norm_names = list(spec.norm_roles)
     captured: dict[str, tuple] = {}

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import ExportError
+from ..errors import ConfigError, ExportError
 from ..smoothquant import (
     DEFAULT_PARITY_TOLERANCE,
     SmoothedModels,
@@ -85,6 +85,8 @@ def smooth_and_export(loaded, wrapper, calib_inputs: np.ndarray, parity_inputs: 
     from .export import WRAPPER_ATTR, export_hf_onnx, onnx_outputs, torch_outputs
 
     spec = loaded.spec
+    if spec.placement == "detected":
+        raise ConfigError(f"SmoothQuant: {spec.family} has no known fold rule (the loader table has none for it)")
     fold, formula = fold_rule(spec)
     smoothed, plan = smooth_module(wrapper, calib_inputs, alpha, placement=spec.placement, norm=spec.norm,
                                    is_norm=is_hf_norm, fold=fold, batch_size=8,
