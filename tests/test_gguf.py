@@ -153,3 +153,32 @@ def test_parts_in_sibling_packages_are_found_through_chunk_paths(tiny_gguf, tmp_
     monkeypatch.delitem(__import__("sys").modules, "tinyparts", raising=False)
     with pytest.raises(ConfigError, match="SHA-256"):
         resolve_gguf(homes[0], cache_dir=tmp_path / "cache2")
+
+
+@pytest.mark.parametrize("case", ["truncated_config", "corrupt_safetensors", "truncated_safetensors"])
+def test_corrupt_checkpoint_files_are_refused_before_anything_is_written(tmp_path, capsys, case):
+    """A Hugging Face directory whose config.json or model.safetensors is cut or garbage: one line,
+    exit 2, and the run directory holds no results.json, report or model."""
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    path = tmp_path / "ckpt"
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    from test_hf import tiny_tokenizer
+
+    tiny_tokenizer(False).save_pretrained(path)
+    if case == "truncated_config":
+        text = (path / "config.json").read_text()
+        (path / "config.json").write_text(text[: len(text) // 2])
+    elif case == "corrupt_safetensors":
+        (path / "model.safetensors").write_bytes(b"\x00" * 64)
+    else:
+        data = (path / "model.safetensors").read_bytes()
+        (path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    out = tmp_path / "run"
+    capsys.readouterr()  # the setup's own progress output
+    assert main(["evaluate", "--model", str(path), "--out", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and len(err.splitlines()) == 1, err
+    assert not any(out.glob("results.json")) and not any(out.glob("report.md")) and not any(out.glob("*.onnx"))
