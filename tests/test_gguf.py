@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from gguf_helpers import split_into_parts, write_tiny_llama_gguf
+from gguf_helpers import split_into_parts, write_tiny_gemma3_gguf, write_tiny_llama_gguf
 
 from quantnorm.cli import main
 from quantnorm.errors import ConfigError
@@ -182,3 +182,24 @@ def test_corrupt_checkpoint_files_are_refused_before_anything_is_written(tmp_pat
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and len(err.splitlines()) == 1, err
     assert not any(out.glob("results.json")) and not any(out.glob("report.md")) and not any(out.glob("*.onnx"))
+
+
+def test_gemma3_gguf_end_to_end_peri_detected_on_the_graph(tmp_path, capsys):
+    """Gemma 3's layout (QK-norm, four norms a block, norm weights stored as 1 + w): the table and the
+    graph both read Peri-RMSNorm, and the online rotation recipe applies (the stream one does not)."""
+    gguf_file = write_tiny_gemma3_gguf(tmp_path / "Tiny-Gemma3.F32.gguf")
+    out = tmp_path / "run"
+    argv = ["evaluate", "--model", str(gguf_file), "--recipes", "pertoken,rotated-pertoken,online-rotated-pertoken-fused",
+            "--context", "16", "--eval-tokens", "64", "--calib-samples", "4", "--batches", "1", "--iters", "2",
+            "--providers", "cpu", "--threads", "1", "--out", str(out), "--quiet", "--no-outliers"]
+    assert main(argv) == 0, capsys.readouterr().err
+    results = json.loads((out / "results.json").read_text())
+    model = results["model"]
+    assert model["architecture"] == "gemma3_text" and (model["placement"], model["norm"]) == ("peri", "rms")
+    assert model["placement_detected"]["placement"] == "peri" and model["placement_detected"]["agrees"]
+    recipes = {r["name"]: r for r in results["recipes"]}
+    assert recipes["pertoken"]["status"] == "ok"
+    assert recipes["rotated-pertoken"]["status"].startswith("not applicable") and "Peri-LN" in \
+        recipes["rotated-pertoken"]["status"]
+    assert recipes["online-rotated-pertoken-fused"]["status"] == "ok"
+    assert results["rotation"]["online"]["onnx_vs_original_max_rel_diff"] < 1e-3
