@@ -286,6 +286,7 @@ def gguf_checkpoint(gguf: GGUFFile, run_dir: Path, *, progress: bool = False) ->
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     model.hf_quantizer = None
+    config.architectures = [type(model).__name__]  # what a checkpoint directory's config.json names
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
