@@ -25,3 +25,34 @@ def test_chunked_calibration_matches_one_pass(tmp_path):
         else:  # histograms are re-binned when merged: within a few bins of the one-pass range
             hi_w, hi_s = _range(whole)[1], _range(streamed)[1]
             assert abs(hi_s - hi_w) <= 0.05 * abs(hi_w) + 50, (method, hi_w, hi_s)
+
+
+def test_sink_aware_minmax_leaves_position_0_out(tmp_path):
+    model = tmp_path / "m.onnx"
+    _outlier_model(model)  # the MatMul input is the ids themselves: [batch, 8 positions]
+    rng = np.random.default_rng(0)
+    x = np.round(rng.normal(0, 100, size=(32, 8))).astype(np.int64)
+    x[:, 0] = 25_000  # a massive value on the sink token of every window
+    full = _range(collect_ranges(model, "minmax", x, op_types=["MatMul"]))
+    nosink = _range(collect_ranges(model, "minmax-nosink", x, op_types=["MatMul"]))
+    assert full[1] == 25_000.0
+    bulk = x[:, 1:]
+    assert nosink == [float(min(bulk.min(), 0)), float(max(bulk.max(), 0))]
+
+
+def test_sink_aware_recipe_quantizes_a_zoo_model(tmp_path):
+    import torch
+
+    from quantnorm.export import export_onnx
+    from quantnorm.models import CausalLM, ModelConfig
+    from quantnorm.quantize import get_recipe, quantize
+
+    torch.manual_seed(0)
+    model = CausalLM(ModelConfig(placement="pre", norm="rms", n_layers=1, d_model=16, n_heads=2, context=16)).eval()
+    ids = np.random.default_rng(0).integers(0, 256, size=(8, 16))
+    ids[:, 0] = 256  # BOS
+    export_onnx(model, tmp_path / "fp32.onnx", ids[:2], opset=18)
+    recipe = get_recipe("static-minmax-matmul-nosink")
+    result = quantize(tmp_path / "fp32.onnx", recipe, ids, tmp_path / "int8.onnx", vnni=True, probe_inputs=ids[:2])
+    assert result.status == "ok", result.problems
+    assert result.settings["calibration_details"]["excluded_positions"] == [0]

@@ -20,8 +20,11 @@ from ..errors import ConfigError
 #  entropy:      KL-divergence-optimal clipping of a histogram (TensorRT's method)
 #  percentile:   clip at a percentile of |x| (recipe's ``percentile``, default 99.999)
 #  distribution: ORT's mean/std histogram statistics (designed for float8; measured for INT8 too)
+#  minmax-nosink: min/max over every token but the sink (position 0, where massive activations
+#                 sit): the other tokens get a fine step, the sink's own values are clipped
 CALIBRATION_METHODS: dict[str, CalibrationMethod] = {
     "minmax": CalibrationMethod.MinMax,
+    "minmax-nosink": CalibrationMethod.MinMax,
     "entropy": CalibrationMethod.Entropy,
     "percentile": CalibrationMethod.Percentile,
     "distribution": CalibrationMethod.Distribution,

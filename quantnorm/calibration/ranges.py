@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+import onnx
 from onnxruntime.quantization.calibrate import HistogramCollector, create_calibrator
 from tqdm import tqdm
 
@@ -21,6 +22,7 @@ from . import WindowCalibrationReader, get_calibration_method
 from .entropy import ENTROPY_NUM_BINS, ENTROPY_QUANTIZED_BINS, fast_entropy_collector
 
 HISTOGRAM_BINS = 2048  # percentile and distribution: ORT's defaults
+SINK_POSITIONS = (0,)  # the first token: BOS, the attention sink that carries massive activations
 CALIBRATION_BUFFER_BYTES = 1 << 30  # collected tensors held at once before they are folded in
 
 
@@ -44,6 +46,9 @@ def method_details(method: str, percentile: float = 99.999) -> dict:
                 "threshold_search": "quantnorm (TensorRT/MXNet KL search)"}
     if method == "percentile":
         return {"num_bins": HISTOGRAM_BINS, "percentile": percentile, "symmetric_range": True}
+    if method == "minmax-nosink":
+        return {"excluded_positions": list(SINK_POSITIONS),
+                "rule": "min/max over every token position but these (the sink's values are clipped to that range)"}
     if method == "distribution":
         # For INT8 ORT uses the histogram's edges, i.e. [-max|x|, max|x|]: a symmetric MinMax.
         return {"num_bins": HISTOGRAM_BINS, "int8_range": "[-max|x|, max|x|]"}
@@ -60,6 +65,9 @@ def collect_ranges(model_path: str | Path, method: str, inputs: np.ndarray, *, o
     method meets an infinite tensor; callers turn that into a broken recipe.
     """
     calibrate_method = get_calibration_method(method)
+    if method == "minmax-nosink":
+        return collect_ranges_without_positions(model_path, inputs, op_types=op_types, skip_positions=SINK_POSITIONS,
+                                                batch_size=batch_size, progress=progress)
     extra: dict = {}
     if method == "entropy":
         extra = {"num_bins": ENTROPY_NUM_BINS, "num_quantized_bins": ENTROPY_QUANTIZED_BINS}
@@ -119,3 +127,48 @@ def seed_histograms(calibrator, extremes) -> None:
             threshold = np.array(max(abs(lo), abs(hi)), dtype=np.float32)
             _, edges = np.histogram(np.zeros(0, dtype=np.float32), bins, range=(-threshold, threshold))
             collector.histogram_dict[name] = (np.zeros(bins, dtype=np.int64), edges, lo, hi, threshold)
+
+
+def collect_ranges_without_positions(model_path: str | Path, inputs: np.ndarray, *, op_types: list[str] | None,
+                                     skip_positions=SINK_POSITIONS, batch_size: int = 4, progress: bool = False):
+    """MinMax ranges with some token positions left out (a collector of our own: ORT's calibrators
+    reduce whole tensors). The tensors are the ones ORT's MinMax calibrator would calibrate; a
+    tensor with a token axis (axis 1 of [batch, seq, ...], seq = the window length) is reduced over
+    the other positions, anything else over all of it. Streams: one batch is held at a time."""
+    import onnxruntime as ort
+    from onnxruntime.quantization.calibrate import CalibrationMethod, MinMaxCalibrater, TensorsData
+
+    with tempfile.TemporaryDirectory(prefix="quantnorm-calib-") as tmp:
+        selector = MinMaxCalibrater(Path(model_path), op_types, augmented_model_path=str(Path(tmp) / "unused.onnx"))
+        model = selector.model  # shape-inferred, as ORT's own calibrator sees it
+        tensors, value_infos = selector.select_tensors_to_calibrate(model)
+        del selector
+    tensors = sorted(tensors)
+    existing = {o.name for o in model.graph.output}
+    for name in tensors:
+        if name not in existing:
+            model.graph.output.append(value_infos[name] if name in value_infos else
+                                      onnx.helper.make_empty_tensor_value_info(name))
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # keep every tensor
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    windows = np.ascontiguousarray(inputs, dtype=np.int64)
+    seq = windows.shape[1]
+    keep = np.setdiff1d(np.arange(seq), np.asarray(skip_positions, dtype=np.int64))
+    lo: dict[str, float] = {}
+    hi: dict[str, float] = {}
+    input_name = session.get_inputs()[0].name
+    for start in tqdm(range(0, len(windows), batch_size), desc="calibrating (minmax-nosink)", unit="batch",
+                      disable=not progress, leave=False):
+        values = session.run(tensors, {input_name: windows[start:start + batch_size]})
+        for name, value in zip(tensors, values):
+            v = np.asarray(value)
+            if v.ndim >= 2 and v.shape[1] == seq and len(keep):
+                v = v[:, keep]
+            if v.size == 0:
+                continue
+            lo[name] = min(lo.get(name, np.inf), float(v.min()))
+            hi[name] = max(hi.get(name, -np.inf), float(v.max()))
+    data = {n: (np.array(min(lo[n], 0.0), dtype=np.float32), np.array(max(hi[n], 0.0), dtype=np.float32))
+            for n in lo}
+    return TensorsData(CalibrationMethod.MinMax, data)

@@ -142,7 +142,8 @@ class Recipe:
                      + ("ORT's fused MatMulIntegerToFloat" if self.pertoken_kernel == "ort-fused"
                         else "standard ONNX ops") + ")"]
         else:
-            ranges = {"minmax": "MinMax ranges", "entropy": "entropy calibration (KL-optimal clipping)",
+            ranges = {"minmax": "MinMax ranges", "minmax-nosink": "MinMax ranges over every token but the sink "
+                      "(position 0: its values are clipped)", "entropy": "entropy calibration (KL-optimal clipping)",
                       "percentile": f"{self.percentile:g}th-percentile clipping",
                       "distribution": "distribution calibration (symmetric ranges)"}
             parts = [f"static QDQ, {ranges.get(self.calibration, f'{self.calibration} calibration')}"]
@@ -177,6 +178,9 @@ _RECIPE_LIST = [
     _static("static-entropy-matmul", "entropy"),
     _static("static-percentile-matmul", "percentile"),
     _static("static-distribution-matmul", "distribution"),
+    # MinMax over every token but the sink (position 0): the massive first-token values are
+    # clipped, every other token gets a fine step (sink-aware calibration, PrefixQuant's question).
+    _static("static-minmax-matmul-nosink", "minmax-nosink"),
     # ORT's default op list: also Add/Mul/Where/Softmax/Gather... (where -inf masks bite).
     _static("static-minmax-all", "minmax", op_scope="all"),
     # Signed symmetric activations (zero point 0), as TensorRT-style INT8 wants.
