@@ -47,7 +47,7 @@ def latency(results: dict, variant: str, batch: int = 8):
     return None
 
 
-def model_section(name: str, r: dict) -> list[str]:
+def model_section(name: str, r: dict, run_dir: Path) -> list[str]:
     m, hw = r["model"], r["hardware"]
     check = m.get("placement_check", {})
     L = [f"## {name}: {source_name(m)}", "",
@@ -76,8 +76,13 @@ def model_section(name: str, r: dict) -> list[str]:
             rows.append([x["name"], fmt(a["ppl_ratio"]), f"{a['kld_mean']:.4f}", pct(a["top1_agreement"]),
                          fmt(p50 / fp32 if p50 and fp32 else None, ".2f"),
                          fmt(sizes.get(x["name"], 0) / 2**20, ".0f") + " MiB", "**yes**" if meets else "no"])
-        L += table(["recipe", "PPL ratio", "KL mean", "top-1", "latency / FP32 (b8)", "size",
+        L += table(["recipe", "PPL ratio", "KL mean", "top-1", "latency / FP32 (b8, in the run)", "size",
                     "meets KL <= 0.007, PPL <= 1.01, top-1 >= 95%"], rows)
+        L += ["", "The in-run latency column was timed between the run's other stages, on a machine other work "
+              "could share (a single outlier such as a per-token recipe slower than its unfused twin is such a "
+              "sample); the `quantnorm bench` table below times each model alone. Sizes include the token "
+              "embedding table, which weight-MatMul recipes keep in FP32 (for Gemma 3: 262,144 x 640 floats, "
+              "640 MiB), and the INT8 copy of an untied head."]
     else:  # an encoder: embedding agreement
         L.append(f"FP32 p50 at batch 8: {fmt(fp32, '.1f')} ms.")
         L.append("")
@@ -91,13 +96,22 @@ def model_section(name: str, r: dict) -> list[str]:
             rows.append([x["name"], fmt(a.get("cosine_mean"), ".4f"), fmt(a.get("cosine_p1"), ".4f"),
                          pct(a.get("nn_agreement")), fmt(p50 / fp32 if p50 and fp32 else None, ".2f")])
         L += table(["recipe", "cosine mean", "cosine p1", "NN agreement", "latency / FP32 (b8)"], rows)
+    bench = run_dir / "bench.json"
+    if bench.is_file():
+        rows = [b for b in json.loads(bench.read_text()) if b.get("status") == "measured"]
+        base = next((b["p50_ms"] for b in rows if b["variant"] == "model.fp32.onnx"), None)
+        L += ["", "Latency measured again with `quantnorm bench` (each model alone, one after the other, batch 8 x 128 "
+              "tokens, 20 timed runs; the command is in `tools/real_models.sh`):", ""]
+        L += table(["model", "p50 ms", "p90 ms", "tokens/s", "p50 / FP32"], [
+            [b["variant"].removeprefix("model.").removesuffix(".onnx"), f"{b['p50_ms']:.0f}", f"{b['p90_ms']:.0f}",
+             f"{b['tokens_per_s']:,.0f}", fmt(b["p50_ms"] / base if base else None, ".3f")] for b in rows])
     s = r.get("search")
     if s:
         chosen = s.get("chosen") or {}
         L += ["", f"Search (`--recipes auto`, targets PPL ratio <= {s.get('target_max_ppl_ratio')}, top-1 >= "
               f"{s.get('target_min_top1')}, KL mean <= {s.get('target_max_kld')}): "
               f"{len(s.get('trials', []))} trials on {s.get('eval_windows')} windows, stopped by {s.get('stopped_by')}; "
-              f"picked **{chosen.get('name', 'none')}**."]
+              f"picked **{chosen.get('name', 'none')}** (the fastest passing trial).", ""]
         L += table(["trial", "recipe", "status", "PPL ratio", "KL mean", "top-1", "p50 ms", "passed"], [
             [t["index"], t["name"], t["status"][:60], fmt(t.get("ppl_ratio")), fmt(t.get("kld_mean"), ".4f"),
              pct(t.get("top1_agreement")), fmt(t.get("latency_p50_ms"), ".0f"), "yes" if t.get("passed") else "no"]
@@ -157,7 +171,9 @@ def main(runs: str, dest: str) -> int:
         if (run / "plots").is_dir():
             shutil.rmtree(target / "plots", ignore_errors=True)
             shutil.copytree(run / "plots", target / "plots")
-        L += ["", *model_section(name, r)]
+        if (run / "bench.json").is_file():
+            shutil.copy2(run / "bench.json", target / "bench.json")
+        L += ["", *model_section(name, r, run)]
     (out / "report.md").write_text("\n".join(L) + "\n", encoding="utf-8")
     print(out / "report.md")
     return 0

