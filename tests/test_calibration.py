@@ -23,7 +23,7 @@ def corpus_with_fence(n_bytes: int, calib: tuple[int, int]) -> np.ndarray:
 
 
 def test_methods_table():
-    assert set(CALIBRATION_METHODS) == {"minmax", "entropy", "percentile", "distribution"}
+    assert set(CALIBRATION_METHODS) == {"minmax", "minmax-nosink", "entropy", "percentile", "distribution"}
     assert CALIBRATION_METHODS["entropy"] is CalibrationMethod.Entropy
 
 
