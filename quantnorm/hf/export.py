@@ -237,3 +237,22 @@ def _parity(wrapper, path: Path, inputs: np.ndarray, outputs, tolerance: float,
 def _short(exc: BaseException) -> str:
     text = " ".join(str(exc).split())
     return (text[:300] + "...") if len(text) > 300 else text or type(exc).__name__
+
+
+def export_matching_original(transformed, original, out_path: Path, parity_inputs: np.ndarray, *, what: str,
+                             outputs: tuple[str, ...], max_positions: int | None, opset: int, tolerance: float):
+    """Export ``transformed`` (a smoothed or rotated copy of ``original``) with the export's own parity
+    gate, then prove the ONNX file computes the *original* outputs (relative to each output's
+    scale). Returns (export result, that relative difference); a mismatch leaves no file."""
+    from ..smoothquant import max_output_diff
+
+    out_path = Path(out_path)
+    exported = export_hf_onnx(transformed, out_path, parity_inputs, outputs=outputs, max_positions=max_positions,
+                              opset=opset)
+    diff = max_output_diff(torch_outputs(original, parity_inputs), onnx_outputs(out_path, parity_inputs),
+                           relative=True)
+    if not diff <= tolerance:
+        out_path.unlink(missing_ok=True)
+        raise ExportError(f"{what} ONNX model does not match the original model: max relative |delta| = "
+                          f"{diff:.3g} > {tolerance:g}; no file kept")
+    return exported, diff

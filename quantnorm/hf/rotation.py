@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..errors import ConfigError, ExportError
+from ..errors import ConfigError
 from ..quantize.recipes import ONLINE_ROTATION_MARKER
 
 ROTATABLE_FAMILIES = ("llama", "mistral", "qwen2")
@@ -299,17 +299,11 @@ class RotatedExport:
 
 def rotate_and_export(loaded, wrapper, parity_inputs: np.ndarray, out_path: Path, *, outputs, max_positions,
                       opset: int, tolerance: float = DEFAULT_PARITY_TOLERANCE, form: str = "hadamard") -> RotatedExport:
-    from ..smoothquant import max_output_diff
-    from .export import export_hf_onnx, onnx_outputs, torch_outputs
+    from .export import export_matching_original
 
     rotated, plan = rotate_wrapper(wrapper, loaded.spec) if form == "hadamard" else \
         rotate_linear_inputs(wrapper, loaded.spec)
-    out_path = Path(out_path)
-    exported = export_hf_onnx(rotated, out_path, parity_inputs, outputs=outputs, max_positions=max_positions,
-                              opset=opset)
-    diff = max_output_diff(torch_outputs(wrapper, parity_inputs), onnx_outputs(out_path, parity_inputs), relative=True)
-    if not diff <= tolerance:
-        out_path.unlink(missing_ok=True)
-        raise ExportError(f"rotated ONNX model does not match the original: max relative |delta| = {diff:.3g} > "
-                          f"{tolerance:g}; no file kept")
-    return RotatedExport(out_path, plan, exported, diff)
+    exported, diff = export_matching_original(rotated, wrapper, out_path, parity_inputs, what="rotated",
+                                              outputs=outputs, max_positions=max_positions, opset=opset,
+                                              tolerance=tolerance)
+    return RotatedExport(Path(out_path), plan, exported, diff)

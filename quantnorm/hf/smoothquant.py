@@ -32,14 +32,13 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import ConfigError, ExportError
+from ..errors import ConfigError
 from ..smoothquant import (
     DEFAULT_PARITY_TOLERANCE,
     SmoothedModels,
     SmoothQuantPlan,
     divide_norm_affine,
     divide_norm_one_plus,
-    max_output_diff,
     smooth_module,
 )
 
@@ -82,7 +81,7 @@ def smooth_and_export(loaded, wrapper, calib_inputs: np.ndarray, parity_inputs: 
                       tolerance: float = DEFAULT_PARITY_TOLERANCE) -> HFSmoothQuantExport:
     """Smooth ``wrapper`` (a deep copy; the original is untouched), export it and prove that the
     ONNX file computes the original outputs. A failure leaves no file."""
-    from .export import WRAPPER_ATTR, export_hf_onnx, onnx_outputs, torch_outputs
+    from .export import WRAPPER_ATTR, export_matching_original
 
     spec = loaded.spec
     if spec.placement == "detected":
@@ -92,15 +91,10 @@ def smooth_and_export(loaded, wrapper, calib_inputs: np.ndarray, parity_inputs: 
                                    is_norm=is_hf_norm, fold=fold, batch_size=8,
                                    parity_tolerance=tolerance, relative_parity=True,
                                    strip_prefix=f"{WRAPPER_ATTR}.")  # names as the ONNX nodes carry them
-    out_path = Path(out_path)
-    exported = export_hf_onnx(smoothed, out_path, parity_inputs, outputs=outputs, max_positions=max_positions,
-                              opset=opset)
-    diff = max_output_diff(torch_outputs(wrapper, parity_inputs), onnx_outputs(out_path, parity_inputs), relative=True)
-    if not diff <= tolerance:
-        out_path.unlink(missing_ok=True)
-        raise ExportError(f"smoothed ONNX model does not match the original model: max relative |delta| = "
-                          f"{diff:.3g} > {tolerance:g}; no file kept")
-    return HFSmoothQuantExport(out_path, plan, exported, diff, formula)
+    exported, diff = export_matching_original(smoothed, wrapper, out_path, parity_inputs, what="smoothed",
+                                              outputs=outputs, max_positions=max_positions, opset=opset,
+                                              tolerance=tolerance)
+    return HFSmoothQuantExport(Path(out_path), plan, exported, diff, formula)
 
 
 class HFSmoothedModels(SmoothedModels):
