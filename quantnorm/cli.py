@@ -17,7 +17,8 @@ from . import __version__
 from .compare import write_comparison, write_findings
 from .data import BUILTIN_PYDOC, DataConfig, evaluation_windows, prepare_data
 from .errors import QuantnormError
-from .evaluate import EvaluateConfig, ensure_trained
+from .config import EvaluateConfig
+from .evaluate import ensure_trained
 from .evaluate import evaluate as run_evaluate
 from .export import export_onnx
 from .fileio import write_json_atomic

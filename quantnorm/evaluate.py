@@ -10,15 +10,14 @@ import shutil
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-import onnxruntime as ort
 from tqdm import tqdm
 
 from . import __version__
 from .calibration import calibration_windows
+from .config import AUTO, EvaluateConfig
 from .data import PreparedData, evaluation_windows, prepare_data
 from .errors import ConfigError, QuantizeError
 from .export import export_onnx
@@ -26,81 +25,13 @@ from .fileio import write_json_atomic
 from .hardware import cpu_has_vnni
 from .measure.accuracy import compare
 from .measure.latency import bench_grid
-from .measure.sessions import PROVIDERS, SessionSpec, hardware_info, make_session, resolve_providers
-from .quantize import DEFAULT_RECIPES, get_recipe, quantize, with_exclusions
+from .measure.sessions import SessionSpec, hardware_info, make_session
+from .quantize import quantize
 from .runs import FP32_ONNX_FILE, PLOTS_DIR, RESULTS_FILE, TRAIN_SUMMARY_FILE, RunDir, check_out_dir, int8_onnx_file
 from .smoothquant import SmoothedModels
 from .train import RunConfig, load_model, train
 
 SCHEMA_VERSION = 1
-AUTO = "auto"  # --recipes auto: the accuracy-aware search (quantnorm.search)
-
-
-@dataclass(frozen=True)
-class EvaluateConfig:
-    """What to deploy and measure; the CLI builds it from flags."""
-
-    recipes: tuple[str, ...] = DEFAULT_RECIPES
-    providers: tuple[str, ...] | None = None   # None: every provider this onnxruntime lists
-    calib_samples: int = 64
-    opset: int = 18
-    graph_optimization_level: str = "ORT_ENABLE_ALL"
-    threads: int | None = None
-    latency_batches: tuple[int, ...] = (1, 8)
-    latency_iters: int = 30
-    latency_warmup: int = 5
-    eval_batch_size: int = 16
-    parity_windows: int = 4
-    probe_windows: int = 32
-    outliers: bool = True
-    progress: bool = True
-    sq_alpha: float | None = None       # overrides the alpha of SmoothQuant recipes
-    max_ppl_ratio: float = 1.01         # the search's target (--recipes auto)
-    min_top1: float | None = None       # the search's optional top-1 agreement floor
-    max_kld: float | None = None        # the search's optional mean-KL ceiling
-    search_pick: str = "fastest"        # the search's pick: fastest or first passing model
-    search_space: tuple[str, ...] | None = None  # the search's recipes (None: every weight-MatMul recipe)
-    exclude: tuple[str, ...] = ()       # node names / fnmatch patterns kept in FP32 by every recipe
-
-    def __post_init__(self) -> None:
-        if not self.recipes:
-            raise ConfigError("no recipes given: pass --recipes with at least one name")
-        for name in self.recipes:
-            if name != AUTO:
-                get_recipe(name)  # unknown name -> ConfigError listing the choices
-        self.search_config()  # validates sq_alpha, max_ppl_ratio, search_pick
-        if self.providers is not None:
-            object.__setattr__(self, "providers", tuple(resolve_providers(list(self.providers))))
-        if self.calib_samples < 1:
-            raise ConfigError(f"--calib-samples must be >= 1, got {self.calib_samples}")
-        if not self.latency_batches or min(self.latency_batches) < 1:
-            raise ConfigError(f"latency batches must be >= 1, got {self.latency_batches}")
-        if self.latency_iters < 1:
-            raise ConfigError(f"latency iterations must be >= 1, got {self.latency_iters}")
-        SessionSpec(graph_optimization_level=self.graph_optimization_level, threads=self.threads)
-
-    def search_config(self):
-        from .search import SearchConfig
-
-        return SearchConfig(max_ppl_ratio=self.max_ppl_ratio, min_top1=self.min_top1, max_kld=self.max_kld, pick=self.search_pick,
-                            space=self.search_space, sq_alpha=self.sq_alpha, latency_iters=min(self.latency_iters, 10))
-
-    def recipe(self, name: str):
-        """The registry recipe, with --sq-alpha applied to SmoothQuant recipes."""
-        from dataclasses import replace
-
-        recipe = get_recipe(name)
-        if self.sq_alpha is not None and recipe.smoothquant_alpha is not None:
-            recipe = replace(recipe, smoothquant_alpha=self.sq_alpha)
-        if self.exclude:  # mixed precision: the variant gets its own name (<recipe>-mixed-<hash>)
-            recipe = with_exclusions(recipe, self.exclude)
-        return recipe
-
-    def provider_list(self) -> list[str]:
-        if self.providers is not None:
-            return list(self.providers)
-        listed = set(ort.get_available_providers())
-        return [p for p in PROVIDERS.values() if p in listed]
 
 
 @contextmanager

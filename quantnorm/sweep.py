@@ -37,7 +37,7 @@ from tqdm import tqdm
 from .compare import write_comparison
 from .data import BUILTIN_PYDOC, DataConfig, prepare_data
 from .errors import ConfigError, RunDirError
-from .evaluate import EvaluateConfig
+from .config import EvaluateConfig
 from .fileio import write_json_atomic, write_text_atomic
 from .manifest import MANIFEST_FILE, MANIFEST_VERSION, read_manifest
 from .models import NORMS, PLACEMENTS, ModelConfig

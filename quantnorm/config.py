@@ -1,0 +1,84 @@
+"""What ``quantnorm evaluate`` deploys and measures: one frozen, validated configuration.
+
+The CLI builds it from flags, a sweep cell carries it serialized, and ``quantnorm.evaluate``
+runs it on any model source.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import onnxruntime as ort
+
+from .errors import ConfigError
+from .measure.sessions import PROVIDERS, SessionSpec, resolve_providers
+from .quantize import DEFAULT_RECIPES, get_recipe, with_exclusions
+
+AUTO = "auto"  # --recipes auto: the accuracy-aware search (quantnorm.search)
+
+
+@dataclass(frozen=True)
+class EvaluateConfig:
+    """What to deploy and measure; the CLI builds it from flags."""
+
+    recipes: tuple[str, ...] = DEFAULT_RECIPES
+    providers: tuple[str, ...] | None = None   # None: every provider this onnxruntime lists
+    calib_samples: int = 64
+    opset: int = 18
+    graph_optimization_level: str = "ORT_ENABLE_ALL"
+    threads: int | None = None
+    latency_batches: tuple[int, ...] = (1, 8)
+    latency_iters: int = 30
+    latency_warmup: int = 5
+    eval_batch_size: int = 16
+    parity_windows: int = 4
+    probe_windows: int = 32
+    outliers: bool = True
+    progress: bool = True
+    sq_alpha: float | None = None       # overrides the alpha of SmoothQuant recipes
+    max_ppl_ratio: float = 1.01         # the search's target (--recipes auto)
+    min_top1: float | None = None       # the search's optional top-1 agreement floor
+    max_kld: float | None = None        # the search's optional mean-KL ceiling
+    search_pick: str = "fastest"        # the search's pick: fastest or first passing model
+    search_space: tuple[str, ...] | None = None  # the search's recipes (None: every weight-MatMul recipe)
+    exclude: tuple[str, ...] = ()       # node names / fnmatch patterns kept in FP32 by every recipe
+
+    def __post_init__(self) -> None:
+        if not self.recipes:
+            raise ConfigError("no recipes given: pass --recipes with at least one name")
+        for name in self.recipes:
+            if name != AUTO:
+                get_recipe(name)  # unknown name -> ConfigError listing the choices
+        self.search_config()  # validates sq_alpha, max_ppl_ratio, search_pick
+        if self.providers is not None:
+            object.__setattr__(self, "providers", tuple(resolve_providers(list(self.providers))))
+        if self.calib_samples < 1:
+            raise ConfigError(f"--calib-samples must be >= 1, got {self.calib_samples}")
+        if not self.latency_batches or min(self.latency_batches) < 1:
+            raise ConfigError(f"latency batches must be >= 1, got {self.latency_batches}")
+        if self.latency_iters < 1:
+            raise ConfigError(f"latency iterations must be >= 1, got {self.latency_iters}")
+        SessionSpec(graph_optimization_level=self.graph_optimization_level, threads=self.threads)
+
+    def search_config(self):
+        from .search import SearchConfig
+
+        return SearchConfig(max_ppl_ratio=self.max_ppl_ratio, min_top1=self.min_top1, max_kld=self.max_kld, pick=self.search_pick,
+                            space=self.search_space, sq_alpha=self.sq_alpha, latency_iters=min(self.latency_iters, 10))
+
+    def recipe(self, name: str):
+        """The registry recipe, with --sq-alpha applied to SmoothQuant recipes."""
+        from dataclasses import replace
+
+        recipe = get_recipe(name)
+        if self.sq_alpha is not None and recipe.smoothquant_alpha is not None:
+            recipe = replace(recipe, smoothquant_alpha=self.sq_alpha)
+        if self.exclude:  # mixed precision: the variant gets its own name (<recipe>-mixed-<hash>)
+            recipe = with_exclusions(recipe, self.exclude)
+        return recipe
+
+    def provider_list(self) -> list[str]:
+        if self.providers is not None:
+            return list(self.providers)
+        listed = set(ort.get_available_providers())
+        return [p for p in PROVIDERS.values() if p in listed]
