@@ -15,15 +15,14 @@ import onnxruntime as ort
 
 from . import __version__
 from .compare import write_comparison, write_findings
+from .config import EvaluateConfig
 from .data import BUILTIN_PYDOC, DataConfig, evaluation_windows, prepare_data
 from .errors import QuantnormError
-from .config import EvaluateConfig
 from .evaluate import ensure_trained
 from .evaluate import evaluate as run_evaluate
 from .export import export_onnx
 from .fileio import write_json_atomic
 from .gate import Policy, append_summary, load_policy, run_gate, write_error_outputs, write_junit
-from .hf.evaluate import evaluate_from_cli  # imports no transformers until a checkpoint is loaded
 from .hf.report import is_hf_results, write_hf_report
 from .measure.latency import bench_grid
 from .measure.sessions import PROVIDERS, resolve_providers
@@ -31,6 +30,7 @@ from .models import NORMS, PLACEMENTS, ModelConfig
 from .quantize import DEFAULT_RECIPES, RECIPES
 from .report import load_results, write_report
 from .runs import FP32_ONNX_FILE, check_out_dir, open_run_dir
+from .sources import open_model  # imports no transformers until a checkpoint is loaded
 from .sweep import SweepConfig, run_sweep
 from .train import RunConfig, TrainConfig, load_model
 from .train import train as run_training
@@ -236,9 +236,17 @@ def evaluate(checkpoint, out, recipes, sq_alpha, max_ppl_ratio, min_top1, max_kl
         search_pick=search_pick, search_space=tuple(_csv(search_space)) if search_space else None,
         exclude=tuple(exclude),
     )
-    if model_path is not None:  # a local Hugging Face checkpoint (quantnorm.hf)
-        click.echo(evaluate_from_cli(model_path, cfg, flags, checkpoint=checkpoint, out=out, allow_pickle=allow_pickle,
-                                     command=_command_line()))
+    if model_path is not None:  # a checkpoint or an exported graph: the source is chosen by what the path holds
+        if checkpoint is not None:
+            raise click.UsageError("give either --model (a checkpoint or ONNX export) or --checkpoint (a trained run), "
+                                   "not both")
+        if flags.get("placement") is not None or flags.get("norm") is not None:
+            raise click.UsageError("--placement/--norm are detected from the model with --model; leave them out")
+        source = open_model(model_path, window=int(flags.get("context") or 128), corpus=flags.get("corpus"),
+                            eval_tokens=flags.get("eval_tokens"), out=out, allow_pickle=allow_pickle,
+                            progress=not quiet)
+        results = run_evaluate(source, cfg, command=_command_line())
+        click.echo(summary_lines_model(results, source.run_dir))
         return
     if flags.pop("eval_tokens", None) is not None:
         raise click.UsageError("--eval-tokens applies to --model checkpoints; a zoo run scores its whole evaluation range")
@@ -263,6 +271,32 @@ def summary_lines(results: dict, run_dir: Path) -> str:
                          f"top-1 {100 * a['top1_agreement']:.2f}%")
         else:
             lines.append(f"  {r['name']:<34} {r['status']}")
+    return "\n".join(lines)
+
+
+def summary_lines_model(results: dict, run_dir: Path) -> str:
+    m = results["model"]
+    pc = m.get("placement_check", {})
+    check = pc.get("label") or ("verified" if pc.get("verified") else "NOT verified")
+    lines = [f"{run_dir}: results.json and report.md written",
+             f"  {m['architecture']}: {m['placement']}/{m['norm']} ({check}), {m['n_params']:,} parameters"]
+    for r in results["recipes"]:
+        a = r.get("accuracy")
+        if not a:
+            lines.append(f"  {r['name']:<34} {r['status']}")
+        elif "cosine_mean" in a:
+            nn = a.get("nn_agreement")
+            lines.append(f"  {r['name']:<34} cosine mean {a['cosine_mean']:.5f}  p1 {a['cosine_p1']:.5f}  "
+                         f"NN agreement {'–' if nn is None else f'{100 * nn:.1f}%'}"
+                         + (f"  MLM PPL ratio {a['ppl_ratio']:.4f}" if a.get("mlm") else ""))
+        else:
+            lines.append(f"  {r['name']:<34} PPL ratio {a['ppl_ratio']:.4f}  KL mean {a['kld_mean']:.2e}  "
+                         f"top-1 {100 * a['top1_agreement']:.2f}% (token-level)")
+    o = results.get("outliers")
+    if o and o.get("summary", {}).get("largest_ratio"):
+        lr = o["summary"]["largest_ratio"]
+        lines.append(f"  largest residual max/median {lr['ratio']:.1f} at layer {lr['layer']}; massive entries: "
+                     f"{o.get('massive_total', 0)}")
     return "\n".join(lines)
 
 

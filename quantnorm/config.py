@@ -60,6 +60,11 @@ class EvaluateConfig:
             raise ConfigError(f"latency iterations must be >= 1, got {self.latency_iters}")
         SessionSpec(graph_optimization_level=self.graph_optimization_level, threads=self.threads)
 
+    @property
+    def searches(self) -> bool:
+        """Whether the accuracy-aware search runs (``--recipes auto``)."""
+        return AUTO in self.recipes
+
     def search_config(self):
         from .search import SearchConfig
 

@@ -1,7 +1,11 @@
-"""The main job: train (or reuse) -> export -> quantize -> measure -> results.json -> report.md.
+"""The one pipeline: source -> export -> quantize -> measure -> results.json -> report.md.
 
-Each stage is its own module; this one only wires them and assembles results.json (the contract
-in shared RESULTS.md). A recipe that produces a broken model is recorded as broken, not skipped.
+``evaluate(source, cfg)`` runs every model source (``quantnorm.sources``: a zoo run, a Hugging
+Face directory, a GGUF file, an ONNX export directory) through the same stages: the recipe loop,
+the accuracy-aware search, SmoothQuant latency, latency, placement detection on the FP32 graph,
+the probe and SQNR. A source supplies only what differs (``quantnorm.sources.base``). This module
+wires the stages and assembles results.json (the contract in shared RESULTS.md). A recipe that
+produces a broken model is recorded as broken, not skipped.
 """
 
 from __future__ import annotations
@@ -16,20 +20,20 @@ from pathlib import Path
 from tqdm import tqdm
 
 from . import __version__
-from .calibration import calibration_windows
 from .config import AUTO, EvaluateConfig
-from .data import PreparedData, evaluation_windows, prepare_data
 from .errors import ConfigError, QuantizeError
-from .export import export_onnx
 from .fileio import write_json_atomic
 from .hardware import cpu_has_vnni
-from .measure.accuracy import compare
 from .measure.latency import bench_grid
+from .measure.placement import detect_placement
 from .measure.sessions import SessionSpec, hardware_info, make_session
 from .quantize import quantize
-from .runs import FP32_ONNX_FILE, PLOTS_DIR, RESULTS_FILE, TRAIN_SUMMARY_FILE, RunDir, check_out_dir, int8_onnx_file
-from .smoothquant import SmoothedModels
-from .train import RunConfig, load_model, train
+from .quantize.sanity import softmax_input_report
+from .runs import FP32_ONNX_FILE, PLOTS_DIR, RESULTS_FILE, RunDir, int8_onnx_file
+from .sources.base import DETECTED, ModelSource, SearchScoring
+from .sources.zoo import ZooSource, ensure_trained
+
+__all__ = ["AUTO", "EvaluateConfig", "ensure_trained", "evaluate"]  # ensure_trained: the sweep's and the CLI's
 
 SCHEMA_VERSION = 1
 
@@ -42,41 +46,31 @@ def timed(seconds: dict[str, float], stage: str) -> Iterator[None]:
     seconds[stage] = round(time.perf_counter() - start, 2)
 
 
-def ensure_trained(run: RunConfig, out_dir: Path, data: PreparedData, progress: bool) -> RunDir:
-    """Reuse the run directory's checkpoint when its config hash matches, else train it."""
-    run_dir = RunDir(check_out_dir(out_dir))
-    if run_dir.stored_hash() == run.hash(data.corpus.sha256):
-        return run_dir
-    train(run, out_dir, progress=progress, data=data)
-    return run_dir
-
-
-def evaluate(run_dir: RunDir, cfg: EvaluateConfig, *, command: str) -> dict:
-    """Export, quantize with every recipe, measure; write results.json and return it."""
-    from .report import write_report
-
+def evaluate(source: ModelSource | RunDir, cfg: EvaluateConfig, *, command: str) -> dict:
+    """Export, quantize with every recipe, measure; write results.json and the report into the
+    source's run directory and return the results. ``source``: any model source
+    (``quantnorm.sources``); a ``RunDir`` is read as the zoo source."""
+    if isinstance(source, RunDir):
+        source = ZooSource(source)
     stage_seconds: dict[str, float] = {}
-    model, run = load_model(run_dir)
-    train_summary = run_dir.read_json(TRAIN_SUMMARY_FILE)
-    if train_summary.get("diverged"):
-        raise QuantizeError(
-            f"{run_dir.path}: training diverged at step {train_summary.get('diverged_at')}; there is no model to "
-            f"deploy (retrain with warm-up or a lower --lr)"
-        )
-    data = prepare_data(run.data, run.model.context)
-    window = data.window
-    eval_inputs, eval_targets = evaluation_windows(data.tokens, data.splits.evaluation, window)
-    calib_inputs = calibration_windows(data.tokens, data.splits.calibration, window, cfg.calib_samples)
+
+    def stage(name: str):
+        return timed(stage_seconds, name)
+
+    with stage("prepare"):
+        source.prepare(cfg)
+    data, run_dir = source.data, Path(source.run_dir)
     vnni = cpu_has_vnni()
     spec = SessionSpec(graph_optimization_level=cfg.graph_optimization_level, threads=cfg.threads)
 
-    shutil.rmtree(run_dir.file(PLOTS_DIR), ignore_errors=True)  # plots of an earlier evaluation would be stale
-    with timed(stage_seconds, "export"):
-        fp32_path = run_dir.file(FP32_ONNX_FILE)
-        exported = export_onnx(model, fp32_path, eval_inputs[: cfg.parity_windows], opset=cfg.opset)
+    shutil.rmtree(run_dir / PLOTS_DIR, ignore_errors=True)  # plots of an earlier evaluation would be stale
+    fp32_path = run_dir / FP32_ONNX_FILE
+    with stage("export"):
+        export_section = source.export(fp32_path, cfg)
     fp32_session = make_session(fp32_path, spec)
-    # SmoothQuant recipes quantize a smoothed FP32 export, made once on first use.
-    smoothed = SmoothedModels(model, calib_inputs, eval_inputs[: cfg.parity_windows], run_dir.path, opset=cfg.opset)
+    accuracy = source.accuracy(fp32_session, cfg)
+    # SmoothQuant and rotation recipes quantize a transformed FP32 export, made once on first use.
+    transforms = source.transforms(cfg)
     fp32_sources: dict[str, Path] = {}  # recipe -> the FP32 model it quantized, when not fp32_path
 
     recipes_out: list[dict] = []
@@ -85,28 +79,36 @@ def evaluate(run_dir: RunDir, cfg: EvaluateConfig, *, command: str) -> dict:
                disable=not cfg.progress, leave=False)
     for name in bar:
         recipe = cfg.recipe(name)
-        name = recipe.name
+        name = recipe.name  # with --exclude: the mixed-precision variant's own name
         bar.set_postfix_str(name)
-        with timed(stage_seconds, f"quantize:{name}"):
-            try:
-                source = smoothed.fp32_for(recipe, fp32_path)
-            except ConfigError as exc:  # a recipe this model cannot take (rotation on a zoo model)
-                recipes_out.append({"name": name, "status": f"not applicable: {exc}",
-                                    "settings": recipe.settings(vnni)})
-                continue
-            q = quantize(source, recipe, calib_inputs, run_dir.file(int8_onnx_file(name)), vnni=vnni,
-                         probe_inputs=eval_inputs[:2])
-        if source != fp32_path:
-            fp32_sources[name] = source
+        try:
+            with stage(f"transform:{name}"):
+                quantized_from = transforms.fp32_for(recipe, fp32_path)
+        except ConfigError as exc:  # a recipe this model cannot take (rotation on a zoo model): say why, go on
+            recipes_out.append({"name": name, "status": f"not applicable: {exc}", "settings": recipe.settings(vnni)})
+            continue
+        if quantized_from != fp32_path:
+            fp32_sources[name] = quantized_from
+        with stage(f"quantize:{name}"):
+            q = quantize(quantized_from, recipe, data.calib_inputs, run_dir / int8_onnx_file(name), vnni=vnni,
+                         probe_inputs=data.eval_inputs[:2])
         entry: dict = {"name": name, "status": q.status, "settings": q.settings, "session": spec.to_dict()}
-        if q.status == "ok" and q.path is not None:
+        softmax = softmax_input_report(q.path) if q.path is not None and q.path.is_file() else None
+        if softmax is not None:
+            entry["softmax_inputs"] = softmax
+        # A model broken only by its calibrated attention mask still runs: measure its damage too.
+        runs_anyway = bool(softmax and softmax["problem"])
+        if (q.status == "ok" or runs_anyway) and q.path is not None:
             entry["path"] = q.path.name
             entry["size_bytes"] = q.path.stat().st_size
-            with timed(stage_seconds, f"accuracy:{name}"):
-                acc = compare(fp32_session, make_session(q.path, spec), eval_inputs, eval_targets,
-                              batch_size=cfg.eval_batch_size)
-            entry["accuracy"] = acc.to_dict()
-            int8_paths[name] = q.path
+            with stage(f"accuracy:{name}"):
+                acc = accuracy(make_session(q.path, spec))
+            if q.status != "ok":  # broken although it runs: the damage, never a deployable accuracy
+                entry["problems"] = q.problems
+                entry["damage"] = acc
+            else:
+                entry["accuracy"] = acc
+                int8_paths[name] = q.path
         else:
             entry["problems"] = q.problems
         recipes_out.append(entry)
@@ -115,44 +117,49 @@ def evaluate(run_dir: RunDir, cfg: EvaluateConfig, *, command: str) -> dict:
         raise QuantizeError(f"recipe {cfg.recipes[0]} produced a broken model: {recipes_out[0]['status']}")
     extra: dict = {}
     if AUTO in cfg.recipes:
-        with timed(stage_seconds, "search"):
-            extra["search"] = run_search(
-                run_dir.path, cfg, fp32_path, smoothed, calib_inputs, eval_inputs, eval_targets, spec, vnni,
-                recipes_out, int8_paths, fp32_sources,
-                measure=lambda path: compare(fp32_session, make_session(path, spec), eval_inputs, eval_targets,
-                                             batch_size=cfg.eval_batch_size).to_dict())
-    if smoothed.exports:
-        with timed(stage_seconds, "smoothquant_latency"):
-            extra["smoothquant"] = smoothquant_section(run_dir.path, cfg, fp32_path, smoothed, window)
+        with stage("search"):
+            extra["search"] = run_search(run_dir, cfg, fp32_path, transforms, data.calib_inputs,
+                                         source.search_scoring(cfg), spec, vnni, recipes_out, int8_paths, fp32_sources,
+                                         measure=lambda path: accuracy(make_session(path, spec)))
+    if getattr(transforms, "rotated", None):
+        extra["rotation"] = {form: r.to_dict(run_dir) for form, r in transforms.rotated.items()}
+    if transforms.exports:
+        with stage("smoothquant_latency"):
+            extra["smoothquant"] = smoothquant_section(run_dir, cfg, fp32_path, transforms, data.window)
 
-    with timed(stage_seconds, "latency"):
-        rows = measure_latency(cfg, {"fp32": fp32_path, **int8_paths}, window)
+    with stage("latency"):
+        rows = measure_latency(cfg, {"fp32": fp32_path, **int8_paths}, data.window)
+    with stage("placement_from_graph"):
+        detected = placement_from_graph(fp32_path, source.table_placement)
 
     results = {
         **results_header(command, cfg.threads),
-        "model": {**run.model.to_dict(), "n_params": model.n_params(), "source": "trained",
-                  "run_dir": "."},  # paths in results are relative to the run directory (no machine path)
-        "data": {**data.describe(), "n_eval_windows": int(len(eval_inputs)), "n_calib_windows": int(len(calib_inputs))},
-        "train": {**train_summary, "config": run.to_dict()["train"]},
-        "export": exported.to_dict(run_dir.path),
+        **source.sections(detected),
+        "export": export_section,
         "recipes": recipes_out,
         "latency": [r.to_dict() for r in rows],
-        "file_sizes_bytes": {"fp32": fp32_path.stat().st_size,
-                             **{k: p.stat().st_size for k, p in int8_paths.items()}},
+        "file_sizes_bytes": {"fp32": fp32_path.stat().st_size, **{k: p.stat().st_size for k, p in int8_paths.items()}},
         **extra,
     }
     if cfg.outliers:
-        with timed(stage_seconds, "outliers"):
-            results.update(measure_outliers(model, run_dir, fp32_path, int8_paths, eval_inputs[: cfg.probe_windows],
-                                            fp32_sources))
-        with timed(stage_seconds, "diagnostics"):
-            from .measure.diagnostics import diagnostics
-
-            results["diagnostics"] = diagnostics(model, eval_inputs[: cfg.probe_windows])
+        results.update(source.probe(fp32_path, int8_paths, cfg, fp32_sources, stage))
     results["stage_seconds"] = stage_seconds
-    write_json_atomic(run_dir.file(RESULTS_FILE), results)
-    write_report(run_dir.path, results)
+    write_json_atomic(run_dir / RESULTS_FILE, results)
+    source.write_report(results)
     return results
+
+
+def placement_from_graph(fp32_path: Path, table_placement: str) -> dict:
+    """The placement read off the exported graph, beside the source's own table (a cross-check).
+    ``table_placement`` "detected": the source has no table; the graph's answer stands alone."""
+    try:
+        found = detect_placement(fp32_path).to_dict()
+    except Exception as exc:  # noqa: BLE001 - a detector miss must not cost the measured run
+        return {"placement": None, "norm": None, "how": f"detector failed: {' '.join(str(exc).split())[:200]}",
+                "table": table_placement, "agrees": False}
+    if table_placement == DETECTED:
+        return {**found, "table": None, "agrees": None}
+    return {**found, "table": table_placement, "agrees": found["placement"] == table_placement}
 
 
 def results_header(command: str, threads: int | None) -> dict:
@@ -173,29 +180,6 @@ def measure_latency(cfg: EvaluateConfig, models: dict[str, Path], seq: int) -> l
                       iters=cfg.latency_iters, progress=cfg.progress)
 
 
-def measure_outliers(model, run_dir: RunDir, fp32_path: Path, int8_paths: dict[str, Path], inputs,
-                     fp32_sources: dict[str, Path] | None = None) -> dict:
-    """The ``outliers`` and ``sqnr`` sections, and the activation heat map of the worst layer.
-
-    SQNR is collected for static (QDQ) recipes; its correlation with outlier figures is taken over
-    the inputs of weight MatMuls (attention probabilities are mostly exact zeros from the causal
-    mask, so their max/median ratios are meaningless and would swamp the correlation).
-    """
-    from .measure.outliers import heatmap_for_layer, largest_ratio_layer, probe
-    from .measure.sqnr import matmul_input_modules, sqnr_sections
-    from .plots import plot_activation_heatmap
-
-    report = probe(model, inputs).to_dict()
-    matmul_inputs = matmul_input_modules(fp32_path, model)
-    sqnr_inputs = inputs[:8]
-    sqnr, summaries = sqnr_sections(fp32_path, int8_paths, sqnr_inputs, matmul_inputs, fp32_sources)
-    layer = largest_ratio_layer(report["residual"])
-    plot_activation_heatmap(heatmap_for_layer(model, inputs[:1], layer), run_dir.file(PLOTS_DIR) / "heatmap.png",
-                            f"|a| of the residual stream at layer {layer} (first evaluation window)")
-    report["heatmap_layer"] = layer
-    return {"outliers": report, "sqnr": sqnr, "sqnr_summary": summaries}
-
-
 def smoothquant_section(run_dir: Path, cfg: EvaluateConfig, fp32_path: Path, smoothed, seq: int) -> dict:
     """``results["smoothquant"]``: the plan (folded / explicit MatMuls, per-placement statement),
     the parity figures, and what the explicit Muls cost the FP32 model at batch 8 on the CPU.
@@ -214,22 +198,21 @@ def smoothquant_section(run_dir: Path, cfg: EvaluateConfig, fp32_path: Path, smo
     return section
 
 
-def run_search(run_dir: Path, cfg: EvaluateConfig, fp32_path: Path, smoothed, calib_inputs, eval_inputs,
-               eval_targets, spec: SessionSpec, vnni: bool, recipes_out: list[dict], int8_paths: dict[str, Path],
-               fp32_sources: dict[str, Path], *, measure: Callable[[Path], dict], scorer: Callable | None = None,
-               level: str = "byte") -> dict:
+def run_search(run_dir: Path, cfg: EvaluateConfig, fp32_path: Path, transforms, calib_inputs,
+               scoring: SearchScoring, spec: SessionSpec, vnni: bool, recipes_out: list[dict],
+               int8_paths: dict[str, Path], fp32_sources: dict[str, Path], *, measure: Callable[[Path], dict]) -> dict:
     """``--recipes auto``: search, keep the chosen model (or, when none passes, the best one) as the
     recipe entry ``auto:<recipe>``, measured by ``measure(int8_path)`` (the run's own accuracy dict,
-    on the whole evaluation range); return ``results["search"]``. ``scorer``/``level``: how trials
-    are scored (default: the zoo's byte-level metrics; ``--model`` scores over tokens)."""
+    on the whole evaluation range); return ``results["search"]``. ``scoring``: what trials are
+    scored on (the source's: byte-level for the zoo, tokens for checkpoints and ONNX exports)."""
     from .search import keep_trial_model, search_recipes
 
     work_dir = Path(run_dir) / "search"
     shutil.rmtree(work_dir, ignore_errors=True)
     try:
-        result = search_recipes(fp32_path, work_dir, calib_inputs, eval_inputs, eval_targets,
-                                cfg=cfg.search_config(), spec=spec, vnni=vnni, scorer=scorer, level=level,
-                                fp32_for=lambda recipe: smoothed.fp32_for(recipe, fp32_path))
+        result = search_recipes(fp32_path, work_dir, calib_inputs, scoring.inputs, scoring.targets,
+                                cfg=cfg.search_config(), spec=spec, vnni=vnni, scorer=scoring.scorer,
+                                level=scoring.level, fp32_for=lambda recipe: transforms.fp32_for(recipe, fp32_path))
         keep = result.chosen or result.best
         if keep is not None:
             name = f"{AUTO}:{keep.name}"
@@ -238,9 +221,12 @@ def run_search(run_dir: Path, cfg: EvaluateConfig, fp32_path: Path, smoothed, ca
                                 "path": path.name, "size_bytes": path.stat().st_size, "accuracy": measure(path),
                                 "search_passed": keep.passed})
             int8_paths[name] = path
-            source = smoothed.fp32_for(cfg.search_config().resolve(keep.recipe), fp32_path)
-            if source != fp32_path:
-                fp32_sources[name] = source
+            quantized_from = transforms.fp32_for(cfg.search_config().resolve(keep.recipe), fp32_path)
+            if quantized_from != fp32_path:
+                fp32_sources[name] = quantized_from
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
-    return result.to_dict()
+    out = result.to_dict()
+    if scoring.metric is not None:
+        out["metric"] = scoring.metric
+    return out

@@ -20,12 +20,22 @@ import transformers  # noqa: E402
 
 from quantnorm.cli import main  # noqa: E402
 from quantnorm.errors import ConfigError, ExportError, QuantizeError  # noqa: E402
-from quantnorm.evaluate import EvaluateConfig  # noqa: E402
+from quantnorm.evaluate import (
+    EvaluateConfig,  # noqa: E402
+    evaluate,  # noqa: E402
+)
 from quantnorm.hf.data import make_windows, mlm_windows, prepare_hf_data, special_tokens  # noqa: E402
-from quantnorm.hf.evaluate import HFOptions, evaluate_hf  # noqa: E402
 from quantnorm.hf.export import export_hf_onnx, make_wrapper, onnx_outputs, output_names, torch_outputs  # noqa: E402
 from quantnorm.hf.loader import ARCHITECTURES, inspect_checkpoint, load_checkpoint, verify_placement  # noqa: E402
 from quantnorm.hf.metrics import compare_tokens, cosine_rows, nearest_neighbours  # noqa: E402
+from quantnorm.sources import HFOptions, HFSource  # noqa: E402
+
+
+def run_hf(opts: HFOptions, cfg) -> tuple[dict, Path]:
+    """The one pipeline on a checkpoint source: (results, run directory)."""
+    source = HFSource(opts)
+    return evaluate(source, cfg, command="test"), source.run_dir
+
 
 SENTENCES = ["The quick brown fox jumps over the lazy dog.", "def f(x): return x + 1",
              "Python is a programming language.", "Normalization placement matters for quantization.",
@@ -199,7 +209,7 @@ def test_pickled_weights_load_only_with_the_flag(tmp_path):
 
 def test_cli_refuses_model_with_training_flags(tiny, capsys):
     assert main(["evaluate", "--model", str(tiny["llama"]), "--placement", "pre"]) == 2
-    assert "detected from the checkpoint" in capsys.readouterr().err
+    assert "detected from the model with --model" in capsys.readouterr().err
 
 
 def test_cli_refuses_the_search_on_an_encoder_without_mlm_head(tmp_path, capsys):
@@ -341,7 +351,7 @@ def test_torchscript_fallback_when_dynamo_fails(tiny, tmp_path, monkeypatch):
 def causal_run(tiny, tmp_path_factory):
     out = tmp_path_factory.mktemp("hf-run") / "llama"
     opts = HFOptions(path=tiny["llama"], window=16, max_eval_windows=8, out_dir=out)
-    results, run_dir = evaluate_hf(opts, _cfg(["static-minmax-matmul", "static-minmax-all"]), command="test")
+    results, run_dir = run_hf(opts, _cfg(["static-minmax-matmul", "static-minmax-all"]))
     return results, run_dir
 
 
@@ -403,7 +413,7 @@ def test_causal_report_regenerates(causal_run):
 def test_encoder_end_to_end_with_mlm_head(tiny, tmp_path):
     opts = HFOptions(path=tiny["bert"], window=16, max_eval_windows=12, out_dir=tmp_path / "bert")
     # --exclude works on HF module names: the MLM head stays FP32 (mixed precision).
-    results, run_dir = evaluate_hf(opts, _cfg(["dynamic"], outliers=False, exclude=("cls.*",)), command="test")
+    results, run_dir = run_hf(opts, _cfg(["dynamic"], outliers=False, exclude=("cls.*",)))
     entry = results["recipes"][0]
     assert entry["name"].startswith("dynamic-mixed-") and entry["settings"]["excluded_nodes_resolved"]
     assert all(n.startswith("cls.") for n in entry["settings"]["excluded_nodes_resolved"])
@@ -422,8 +432,7 @@ def test_real_minilm_checkpoint_end_to_end(tmp_path):
     sit on [CLS] (position 0) in channel 99 in every residual layer."""
     path = Path(importlib.util.find_spec(MINILM).submodule_search_locations[0]) / "model"
     opts = HFOptions(path=path, window=64, max_eval_windows=16, out_dir=tmp_path / "minilm")
-    results, run_dir = evaluate_hf(opts, _cfg(["static-minmax-matmul"], calib_samples=8, probe_windows=8),
-                                   command="test")
+    results, run_dir = run_hf(opts, _cfg(["static-minmax-matmul"], calib_samples=8, probe_windows=8))
     m = results["model"]
     assert (m["architecture"], m["placement"], m["norm"], m["mlm_head"]) == ("bert", "post", "layer", False)
     assert m["placement_check"]["verified"] and 22_000_000 < m["n_params"] < 23_000_000
@@ -502,7 +511,7 @@ def test_smoothquant_and_search_end_to_end_on_gemma(tiny, tmp_path):
     and FP32 cost are recorded, and the search is scored over tokens with SmoothQuant in its space."""
     opts = HFOptions(path=tiny["gemma2"], window=16, max_eval_windows=8, out_dir=tmp_path / "gemma")
     cfg = _cfg(["smoothquant", "auto"], search_pick="first", max_ppl_ratio=10.0)
-    results, run_dir = evaluate_hf(opts, cfg, command="test")
+    results, run_dir = run_hf(opts, cfg)
     sq_entry, auto_entry = results["recipes"]
     assert sq_entry["name"] == "smoothquant" and sq_entry["status"] == "ok"
     assert sq_entry["accuracy"]["level"] == "token" and 0.9 < sq_entry["accuracy"]["ppl_ratio"] < 1.1
@@ -532,7 +541,7 @@ def test_search_on_an_mlm_encoder_scores_the_masked_positions(tiny, tmp_path, mo
     monkeypatch.setattr(zoo_evaluate.EvaluateConfig, "search_config",
                         lambda self: replace(real(self), max_trials=space + 2, latency_iters=1))
     opts = HFOptions(path=tiny["bert"], window=16, max_eval_windows=8, out_dir=tmp_path / "bert-auto")
-    results, _ = evaluate_hf(opts, _cfg(["auto"], max_ppl_ratio=0.5, outliers=False), command="test")
+    results, _ = run_hf(opts, _cfg(["auto"], max_ppl_ratio=0.5, outliers=False))
     search = results["search"]
     assert search["status"] == "no passing model" and "masked positions" in search["metric"]
     phases = [t["phase"] for t in search["trials"]]

@@ -65,8 +65,8 @@ def test_zoo_placements(placement, tmp_path):
 def test_an_architecture_outside_the_table_is_evaluated_with_its_detected_placement(tmp_path):
     from test_hf import tiny_tokenizer
 
-    from quantnorm.evaluate import EvaluateConfig
-    from quantnorm.hf.evaluate import HFOptions, evaluate_hf
+    from quantnorm.evaluate import EvaluateConfig, evaluate
+    from quantnorm.sources import HFOptions, HFSource
 
     torch.manual_seed(0)
     config = transformers.GPTNeoXConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -78,8 +78,8 @@ def test_an_architecture_outside_the_table_is_evaluated_with_its_detected_placem
     cfg = EvaluateConfig(recipes=("pertoken",), providers=("cpu",), calib_samples=4, latency_batches=(1,),
                          latency_iters=2, latency_warmup=1, probe_windows=2, parity_windows=2, progress=False,
                          threads=1)
-    results, _ = evaluate_hf(HFOptions(path=path, window=16, max_eval_windows=4, out_dir=tmp_path / "run"), cfg,
-                             command="test")
+    results = evaluate(HFSource(HFOptions(path=path, window=16, max_eval_windows=4, out_dir=tmp_path / "run")), cfg,
+                       command="test")
     model = results["model"]
     assert model["architecture"] == "gpt_neox" and "not in the loader table" in model["family"]
     assert (model["placement"], model["norm"]) == ("parallel", "layer")

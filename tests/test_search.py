@@ -140,6 +140,7 @@ def test_evaluate_wiring_keeps_the_chosen_model_as_auto_entry(lm, tmp_path):
     from quantnorm.evaluate import AUTO, EvaluateConfig, run_search, smoothquant_section
     from quantnorm.measure.accuracy import compare
     from quantnorm.measure.sessions import make_session
+    from quantnorm.sources import SearchScoring
 
     root, fp32, smoothed = lm
     cfg = EvaluateConfig(recipes=(AUTO, "smoothquant"), max_ppl_ratio=10.0, search_pick="first", threads=1,
@@ -152,8 +153,8 @@ def test_evaluate_wiring_keeps_the_chosen_model_as_auto_entry(lm, tmp_path):
 
     recipes_out, int8_paths, sources = [], {}, {}
     fp32_session = make_session(fp32, SPEC)
-    search = run_search(tmp_path, cfg, fp32, smoothed, CALIB, EVAL, TARGETS, SPEC, False, recipes_out, int8_paths,
-                        sources, measure=lambda path: compare(fp32_session, make_session(path, SPEC), EVAL,
+    search = run_search(tmp_path, cfg, fp32, smoothed, CALIB, SearchScoring(EVAL, TARGETS, None, "byte"), SPEC, False,
+                        recipes_out, int8_paths, sources, measure=lambda path: compare(fp32_session, make_session(path, SPEC), EVAL,
                                                               TARGETS).to_dict())
     assert search["status"] == "passed" and search["chosen"]["index"] == 1 and len(search["trials"]) == 1
     (entry,) = recipes_out

@@ -8,8 +8,9 @@
 - ``data``: the corpus splits tokenized with the checkpoint's own tokenizer (token-level windows);
 - ``export``: wrappers (logits; or last hidden state + pooled embedding) and the parity gate;
 - ``metrics``: token-level PPL / KL / top-1 and encoder embedding agreement;
-- ``probe``: the outlier probe on HF modules (the zoo's statistics);
-- ``evaluate``: the pipeline writing results.json (``model.source = "hf:<path>"``) and report.md.
+- ``probe``: the outlier probe on HF modules (the zoo's statistics).
+
+The source adapter that runs a checkpoint through the one pipeline is ``quantnorm.sources.hf``.
 
 Importing this package does not import transformers; loading a checkpoint does.
 """

@@ -199,7 +199,7 @@ def inspect_checkpoint(path: str | Path, *, allow_pickle: bool = False) -> Check
                           f"data is tokenized with the model's own tokenizer")
 
     mlm_head = spec.kind == "encoder" and _has_mlm_head(path, weights, weight_files)
-    return CheckpointFiles(path, config, spec, weights, weight_files, mlm_head, _pooling_mode(path))
+    return CheckpointFiles(path, config, spec, weights, weight_files, mlm_head, pooling_mode(path))
 
 
 def _safetensors_keys(path: Path, weight_files: tuple[str, ...]) -> list[str]:
@@ -224,7 +224,7 @@ def _has_mlm_head(path: Path, weights: str, weight_files: tuple[str, ...]) -> bo
     return any(k.startswith("cls.predictions.") for k in keys)
 
 
-def _pooling_mode(path: Path) -> str:
+def pooling_mode(path: Path) -> str:
     """sentence-transformers' pooling (``1_Pooling/config.json``); mean pooling when absent."""
     cfg = path / "1_Pooling" / "config.json"
     if cfg.is_file():
@@ -294,11 +294,7 @@ def load_checkpoint(path: str | Path, *, allow_pickle: bool = False) -> LoadedCh
                                         **_dtype_kwarg(transformers, torch.float32), **common)
     except Exception as exc:  # noqa: BLE001 - transformers raises many types; one line for the user
         raise ConfigError(f"--model {files.path}: transformers cannot load the weights: {_one_line(exc)}") from None
-    try:
-        with quiet:
-            tokenizer = transformers.AutoTokenizer.from_pretrained(str(files.path), **common)
-    except Exception as exc:  # noqa: BLE001
-        raise ConfigError(f"--model {files.path}: cannot load the tokenizer: {_one_line(exc)}") from None
+    tokenizer = load_tokenizer(files.path)
     model.eval()
     _conv1d_to_linear(model)
     base = model.base_model
@@ -313,6 +309,17 @@ def load_checkpoint(path: str | Path, *, allow_pickle: bool = False) -> LoadedCh
     loaded = LoadedCheckpoint(files, model, tokenizer, base, layers, {})
     loaded.placement_check = verify_placement(loaded)
     return loaded
+
+
+def load_tokenizer(path: Path):
+    """The directory's tokenizer, from local files, never running remote code."""
+    transformers = require_transformers()
+    try:
+        with _quiet_transformers(transformers):
+            return transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True,
+                                                              trust_remote_code=False)
+    except Exception as exc:  # noqa: BLE001 - transformers raises many types; one line for the user
+        raise ConfigError(f"--model {path}: cannot load the tokenizer: {_one_line(exc)}") from None
 
 
 def _with_block_list(spec: ArchSpec, base, config) -> ArchSpec:

@@ -24,11 +24,10 @@ Each top entry and massive entry also carries the token at its position (``token
 
 from __future__ import annotations
 
-from collections import Counter
-
 import numpy as np
 
 from ..errors import MeasureError
+from ..measure.fake_quant import FakeQuantSqnr
 from ..measure.outliers import (
     MASSIVE_ABS,
     MASSIVE_LIMIT,
@@ -36,9 +35,10 @@ from ..measure.outliers import (
     OUTLIER_FEATURE_ABS,
     TensorAccumulator,
     find_massive,
+    first_births,
     largest_ratio_layer,
+    summarize,
 )
-from ..quantize.pertoken import fake_quantize_rows
 
 
 def _is_norm(module) -> bool:
@@ -145,14 +145,10 @@ def probe_hf(loaded, inputs: np.ndarray, *, batch_size: int = 8, keep_first_wind
 
     # What per-token and per-tensor INT8 do to each Linear input (fake quantization in numpy,
     # the pertoken recipe's and ORT's dynamic recipe's arithmetic): SQNR sums per input.
-    sqnr_sums: dict[str, list[float]] = {}
+    sqnr_sums: dict[str, FakeQuantSqnr] = {}
 
     def input_sqnr(name: str, x: np.ndarray) -> None:
-        sums = sqnr_sums.setdefault(name, [0.0, 0.0, 0.0])
-        flat = x.reshape(-1, x.shape[-1]).astype(np.float64)
-        sums[0] += float((flat ** 2).sum())
-        sums[1] += float(((flat - fake_quantize_rows(flat)) ** 2).sum())
-        sums[2] += float(((flat - fake_quantize_tensor_asym(flat)) ** 2).sum())
+        sqnr_sums.setdefault(name, FakeQuantSqnr()).add(x)
 
     names = {m: n for n, m in model.named_modules()}
     for module in model.modules():
@@ -212,7 +208,7 @@ def probe_hf(loaded, inputs: np.ndarray, *, batch_size: int = 8, keep_first_wind
         model.train(was_training)
         state["linear_inputs"] = []
 
-    token = _token_namer(loaded.tokenizer, windows)
+    token = token_namer(loaded.tokenizer, windows)
 
     def rows(kind_: str, key: str = "tensor") -> list[dict]:
         out = []
@@ -228,8 +224,7 @@ def probe_hf(loaded, inputs: np.ndarray, *, batch_size: int = 8, keep_first_wind
                 row = {key: name, **metrics}
                 if kind_ == "matmul":
                     row["modules"] = modules_of.get(name, [name])
-                    sig, n_tok, n_ten = sqnr_sums.get(name, (0.0, 0.0, 0.0))
-                    row["sqnr_db_fake"] = {"per_token": _db(sig, n_tok), "per_tensor_dynamic": _db(sig, n_ten)}
+                    row["sqnr_db_fake"] = sqnr_sums.get(name, FakeQuantSqnr()).to_dict()
                 out.append(row)
         return out
 
@@ -252,7 +247,7 @@ def probe_hf(loaded, inputs: np.ndarray, *, batch_size: int = 8, keep_first_wind
         row["carries_massive"] = bool(top and top["position"] in massive_positions and abs(top["value"]) > MASSIVE_ABS)
     report = {
         "residual": residual_rows,
-        "massive_born": _first_births(born),
+        "massive_born": first_births(born),
         "residual_skip": [],
         "norm_outputs": rows("norm"),
         "norm_inputs": rows("norm_input"),
@@ -272,34 +267,7 @@ def probe_hf(loaded, inputs: np.ndarray, *, batch_size: int = 8, keep_first_wind
     return report, first_window
 
 
-def _db(signal: float, noise: float) -> float | None:
-    if signal <= 0:
-        return None
-    return float("inf") if noise <= 0 else float(10 * np.log10(signal / noise))
-
-
-def fake_quantize_tensor_asym(x: np.ndarray) -> np.ndarray:
-    """ORT's dynamic recipe on one tensor: asymmetric uint8, one scale and zero point for all of it."""
-    lo, hi = min(float(x.min()), 0.0), max(float(x.max()), 0.0)
-    scale = (hi - lo) / 255.0 or 1.0
-    zp = np.clip(np.rint(-lo / scale), 0, 255)
-    return (np.clip(np.rint(x / scale) + zp, 0, 255) - zp) * scale
-
-
-def _first_births(born: list[dict], limit: int = 20) -> list[dict]:
-    """The first block at which each (position, channel) became massive (largest value first)."""
-    seen, out = set(), []
-    for r in born:
-        key = (r["position"], r["channel"])
-        if key in seen:
-            continue
-        seen.add(key)
-        out.append(r)
-    out.sort(key=lambda r: -abs(r["value"]))
-    return out[:limit]
-
-
-def _token_namer(tokenizer, windows: np.ndarray):
+def token_namer(tokenizer, windows: np.ndarray):
     def name(sample: int, position: int) -> str | None:
         try:
             tid = int(windows[sample, position])
@@ -307,30 +275,6 @@ def _token_namer(tokenizer, windows: np.ndarray):
         except Exception:  # noqa: BLE001 - a label only; never fail the probe for it
             return None
     return name
-
-
-def summarize(residual_rows: list[dict], massive: list[dict], massive_total: int) -> dict:
-    """Where the largest activations sit: per layer the (position, channel, token) of the max,
-    the channels and positions that hold a layer's maximum most often, and the largest ratio."""
-    at_max = []
-    for r in residual_rows:
-        if r.get("top"):
-            t = r["top"][0]
-            at_max.append({"layer": r["layer"], "value": t["value"], "position": t["position"],
-                           "channel": t["channel"], "token": t.get("token"), "ratio": r.get("ratio")})
-    channels = Counter(e["channel"] for e in at_max)
-    positions = Counter(e["position"] for e in at_max)
-    rated = [r for r in residual_rows if r.get("ratio") is not None]
-    worst = max(rated, key=lambda r: r["ratio"]) if rated else None
-    return {
-        "max_per_layer": at_max,
-        "channels_holding_layer_max": [{"channel": c, "layers": n} for c, n in channels.most_common()],
-        "positions_holding_layer_max": [{"position": p, "layers": n} for p, n in positions.most_common()],
-        "largest_ratio": None if worst is None else {"layer": worst["layer"], "ratio": worst["ratio"]},
-        "massive_total": massive_total,
-        "massive_channels": sorted({m["channel"] for m in massive}),
-        "massive_positions": sorted({m["position"] for m in massive}),
-    }
 
 
 def heatmap_layer(residual_rows: list[dict]):

@@ -18,6 +18,7 @@ class for the ONNX-side view, so both report identical definitions.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
@@ -423,3 +424,40 @@ def heatmap_for_layer(model: CausalLM, inputs_one_window: np.ndarray, layer: Lay
     if layer not in captured:
         raise MeasureError(f"no residual layer {layer!r}: choose 'embed' or 0..{len(model.blocks) - 1}")
     return captured[layer]
+
+
+def first_births(born: list[dict], limit: int = 20) -> list[dict]:
+    """The first block at which each (position, channel) became massive (largest value first)."""
+    seen, out = set(), []
+    for r in born:
+        key = (r["position"], r["channel"])
+        if key in seen:
+            continue
+        seen.add(key)
+        out.append(r)
+    out.sort(key=lambda r: -abs(r["value"]))
+    return out[:limit]
+
+
+def summarize(residual_rows: list[dict], massive: list[dict], massive_total: int) -> dict:
+    """Where the largest activations sit: per layer the (position, channel, token) of the max,
+    the channels and positions that hold a layer's maximum most often, and the largest ratio."""
+    at_max = []
+    for r in residual_rows:
+        if r.get("top"):
+            t = r["top"][0]
+            at_max.append({"layer": r["layer"], "value": t["value"], "position": t["position"],
+                           "channel": t["channel"], "token": t.get("token"), "ratio": r.get("ratio")})
+    channels = Counter(e["channel"] for e in at_max)
+    positions = Counter(e["position"] for e in at_max)
+    rated = [r for r in residual_rows if r.get("ratio") is not None]
+    worst = max(rated, key=lambda r: r["ratio"]) if rated else None
+    return {
+        "max_per_layer": at_max,
+        "channels_holding_layer_max": [{"channel": c, "layers": n} for c, n in channels.most_common()],
+        "positions_holding_layer_max": [{"position": p, "layers": n} for p, n in positions.most_common()],
+        "largest_ratio": None if worst is None else {"layer": worst["layer"], "ratio": worst["ratio"]},
+        "massive_total": massive_total,
+        "massive_channels": sorted({m["channel"] for m in massive}),
+        "massive_positions": sorted({m["position"] for m in massive}),
+    }

@@ -49,6 +49,11 @@ class GraphPlacement:
     how: str
     labels: list[str] = field(default_factory=list)
     final_norm: bool = False
+    # The residual stream as graph tensors, for the graph probe (not in to_dict): the stream the
+    # first block reads, then per residual add its sum and the stream after it (the sum itself,
+    # or the norm's output in post/deepnorm stacks).
+    embedding: str | None = None
+    taps: list[tuple[str, str]] = field(default_factory=list)  # (sum, stream after), one per label
 
     def to_dict(self) -> dict:
         counts = Counter(self.labels)
@@ -267,6 +272,8 @@ def detect_placement(model_or_path) -> GraphPlacement:
         return GraphPlacement(None, None, f"no token embedding (Gather of a constant table by an input) found; "
                                           f"{len(norms)} norms in the graph")
     labels: list[str] = []
+    taps: list[tuple[str, str]] = []
+    embedding: str | None = None
     kinds: Counter = Counter()
     previous_norm: Norm | None = None
     final = False
@@ -323,7 +330,10 @@ def detect_placement(model_or_path) -> GraphPlacement:
                 kinds[nm.kind] += 1
             nxt = after
         previous_norm = reading[0] if reading else previous_norm
+        if not labels:
+            embedding = stream
         labels.append(label)
+        taps.append((after, nxt))
         if label == "last":
             break
         stream = nxt
@@ -353,7 +363,7 @@ def detect_placement(model_or_path) -> GraphPlacement:
            f"{', '.join(f'{k} {v}' for k, v in kinds.most_common()) or 'none'} "
            f"({Counter(n.how for n in norms).most_common(1)[0][0] if norms else 'none found'}); "
            f"final norm before the head: {'yes' if final else 'no'}")
-    return GraphPlacement(placement if placement != "none" else None, norm, how, labels, final)
+    return GraphPlacement(placement if placement != "none" else None, norm, how, labels, final, embedding, taps)
 
 
 def _descends_scale(g: _Graph, tensor: str, stream: str) -> bool:

@@ -103,7 +103,7 @@ def _feed(session: ort.InferenceSession, batch: np.ndarray) -> dict[str, np.ndar
     return {session.get_inputs()[0].name: batch.astype(np.int64)}
 
 
-def _expose_tensors(model_path: Path, names: Sequence[str], out_path: Path) -> None:
+def expose_tensors(model_path: Path, names: Sequence[str], out_path: Path) -> None:
     """Copy of the model with ``names`` added as graph outputs, shapes kept (unlike the flattened
     outputs qdq_loss_debug adds), so each sample can be taken from the batch axis."""
     model = onnx.load(str(model_path))
@@ -170,7 +170,7 @@ def activation_sqnr(fp32_path: Path, int8_path: Path, inputs: np.ndarray, *, bat
                 produced = {o for node in fp32_model.graph.node for o in node.output}
                 float_names = [name for name in pairs if name in produced]
                 aug_fp32 = Path(tmp) / "fp32.augmented.onnx"
-                _expose_tensors(fp32_path, float_names, aug_fp32)
+                expose_tensors(fp32_path, float_names, aug_fp32)
                 fp32_session = _session(aug_fp32)
             float_outputs = [o.name for o in fp32_session.get_outputs() if o.name in pairs]
             float_values = fp32_session.run(float_outputs, _feed(fp32_session, batch))
@@ -214,7 +214,7 @@ def onnx_tensor_stats(fp32_path: Path, tensor_names: Sequence[str], inputs: np.n
         return {}
     with tempfile.TemporaryDirectory(prefix="quantnorm-stats-") as tmp:
         augmented = Path(tmp) / "fp32.augmented.onnx"
-        _expose_tensors(Path(fp32_path), names, augmented)
+        expose_tensors(Path(fp32_path), names, augmented)
         session = _session(augmented)
         accs = {name: TensorAccumulator(name) for name in names}
         for batch in _batches(inputs, batch_size):

@@ -28,9 +28,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-ACT_ZERO_POINT = 128
-ACT_QMAX = 127.0
-EPS = 1e-8  # an all-zero row (padding) gets a tiny scale instead of a division by zero
+from ..measure.fake_quant import ACT_QMAX, ACT_ZERO_POINT, EPS, fake_quantize_rows
+
+__all__ = ["ACT_QMAX", "ACT_ZERO_POINT", "EPS", "fake_quantize_rows", "quantize_per_token", "weight_scales"]
 
 
 def weight_scales(weight: np.ndarray, qmax: int) -> tuple[np.ndarray, np.ndarray]:
@@ -40,14 +40,6 @@ def weight_scales(weight: np.ndarray, qmax: int) -> tuple[np.ndarray, np.ndarray
     scale = np.where(amax > 0, amax / qmax, 1.0).astype(np.float32)
     q = np.clip(np.rint(weight / scale), -qmax, qmax).astype(np.int8)
     return q, scale
-
-
-def fake_quantize_rows(x: np.ndarray) -> np.ndarray:
-    """What the graph computes for one activation, in numpy (the tests' reference)."""
-    x = np.asarray(x, dtype=np.float32)
-    s = np.maximum(np.abs(x).max(axis=-1, keepdims=True), EPS) / np.float32(ACT_QMAX)
-    q = np.clip(np.rint(x / s) + ACT_ZERO_POINT, 0, 255)
-    return (q - ACT_ZERO_POINT) * s
 
 
 def quantize_per_token(src: Path, dst: Path, nodes: list[str], *, reduce_range: bool, fused: bool = False) -> dict:

@@ -57,6 +57,16 @@ def softmax_input_scales(model: onnx.ModelProto) -> list[dict]:
     return found
 
 
+def softmax_input_report(int8_path: Path) -> dict:
+    """How an INT8 model quantizes its Softmax inputs (the attention scores, where HF models add
+    their mask): ``{"quantized": n, "max_scale": s or None, "tensors": [...], "problem": text or None}``."""
+    model = onnx.load(str(int8_path))
+    quantized = softmax_input_scales(model)
+    problems = check_softmax_inputs(model)
+    return {"quantized": len(quantized), "max_scale": max((q["scale"] for q in quantized), default=None),
+            "tensors": quantized[:8], "problem": problems[0] if problems else None}
+
+
 def check_softmax_inputs(model: onnx.ModelProto) -> list[str]:
     """A finite attention-mask constant (-1e4 .. finfo.min) calibrated into a softmax input.
 

@@ -1,0 +1,211 @@
+"""Massive activations and outliers read from the FP32 ONNX graph itself.
+
+For a source that has no torch module (an ONNX export directory), the probe taps the graph: the
+residual stream as ``measure.placement`` walks it (the stream the first block reads, then the
+stream after every residual add), every norm output, and every weight-MatMul input, exposed as
+extra graph outputs (as SQNR does) and reduced batch by batch with the zoo's statistics
+(``TensorAccumulator``, ``find_massive``). The section has the shape of the torch probes', so the
+report reads it the same way.
+
+Blocks: with two residual adds per block (attention, then MLP: every placement we know; the
+block count comes from the caller, e.g. config.json's ``num_hidden_layers``), the
+block output is the stream after the second add and "born in" names the sublayer whose add
+made a massive entry appear; otherwise each add counts as a layer.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from ..errors import MeasureError
+from .fake_quant import FakeQuantSqnr
+from .outliers import (
+    MASSIVE_ABS,
+    MASSIVE_LIMIT,
+    MASSIVE_RATIO,
+    OUTLIER_FEATURE_ABS,
+    TensorAccumulator,
+    as_samples,
+    find_massive,
+    first_births,
+    summarize,
+)
+from .placement import detect_placement, find_norms
+from .sqnr import expose_tensors
+
+SUBLAYERS = ("attention", "mlp")  # the two residual adds of a block, in graph order
+
+
+def weight_matmul_inputs(model: onnx.ModelProto) -> dict[str, list[str]]:
+    """Each tensor that feeds a weight MatMul/Gemm (second input a constant) -> the node names
+    reading it (q, k and v share one input: one entry, three names)."""
+    graph = model.graph
+    constants = {i.name for i in graph.initializer} | {n.output[0] for n in graph.node if n.op_type == "Constant"}
+    producer = {o: n for n in graph.node for o in n.output}
+
+    def constant(name: str, depth: int = 3) -> bool:
+        if name in constants:
+            return True
+        node = producer.get(name)  # a Transpose/Cast of a weight is still a weight
+        return (depth > 0 and node is not None and node.op_type in ("Transpose", "Cast", "Identity")
+                and constant(node.input[0], depth - 1))
+
+    out: dict[str, list[str]] = {}
+    for node in graph.node:
+        if node.op_type in ("MatMul", "Gemm") and len(node.input) >= 2 and constant(node.input[1]) \
+                and not constant(node.input[0]):
+            out.setdefault(node.input[0], []).append(node.name or node.output[0])
+    return out
+
+
+def _layers(taps: list[tuple[str, str]], n_blocks: int | None) -> tuple[list[str], list[str] | None]:
+    """(block output tensors, the stream after each block's first add, or None)."""
+    if n_blocks and len(taps) == 2 * n_blocks:
+        return [t[1] for t in taps[1::2]], [t[1] for t in taps[0::2]]
+    return [t[1] for t in taps], None
+
+
+def graph_probe(fp32_path: Path, inputs: np.ndarray, *, n_blocks: int | None = None, batch_size: int = 4,
+                token: Callable[[int, int], str | None] | None = None) -> tuple[dict, dict]:
+    """Run ``inputs`` (windows [n, seq]) through the FP32 graph with its residual stream, norm
+    outputs and weight-MatMul inputs exposed. Returns (the ``outliers`` section, {layer: |a|
+    [seq, d] of the first window}). ``n_blocks``: the model's block count (config.json), which
+    pairs the residual adds into blocks when there are two per block. ``token(sample, position)``:
+    the token's text, for labels."""
+    windows = np.asarray(inputs, dtype=np.int64)
+    if windows.ndim != 2 or len(windows) == 0:
+        raise MeasureError(f"probe inputs must be windows [n, seq], got shape {windows.shape}")
+    model = onnx.load(str(fp32_path))
+    placement = detect_placement(model)
+    blocks, mids = _layers(placement.taps, n_blocks)
+    residual = ([("embed", placement.embedding)] if placement.embedding else []) + list(enumerate(blocks))
+    post_sums = [(i, s) for i, ((s, after), label) in enumerate(zip(placement.taps, placement.labels))
+                 if s != after and label in ("post", "deepnorm")]
+    norms = [n.output for n in find_norms(model)]
+    matmuls = weight_matmul_inputs(model)
+    del model
+    wanted = list(dict.fromkeys([t for _, t in residual] + (mids or []) + [s for _, s in post_sums] + norms
+                                + list(matmuls)))
+
+    accs: dict[tuple[str, object], TensorAccumulator] = {}
+    sqnr: dict[str, FakeQuantSqnr] = {}
+    massive: list[dict] = []
+    born: list[dict] = []
+    first_window: dict = {}
+
+    def add(kind: str, key, x: np.ndarray, n: int) -> None:
+        accs.setdefault((kind, key), TensorAccumulator(str(key))).add(x, n)
+
+    with tempfile.TemporaryDirectory(prefix="quantnorm-probe-") as tmp:
+        exposed = Path(tmp) / "probe.onnx"
+        expose_tensors(fp32_path, wanted, exposed)
+        options = ort.SessionOptions()
+        # No fusion: every tapped tensor exists as the graph writes it (the FP32 reference values).
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        session = ort.InferenceSession(str(exposed), sess_options=options, providers=["CPUExecutionProvider"])
+        input_name = session.get_inputs()[0].name
+        for start in range(0, len(windows), batch_size):
+            batch = np.ascontiguousarray(windows[start:start + batch_size])
+            n = len(batch)
+            values = dict(zip(wanted, session.run(wanted, {input_name: batch})))
+            stream = {}
+            for layer, tensor in residual:
+                x = as_samples(values[tensor], n)
+                stream[layer] = x
+                add("residual", layer, x, n)
+                massive.extend(find_massive(x, layer, start))
+                if start == 0:
+                    first_window[layer] = np.abs(x[0])
+            for i, tensor in post_sums:
+                x = as_samples(values[tensor], n)
+                add("norm_input", tensor, x, n)
+                massive.extend(find_massive(x, i, start, stream="pre-norm sum"))
+            for tensor in norms:
+                add("norm", tensor, values[tensor], n)
+            for tensor in matmuls:
+                add("matmul", tensor, values[tensor], n)
+                sqnr.setdefault(tensor, FakeQuantSqnr()).add(values[tensor])
+            born += _births(stream, mids, values, n, start)
+            del values, stream
+
+    name = token or (lambda sample, position: None)
+
+    def rows(kind: str, key: str = "tensor") -> list[dict]:
+        out = []
+        for (k, tensor), acc in accs.items():  # insertion order = graph order
+            if k != kind:
+                continue
+            metrics = acc.finish().metrics()
+            for entry in metrics["top"]:
+                entry["token"] = name(entry["sample"], entry["position"])
+            row = {key: tensor, **metrics}
+            if kind == "matmul":
+                row["modules"] = matmuls[tensor]
+                row["sqnr_db_fake"] = sqnr[tensor].to_dict()
+            out.append(row)
+        return out
+
+    massive.sort(key=lambda r: -abs(r["value"]))
+    massive_total = len(massive)
+    massive = massive[:MASSIVE_LIMIT]
+    for r in massive + born:
+        r["token"] = name(r["sample"], r["position"])
+    matmul_rows = rows("matmul")
+    massive_positions = {m["position"] for m in massive}
+    for row in matmul_rows:
+        top = row["top"][0] if row.get("top") else None
+        row["carries_massive"] = bool(top and top["position"] in massive_positions and abs(top["value"]) > MASSIVE_ABS)
+    residual_rows = rows("residual", "layer")
+    for row in residual_rows:
+        row["layer"] = row["layer"] if row["layer"] == "embed" else int(row["layer"])
+    report = {
+        "residual": residual_rows,
+        "massive_born": first_births(sorted(born, key=lambda r: (r["layer"], -abs(r["value"])))),
+        "residual_skip": [],
+        "norm_outputs": rows("norm"),
+        "norm_inputs": rows("norm_input"),
+        "matmul_inputs": matmul_rows,
+        "massive": massive,
+        "massive_total": massive_total,
+        "bos_attention": [],  # attention probabilities are not tapped on the graph
+        "n_samples": int(len(windows)),
+        "seq_len": int(windows.shape[1]),
+        "thresholds": {"massive_abs": MASSIVE_ABS, "massive_ratio": MASSIVE_RATIO,
+                       "outlier_feature_abs": OUTLIER_FEATURE_ABS},
+        "taps": {"from": "the FP32 ONNX graph (quantnorm.measure.graph_probe)",
+                 "layer": ("block output (two residual adds per block)" if mids is not None
+                           else "the stream after each residual add"),
+                 "residual_adds": len(placement.taps)},
+        "summary": summarize(residual_rows, massive, massive_total),
+    }
+    return report, first_window
+
+
+def _births(stream: dict, mids: list[str] | None, values: dict, n: int, start: int) -> list[dict]:
+    """Massive entries a block's output has and its input lacks, with the sublayer that made them."""
+    out = []
+    layers = [k for k in stream if k != "embed"]
+    for i in layers:
+        before = stream.get(i - 1 if i > 0 else "embed")
+        if before is None:
+            continue
+        seen = {(r["sample"], r["position"], r["channel"]) for r in find_massive(before, i, 0)}
+        mid = as_samples(values[mids[i]], n) if mids else None
+        for r in find_massive(stream[i], i, 0):
+            key = (r["sample"], r["position"], r["channel"])
+            if key in seen:
+                continue
+            s, p, c = key
+            origin = None
+            if mid is not None:
+                origin = SUBLAYERS[0] if abs(float(mid[s, p, c])) > MASSIVE_ABS else SUBLAYERS[1]
+            out.append({"layer": i, "sample": int(start + s), "position": int(p), "channel": int(c),
+                        "value": r["value"], "ratio": r["ratio"], "input_value": float(before[s, p, c]),
+                        "born_in": f"block {i} {origin}" if origin else f"add {i}"})
+    return out

@@ -1,0 +1,100 @@
+"""What a model source hands the one pipeline (``quantnorm.evaluate.evaluate``).
+
+A source turns a checkpoint (a zoo run, a Hugging Face directory, a GGUF file, an ONNX export
+directory) into what the stages take. Everything else — the recipe loop, the search, SmoothQuant
+latency, latency, placement detection on the FP32 graph, SQNR, results.json — is written once in
+the pipeline. A source supplies only what really differs between checkpoints:
+
+- ``prepare(cfg)``: load the model and tokenize the corpus into ``SourceData`` (the windows and
+  which positions are scored);
+- ``export(fp32_path, cfg)``: write the FP32 ONNX graph every later stage reads, checked against
+  the original (the ``export`` section of results.json);
+- ``transforms``: the FP32 variants recipes quantize instead of the plain export (SmoothQuant,
+  rotation), or a refusal that says why this source cannot make them;
+- ``accuracy(fp32_session)``: how an INT8 model is scored against FP32 (byte-level for the zoo,
+  token-level for causal checkpoints, embedding agreement for encoders);
+- ``search_scoring()``: what the accuracy-aware search (``--recipes auto``) optimizes;
+- ``probe(...)``: the outlier/massive-activation and SQNR sections (plus source-only extras such
+  as the zoo's diagnostics or a checkpoint's FP16 check);
+- ``sections(detected)``: the ``model``, ``data`` and ``train`` sections of results.json;
+- ``write_report(results)``: the run report.
+
+Adding a source is one new module with one class that has these members.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from ..errors import ConfigError
+from ..hf.loader import DETECTED
+
+__all__ = ["DETECTED", "ModelSource", "NoTransforms", "SearchScoring", "SourceData"]
+
+
+@dataclass(frozen=True)
+class SourceData:
+    """The token windows every stage after export uses, and the ``data`` section describing them."""
+
+    window: int                       # tokens (or bytes, for the zoo) per window
+    eval_inputs: np.ndarray           # [n, window] int64
+    eval_targets: np.ndarray | None   # [n, window] next-token targets (None for encoders)
+    calib_inputs: np.ndarray          # [n_calib, window], from the calibration range only
+    describe: dict = field(default_factory=dict)  # results["data"]
+
+
+@dataclass(frozen=True)
+class SearchScoring:
+    """What ``--recipes auto`` scores trials on: inputs/targets (a negative target is not scored),
+    the scorer (None: the zoo's byte-level metrics), its level and a sentence for the report."""
+
+    inputs: np.ndarray
+    targets: np.ndarray
+    scorer: Callable | None
+    level: str
+    metric: str | None = None
+
+
+class ModelSource(Protocol):
+    """The members the pipeline uses (see the module docstring)."""
+
+    kind: str            # "zoo" | "causal" | "encoder"
+    run_dir: Path
+    table_placement: str  # what the source's own table says ("detected": read from the graph)
+    data: SourceData
+
+    def prepare(self, cfg) -> None: ...
+    def export(self, fp32_path: Path, cfg) -> dict: ...
+    def transforms(self, cfg) -> Any: ...
+    def accuracy(self, fp32_session, cfg) -> Callable[[Any], dict]: ...
+    def search_scoring(self, cfg) -> SearchScoring: ...
+    def probe(self, fp32_path: Path, int8_paths: dict[str, Path], cfg, fp32_sources: dict[str, Path],
+              timed: Callable) -> dict: ...
+    def sections(self, detected: dict) -> dict: ...
+    def write_report(self, results: dict) -> Path: ...
+
+
+class NoTransforms:
+    """For a source without a torch module (an ONNX export): every recipe quantizes the FP32 graph
+    as it is; a SmoothQuant or rotation recipe is refused with the reason, recorded as "not
+    applicable" in results.json and the report."""
+
+    exports: dict = {}
+    rotated: dict = {}
+
+    def __init__(self, what: str):
+        self.what = what
+
+    def fp32_for(self, recipe, default: Path) -> Path:
+        if getattr(recipe, "smoothquant_alpha", None) is not None:
+            raise ConfigError(f"SmoothQuant is not available for {self.what}: it folds scales into the torch "
+                              f"module's norms (export from the checkpoint directory to use it)")
+        if getattr(recipe, "rotation", None) is not None:
+            raise ConfigError(f"rotation is not available for {self.what}: it rotates the torch module's weights "
+                              f"(export from the checkpoint directory to use it)")
+        return default

@@ -1,0 +1,255 @@
+"""The Hugging Face source: a local checkpoint directory, or a GGUF file dequantized into one.
+
+load (local files only, ``quantnorm.hf.loader``) -> tokenize the corpus splits with the model's own
+tokenizer -> export the wrapper with the parity gate. Accuracy is token-level for causal LMs (PPL
+ratio, KL, top-1 over next tokens) and embedding agreement for encoders (plus the masked positions
+for an encoder with an MLM head). SmoothQuant recipes smooth the checkpoint with the zoo's fold
+rule (``quantnorm.hf.smoothquant``); rotation recipes rotate it (``quantnorm.hf.rotation``).
+``--recipes auto`` scores trials over tokens: next tokens for causal LMs, the masked positions
+for MLM encoders; an encoder without an MLM head has no perplexity to target and is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+from ..data import BUILTIN_PYDOC
+from ..errors import ConfigError
+from ..hf.report import write_hf_report
+from ..measure.sqnr import matmul_input_modules, sqnr_sections
+from ..plots import plot_activation_heatmap
+from ..portable import portable_path
+from ..runs import PLOTS_DIR, check_out_dir
+from .base import SearchScoring, SourceData
+
+FP16_CHECK_WINDOWS = 4  # torch float16 on a CPU is slow; the overflow shows on any window with BOS
+
+
+@dataclass(frozen=True)
+class HFOptions:
+    """What to load and which text to use; the CLI builds it from --model and friends."""
+
+    path: Path
+    allow_pickle: bool = False
+    corpus: str = BUILTIN_PYDOC
+    window: int = 128                 # tokens per window (--context)
+    max_eval_windows: int | None = 128
+    out_dir: Path | None = None
+    # Where the checkpoint came from when it is not a plain directory (a GGUF file): the
+    # ``model.source`` object of results.json (RESULTS.md additions). None: ``hf:<path>``.
+    provenance: dict | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "path", Path(self.path))
+        if self.window < 3:
+            raise ConfigError(f"--context (the window in tokens) must be >= 3 for --model, got {self.window}")
+        if self.max_eval_windows is not None and self.max_eval_windows < 2:
+            raise ConfigError(f"evaluation windows must be >= 2, got {self.max_eval_windows}")
+
+
+def default_out_dir(model_path: Path, prefix: str = "hf") -> Path:
+    path = Path(model_path).resolve()
+    name = path.parent.name if path.name in ("model", "checkpoint", "") and path.parent.name else path.name
+    return Path("runs") / f"{prefix}-{name}"
+
+
+def max_positions_of(config) -> int | None:
+    for key in ("max_position_embeddings", "n_positions"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def check_search_supported(searches: bool, kind: str, mlm_head: bool, path) -> None:
+    """``auto`` needs a perplexity to target: causal LMs, or encoders with an MLM head."""
+    if searches and kind == "encoder" and not mlm_head:
+        raise ConfigError(f"--recipes auto needs a perplexity to target, and {path} is an encoder without an MLM "
+                          f"head: run the static-*/dynamic/smoothquant recipes and read the embedding metrics")
+
+
+class TokenAccuracy:
+    """A recipe's accuracy dict from its INT8 session: token-level for causal LMs, embedding
+    agreement (plus MLM figures) for encoders, whose FP32 outputs are computed once, on first use.
+    Shared by every token-level source (checkpoints and ONNX exports)."""
+
+    def __init__(self, kind: str, fp32_session, data: SourceData, mlm, batch_size: int):
+        self.kind, self.fp32_session, self.data, self.mlm, self.batch_size = kind, fp32_session, data, mlm, batch_size
+        self.fp32_reference = None
+
+    def __call__(self, int8_session) -> dict:
+        from ..hf.metrics import compare_tokens, encoder_compare, encoder_outputs
+
+        if self.kind == "causal":
+            return compare_tokens(self.fp32_session, int8_session, self.data.eval_inputs, self.data.eval_targets)
+        if self.fp32_reference is None:
+            self.fp32_reference = encoder_outputs(self.fp32_session, self.data.eval_inputs, self.batch_size)
+        return encoder_compare(self.fp32_reference, int8_session, self.data.eval_inputs, batch_size=self.batch_size,
+                               mlm=self.mlm, fp32_session=self.fp32_session)
+
+
+def token_scorer(fp32_session, int8_session, inputs, targets) -> SimpleNamespace:
+    """The search's scorer over tokens: FORMULAS.md's PPL ratio, KL and top-1 (the fields the
+    search reads). A negative target marks a position that is not scored (unmasked MLM positions)."""
+    from ..hf.metrics import compare_tokens
+
+    targets = np.asarray(targets)
+    scored = targets >= 0
+    return SimpleNamespace(**compare_tokens(fp32_session, int8_session, inputs, np.where(scored, targets, 0),
+                                            scored=None if scored.all() else scored))
+
+
+def token_search_scoring(kind: str, data: SourceData, mlm) -> SearchScoring:
+    if kind == "causal":
+        return SearchScoring(data.eval_inputs, data.eval_targets, token_scorer, "token",
+                             "1/ppl_ratio over next tokens (higher is better; FP32 baseline 1)")
+    masked, scored = mlm  # encoders with an MLM head (checked in prepare): score the masked positions
+    return SearchScoring(masked, np.where(scored, data.eval_inputs, -1), token_scorer, "token",
+                         "1/ppl_ratio over the masked positions of the MLM windows (higher is better; FP32 baseline 1)")
+
+
+def hf_data(data, mlm) -> SourceData:
+    """``SourceData`` of ``quantnorm.hf.data.HFData`` (with the MLM protocol when scored)."""
+    describe = data.describe()
+    if mlm is not None:
+        describe["mlm"] = {"mask_fraction": 0.15, "seed": 0, "n_scored": int(mlm[1].sum()),
+                           "rule": "fixed seeded 15% of inner positions replaced by [MASK]"}
+    return SourceData(data.window, data.eval_inputs, data.eval_targets, data.calib_inputs, describe)
+
+
+class HFSource:
+    def __init__(self, opts: HFOptions):
+        self.opts = opts
+        self.run_dir = check_out_dir(opts.out_dir or default_out_dir(opts.path))
+
+    def prepare(self, cfg) -> None:
+        from ..hf.data import mlm_windows, prepare_hf_data
+        from ..hf.export import make_wrapper, output_names
+        from ..hf.loader import load_checkpoint
+
+        self.loaded = load_checkpoint(self.opts.path, allow_pickle=self.opts.allow_pickle)
+        spec, config = self.loaded.spec, self.loaded.model.config
+        self.kind, self.table_placement = spec.kind, spec.placement
+        check_search_supported(cfg.searches, spec.kind, self.loaded.files.mlm_head, self.opts.path)
+        self.max_positions = max_positions_of(config)
+        self.hf_data = prepare_hf_data(self.loaded.tokenizer, config, spec.kind, corpus=self.opts.corpus,
+                                       window=self.opts.window, calib_samples=cfg.calib_samples,
+                                       max_eval_windows=self.opts.max_eval_windows, model_path=self.opts.path,
+                                       max_positions=self.max_positions)
+        special = self.hf_data.special
+        self.mlm = (mlm_windows(self.hf_data.eval_inputs, special.mask)
+                    if self.loaded.files.mlm_head and special.mask is not None else None)
+        self.data = hf_data(self.hf_data, self.mlm)
+        self.wrapper = make_wrapper(self.loaded)
+        self.outputs = output_names(spec.kind, self.loaded.files.mlm_head)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+
+    def export(self, fp32_path: Path, cfg) -> dict:
+        from ..hf.export import export_hf_onnx
+
+        exported = export_hf_onnx(self.wrapper, fp32_path, self.data.eval_inputs[: cfg.parity_windows],
+                                  outputs=self.outputs, max_positions=self.max_positions, opset=cfg.opset)
+        return exported.to_dict(self.run_dir)
+
+    def transforms(self, cfg):
+        from ..hf.smoothquant import HFSmoothedModels
+
+        return HFSmoothedModels(self.loaded, self.wrapper, self.data.calib_inputs,
+                                self.data.eval_inputs[: cfg.parity_windows], self.run_dir, outputs=self.outputs,
+                                max_positions=self.max_positions, opset=cfg.opset)
+
+    def accuracy(self, fp32_session, cfg) -> Callable:
+        return TokenAccuracy(self.kind, fp32_session, self.data, self.mlm, cfg.eval_batch_size)
+
+    def search_scoring(self, cfg) -> SearchScoring:
+        return token_search_scoring(self.kind, self.data, self.mlm)
+
+    def probe(self, fp32_path: Path, int8_paths: dict[str, Path], cfg, fp32_sources: dict[str, Path],
+              timed: Callable) -> dict:
+        """The ``outliers``, ``sqnr`` and ``sqnr_summary`` sections, the heat map of the layer with
+        the largest max/median ratio and, for causal LMs, the FP16 check."""
+        from ..hf.probe import heatmap_layer, probe_hf
+
+        inputs = self.data.eval_inputs[: cfg.probe_windows]
+        with timed("outliers"):
+            report, first_window = probe_hf(self.loaded, inputs)
+            sqnr, summaries = sqnr_sections(fp32_path, int8_paths, inputs[:8],
+                                            matmul_input_modules(fp32_path, self.loaded.model), fp32_sources)
+            layer = heatmap_layer(report["residual"])
+            if layer in first_window:
+                plot_activation_heatmap(first_window[layer], self.run_dir / PLOTS_DIR / "heatmap.png",
+                                        f"|a| of the residual stream after layer {layer} (first evaluation window)")
+                report["heatmap_layer"] = layer
+        out = {"outliers": report, "sqnr": sqnr, "sqnr_summary": summaries}
+        if self.kind == "causal":
+            from ..hf.fp16 import fp16_check  # torch forwards in three dtypes: only when the probe runs
+
+            n = min(FP16_CHECK_WINDOWS, len(self.data.eval_inputs))
+            with timed("fp16_check"):
+                out["fp16"] = fp16_check(self.loaded, self.data.eval_inputs[:n], self.data.eval_targets[:n])
+        return out
+
+    def sections(self, detected: dict) -> dict:
+        from ..hf.loader import DETECTED
+
+        model = {**self.model_section(), "placement_detected": detected}
+        if self.table_placement == DETECTED:  # outside the loader table: the graph's answer is the placement
+            if detected.get("placement") is None:
+                raise ConfigError(f"--model {self.opts.path}: {self.loaded.spec.model_type} is not in the loader "
+                                  f"table and its placement cannot be read from the exported graph "
+                                  f"({detected.get('how')})")
+            model.update(placement=detected["placement"], norm=detected["norm"])
+        return {"model": model, "data": self.data.describe,
+                "train": {"pretrained": True, "diverged": False,
+                          "note": "pretrained checkpoint: not trained by quantnorm"}}
+
+    def model_section(self) -> dict:
+        """``results["model"]``: the zoo's keys where they have a meaning, plus what was detected."""
+        config, spec, files = self.loaded.model.config, self.loaded.spec, self.loaded.files
+        opts = self.opts
+        d_model = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
+        return {
+            "source": (opts.provenance if opts.provenance is not None
+                       else f"hf:{portable_path(opts.path.resolve(), self.run_dir)}"),
+            "architecture": spec.model_type,
+            "architectures": list(files.config.get("architectures") or []),
+            "model_class": type(self.loaded.model).__name__,
+            **spec.describe(),
+            "detected_from": "config.json model_type (quantnorm.hf.loader.ARCHITECTURES)",
+            "placement_check": self.loaded.placement_check,
+            "n_layers": len(self.loaded.layers),
+            "d_model": d_model,
+            "n_heads": getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None),
+            "context": self.max_positions,
+            "vocab_size": getattr(config, "vocab_size", None),
+            "n_params": int(self.loaded.n_params()),
+            "weights": files.weights,
+            "mlm_head": files.mlm_head,
+            "pooling": files.pooling if spec.kind == "encoder" else None,
+            "dtype": "float32",
+            "attn_implementation": "eager",
+        }
+
+    def write_report(self, results: dict) -> Path:
+        return write_hf_report(self.run_dir, results)
+
+
+def gguf_source(model_path: Path, *, out: Path | None, progress: bool, **options) -> HFSource:
+    """A GGUF file: dequantized once into ``<run dir>/checkpoint``, then read as a checkpoint."""
+    from ..hf.gguf import gguf_checkpoint, resolve_gguf
+
+    gguf = resolve_gguf(model_path, progress=progress)
+    out = check_out_dir(out or Path("runs") / f"gguf-{gguf_run_name(gguf.provenance.file)}")
+    checkpoint = gguf_checkpoint(gguf, out, progress=progress)
+    return HFSource(HFOptions(path=checkpoint, out_dir=out, provenance=gguf.provenance.to_dict(), **options))
+
+
+def gguf_run_name(file_name: str) -> str:
+    """``SmolLM2-135M-Instruct.Q4_1.gguf`` -> ``smollm2-135m-instruct.q4_1`` (a run directory name)."""
+    stem = file_name[: -len(".gguf")] if file_name.endswith(".gguf") else file_name
+    return "".join(c if c.isalnum() or c in "._-" else "-" for c in stem).lower()

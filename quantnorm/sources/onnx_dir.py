@@ -1,0 +1,411 @@
+"""The ONNX source: a directory holding a model the user already exported.
+
+The layout Hugging Face Optimum's exporter writes: ``model.onnx`` (with its external data file
+when it has one), ``config.json`` and the tokenizer files beside it. Accepted graphs:
+
+- a causal LM: inputs ``input_ids`` (and optionally ``attention_mask``, ``position_ids``),
+  output ``logits``; scored by PPL ratio, KL and top-1 over next tokens;
+- an encoder: inputs ``input_ids`` (and optionally ``attention_mask``, ``token_type_ids``),
+  output ``last_hidden_state``; scored by embedding cosine and nearest-neighbour agreement.
+
+A graph with ``past_key_values`` inputs (a ``use_cache=True`` export) is refused: the evaluation
+scores whole windows, with no cache.
+
+"Export" for this source is *binding*: every window the pipeline runs is full length, so the
+optional inputs are fixed inside the graph (``attention_mask`` = 1, ``token_type_ids`` = 0,
+``position_ids`` = 0..T-1, computed from ``input_ids``'s shape) and the graph becomes the
+one-input model every later stage (calibration, quantization, accuracy, latency, SQNR, the probe)
+takes. Encoders also get the sentence embedding as a graph output (the pooling of
+``1_Pooling/config.json``, mean when absent), as the checkpoint path exports it. The bound graph
+is checked against the original one fed the same values explicitly.
+
+No torch module exists here: SmoothQuant and rotation recipes are reported as not applicable,
+the probe reads the graph (``quantnorm.measure.graph_probe``), and placement and norm come from
+the graph alone (``quantnorm.measure.placement``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from ..data import BUILTIN_PYDOC
+from ..errors import ConfigError, ExportError
+from ..export import count_norm_ops
+from ..hf.loader import DETECTED, NORM_FORMULAS, TOKENIZER_FILES, pooling_mode
+from ..hf.report import write_hf_report
+from ..measure.graph_probe import graph_probe, weight_matmul_inputs
+from ..measure.outliers import largest_ratio_layer
+from ..measure.sqnr import sqnr_sections
+from ..plots import plot_activation_heatmap
+from ..portable import portable_path
+from ..runs import FP32_ONNX_FILE, PLOTS_DIR, check_out_dir
+from .base import NoTransforms, SearchScoring
+from .hf import TokenAccuracy, default_out_dir, hf_data, token_search_scoring
+
+ONNX_FILE = "model.onnx"
+INPUT_IDS = "input_ids"
+# The optional inputs a full-length window fixes, and the value each gets.
+BOUND_INPUTS = {
+    "attention_mask": "1 everywhere (every window is full length)",
+    "token_type_ids": "0 everywhere (one segment)",
+    "position_ids": "0..T-1 in every row",
+}
+OUTPUTS = {"causal": ("logits",), "encoder": ("last_hidden_state", "sentence_embedding")}
+PARITY_TOLERANCE = 1e-4   # relative: binding only moves constants into the graph
+EXTERNAL_DATA_BYTES = 1_800_000_000  # protobuf's 2 GB limit, with room for the graph itself
+ORT_FP32 = TensorProto.FLOAT
+
+
+@dataclass(frozen=True)
+class OnnxOptions:
+    path: Path
+    corpus: str = BUILTIN_PYDOC
+    window: int = 128
+    max_eval_windows: int | None = 128
+    out_dir: Path | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "path", Path(self.path))
+        if self.window < 3:
+            raise ConfigError(f"--context (the window in tokens) must be >= 3 for --model, got {self.window}")
+
+
+@dataclass(frozen=True)
+class GraphInterface:
+    """What the graph's inputs and outputs say about it, read without its weights."""
+
+    kind: str                      # "causal" | "encoder"
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    opset: int
+
+
+def read_interface(path: Path) -> GraphInterface:
+    """Check that ``path`` is a graph this source can evaluate; one-line ``ConfigError`` otherwise."""
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError and friends: corrupt or truncated
+        raise ConfigError(f"--model {path.parent}: {path.name} is not a readable ONNX model (truncated or corrupt?): "
+                          f"{' '.join(str(exc).split())[:160]}") from None
+    graph = model.graph
+    if not graph.node:
+        raise ConfigError(f"--model {path.parent}: {path.name} has no nodes (truncated or not an exported model?)")
+    initializers = {i.name for i in graph.initializer}
+    inputs = tuple(i.name for i in graph.input if i.name not in initializers)
+    outputs = tuple(o.name for o in graph.output)
+    past = [name for name in inputs if name.startswith("past_key_values") or name.startswith("past.")]
+    if past:
+        raise ConfigError(f"--model {path.parent}: {path.name} takes past_key_values inputs ({past[0]}, ...): export "
+                          f"it again with use_cache=False (optimum-cli export onnx --task text-generation, not "
+                          f"text-generation-with-past); windows are scored whole, without a cache")
+    if INPUT_IDS not in inputs:
+        raise ConfigError(f"--model {path.parent}: {path.name} has no input_ids input (inputs: {', '.join(inputs)}); "
+                          f"quantnorm feeds token ids")
+    unknown = [name for name in inputs if name != INPUT_IDS and name not in BOUND_INPUTS]
+    if unknown:
+        raise ConfigError(f"--model {path.parent}: {path.name} has inputs quantnorm cannot fill ({', '.join(unknown)}); "
+                          f"accepted: input_ids, {', '.join(BOUND_INPUTS)}")
+    ids = next(i for i in graph.input if i.name == INPUT_IDS)
+    if ids.type.tensor_type.elem_type != TensorProto.INT64:
+        raise ConfigError(f"--model {path.parent}: input_ids is not int64 in {path.name}; export with int64 token ids")
+    if "logits" in outputs:
+        kind = "causal"
+    elif "last_hidden_state" in outputs:
+        kind = "encoder"
+    else:
+        raise ConfigError(f"--model {path.parent}: {path.name} has neither a logits nor a last_hidden_state output "
+                          f"(outputs: {', '.join(outputs)}); export a causal LM or a base encoder")
+    float16 = [i.name for i in graph.initializer if i.data_type in (TensorProto.FLOAT16, TensorProto.BFLOAT16)]
+    if float16:
+        raise ConfigError(f"--model {path.parent}: {path.name} stores weights in 16-bit floats ({float16[0]}, ...): "
+                          f"export in float32 (the FP32 graph is the baseline every INT8 recipe is measured against)")
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    return GraphInterface(kind, inputs, outputs, opset)
+
+
+def _const(name: str, value: np.ndarray) -> onnx.NodeProto:
+    return helper.make_node("Constant", [], [name], name=name, value=numpy_helper.from_array(value, name))
+
+
+def bind_inputs(model: onnx.ModelProto, interface: GraphInterface, pooling: str) -> tuple[onnx.ModelProto, list[str]]:
+    """The one-input model (see the module docstring); returns it and the outputs it dropped."""
+    graph = model.graph
+    declared = {i.name: i.type.tensor_type.elem_type for i in graph.input}
+    front: list[onnx.NodeProto] = []
+    bound = [name for name in interface.inputs if name in BOUND_INPUTS]
+    if bound:
+        front.append(helper.make_node("Shape", [INPUT_IDS], ["qn_bind/shape"], name="qn_bind/shape"))
+    for name in bound:
+        dtype = declared[name]
+        np_type = helper.tensor_dtype_to_np_dtype(dtype)
+        if name == "position_ids":
+            front += [
+                _const("qn_bind/one_index", np.array(1, dtype=np.int64)),
+                helper.make_node("Gather", ["qn_bind/shape", "qn_bind/one_index"], ["qn_bind/seq"], name="qn_bind/seq",
+                                 axis=0),
+                _const("qn_bind/zero", np.array(0, dtype=np.int64)),
+                _const("qn_bind/step", np.array(1, dtype=np.int64)),
+                helper.make_node("Range", ["qn_bind/zero", "qn_bind/seq", "qn_bind/step"], ["qn_bind/range"],
+                                 name="qn_bind/range"),
+                _const("qn_bind/axes0", np.array([0], dtype=np.int64)),
+                helper.make_node("Unsqueeze", ["qn_bind/range", "qn_bind/axes0"], ["qn_bind/row"], name="qn_bind/row"),
+            ]
+            expanded = name if dtype == TensorProto.INT64 else "qn_bind/positions"
+            front.append(helper.make_node("Expand", ["qn_bind/row", "qn_bind/shape"], [expanded],
+                                          name="qn_bind/positions_expand"))
+            if expanded != name:
+                front.append(helper.make_node("Cast", [expanded], [name], name="qn_bind/positions_cast", to=dtype))
+        else:
+            value = 1 if name == "attention_mask" else 0
+            front.append(helper.make_node("ConstantOfShape", ["qn_bind/shape"], [name], name=f"qn_bind/{name}",
+                                          value=numpy_helper.from_array(np.array([value], dtype=np_type))))
+    kept_inputs = [i for i in graph.input if i.name not in bound]
+    del graph.input[:]
+    graph.input.extend(kept_inputs)
+    nodes = front + list(graph.node)
+    for i, node in enumerate(nodes):
+        if not node.name:  # the quantizer's exclusions and the reports name nodes
+            node.name = f"{node.op_type}_{i}"
+    del graph.node[:]
+    graph.node.extend(nodes)
+
+    wanted = OUTPUTS[interface.kind]
+    dropped = [o.name for o in graph.output if o.name not in wanted]
+    kept = [o for o in graph.output if o.name in wanted]
+    del graph.output[:]
+    graph.output.extend(kept)
+    if interface.kind == "encoder":
+        graph.node.extend(_pooling_nodes(pooling, interface.opset))
+        graph.output.append(helper.make_tensor_value_info("sentence_embedding", ORT_FP32, None))
+    return model, dropped
+
+
+def _pooling_nodes(pooling: str, opset: int) -> list[onnx.NodeProto]:
+    """``sentence_embedding`` from ``last_hidden_state`` [B, T, d]: mean, max or the first token."""
+    out, src = "sentence_embedding", "last_hidden_state"
+    if pooling == "cls":
+        return [_const("qn_pool/index0", np.array(0, dtype=np.int64)),
+                helper.make_node("Gather", [src, "qn_pool/index0"], [out], name="qn_pool/cls", axis=1)]
+    op = "ReduceMax" if pooling == "max" else "ReduceMean"
+    # ReduceMean takes its axes as an input from opset 18 (ReduceMax too); an attribute before.
+    if opset >= 18:
+        return [_const("qn_pool/axes", np.array([1], dtype=np.int64)),
+                helper.make_node(op, [src, "qn_pool/axes"], [out], name=f"qn_pool/{pooling}", keepdims=0)]
+    return [helper.make_node(op, [src], [out], name=f"qn_pool/{pooling}", axes=[1], keepdims=0)]
+
+
+def _pool(hidden: np.ndarray, pooling: str) -> np.ndarray:
+    if pooling == "cls":
+        return hidden[:, 0]
+    return hidden.max(axis=1) if pooling == "max" else hidden.mean(axis=1)
+
+
+def save_model(model: onnx.ModelProto, path: Path) -> None:
+    """Write ``model`` to ``path`` atomically; weights past protobuf's 2 GB limit go to
+    ``<name>.data`` beside it (ONNX external data, which onnxruntime reads from the same folder)."""
+    tmp = path.with_name(path.name + ".tmp")
+    large = model.ByteSize() > EXTERNAL_DATA_BYTES if not _has_external(model) else True
+    try:
+        if large:
+            onnx.save_model(model, str(tmp), save_as_external_data=True, all_tensors_to_one_file=True,
+                            location=path.name + ".data", size_threshold=1024)
+        else:
+            onnx.save_model(model, str(tmp))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _has_external(model: onnx.ModelProto) -> bool:
+    return any(i.data_location == TensorProto.EXTERNAL for i in model.graph.initializer)
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+class OnnxDirSource:
+    def __init__(self, opts: OnnxOptions):
+        self.opts = opts
+        self.dir = opts.path
+        self.run_dir = check_out_dir(opts.out_dir or default_out_dir(opts.path, prefix="onnx"))
+        self.table_placement = DETECTED  # no architecture table for a graph: what it shows is the answer
+
+    def prepare(self, cfg) -> None:
+        from ..hf.data import prepare_hf_data
+        from ..hf.loader import load_tokenizer
+
+        self.interface = read_interface(self.dir / ONNX_FILE)
+        self.kind = self.interface.kind
+        self.config = self._read_config()
+        if not any((self.dir / n).is_file() for n in TOKENIZER_FILES):
+            raise ConfigError(f"--model {self.dir}: no tokenizer files beside {ONNX_FILE} (expected one of "
+                              f"{', '.join(TOKENIZER_FILES)}); data is tokenized with the model's own tokenizer")
+        if cfg.searches and self.kind == "encoder":
+            raise ConfigError(f"--recipes auto needs a perplexity to target, and {self.dir} is an encoder export "
+                              f"(last_hidden_state): run the static-*/dynamic recipes and read the embedding metrics")
+        self.pooling = pooling_mode(self.dir) if self.kind == "encoder" else None
+        self.tokenizer = load_tokenizer(self.dir)
+        config = SimpleNamespace(**self.config)  # getattr access as on a transformers config; no model code
+        self.max_positions = next((v for k in ("max_position_embeddings", "n_positions")
+                                   if isinstance(v := self.config.get(k), int) and v > 0), None)
+        self.hf_data = prepare_hf_data(self.tokenizer, config, self.kind, corpus=self.opts.corpus,
+                                       window=self.opts.window, calib_samples=cfg.calib_samples,
+                                       max_eval_windows=self.opts.max_eval_windows, model_path=self.dir,
+                                       max_positions=self.max_positions)
+        self.data = hf_data(self.hf_data, None)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+
+    def _read_config(self) -> dict:
+        path = self.dir / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"--model {self.dir}: no config.json beside {ONNX_FILE} (the layout Optimum's exporter "
+                              f"writes: model.onnx, config.json and the tokenizer files)")
+        try:
+            config = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"--model {self.dir}: config.json is not readable JSON ({exc})") from None
+        if not isinstance(config, dict):
+            raise ConfigError(f"--model {self.dir}: config.json is not a JSON object")
+        return config
+
+    def export(self, fp32_path: Path, cfg) -> dict:
+        import onnxruntime as ort
+
+        source_file = self.dir / ONNX_FILE
+        try:
+            original = onnx.load(str(source_file))
+        except Exception as exc:  # noqa: BLE001 - a missing or truncated external data file
+            raise ConfigError(f"--model {self.dir}: cannot load {ONNX_FILE} with its weights: "
+                              f"{' '.join(str(exc).split())[:200]}") from None
+        bound, dropped = bind_inputs(original, self.interface, self.pooling or "mean")
+        save_model(bound, fp32_path)
+        del original, bound
+        parity_inputs = self.data.eval_inputs[: max(1, cfg.parity_windows)]
+        try:
+            reference = ort.InferenceSession(str(source_file), providers=["CPUExecutionProvider"])
+            candidate = ort.InferenceSession(str(fp32_path), providers=["CPUExecutionProvider"])
+        except Exception as exc:  # noqa: BLE001 - ORT's untyped errors
+            fp32_path.unlink(missing_ok=True)
+            raise ConfigError(f"--model {self.dir}: onnxruntime cannot load {ONNX_FILE}: "
+                              f"{' '.join(str(exc).split())[:200]}") from None
+        diffs = self._parity(reference, candidate, parity_inputs)
+        first = OUTPUTS[self.kind][0]
+        if not all(d <= PARITY_TOLERANCE for d in diffs.values()):
+            fp32_path.unlink(missing_ok=True)
+            raise ExportError(f"binding the inputs of {self.dir / ONNX_FILE} changed its outputs (relative max |delta| "
+                              f"{diffs}); please report this graph")
+        return {
+            "path": fp32_path.name, "opset": self.interface.opset,
+            "exporter": "the user's (ONNX export directory; inputs bound by quantnorm)",
+            "max_abs_logit_diff": diffs[first], "max_abs_diff": diffs, "tolerance": PARITY_TOLERANCE,
+            "tolerance_rule": "max |delta| <= tolerance * max(1, max |reference|) per output",
+            "parity_reference": f"the original {ONNX_FILE} fed the bound values explicitly",
+            "outputs": list(OUTPUTS[self.kind]), "input": INPUT_IDS,
+            "bound_inputs": {name: BOUND_INPUTS[name] for name in self.interface.inputs if name in BOUND_INPUTS},
+            "dropped_outputs": dropped, "pooling": self.pooling,
+            "parity_shapes": [list(parity_inputs.shape)], "norm_ops": count_norm_ops(fp32_path),
+            "attempts": [],
+        }
+
+    def _parity(self, reference, candidate, inputs: np.ndarray) -> dict[str, float]:
+        ids = np.ascontiguousarray(inputs, dtype=np.int64)
+        feeds = {INPUT_IDS: ids}
+        for i in reference.get_inputs():
+            if i.name == "attention_mask":
+                feeds[i.name] = np.ones_like(ids)
+            elif i.name == "token_type_ids":
+                feeds[i.name] = np.zeros_like(ids)
+            elif i.name == "position_ids":
+                feeds[i.name] = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int64), ids.shape).copy()
+        for i in reference.get_inputs():  # the declared integer type (int32 masks exist)
+            if "int32" in i.type:
+                feeds[i.name] = feeds[i.name].astype(np.int32)
+        first = OUTPUTS[self.kind][0]
+        ref = dict(zip([first], reference.run([first], feeds)))
+        if self.kind == "encoder":
+            ref["sentence_embedding"] = _pool(ref[first], self.pooling or "mean")
+        got = dict(zip(OUTPUTS[self.kind], candidate.run(list(OUTPUTS[self.kind]), {INPUT_IDS: ids})))
+        return {name: float(np.abs(ref[name] - got[name]).max() / max(1.0, float(np.abs(ref[name]).max())))
+                for name in OUTPUTS[self.kind]}
+
+    def transforms(self, cfg) -> NoTransforms:
+        return NoTransforms("an ONNX source")
+
+    def accuracy(self, fp32_session, cfg) -> Callable:
+        return TokenAccuracy(self.kind, fp32_session, self.data, None, cfg.eval_batch_size)
+
+    def search_scoring(self, cfg) -> SearchScoring:
+        return token_search_scoring(self.kind, self.data, None)
+
+    def probe(self, fp32_path: Path, int8_paths: dict[str, Path], cfg, fp32_sources: dict[str, Path],
+              timed: Callable) -> dict:
+        """The graph probe, SQNR over the weight-MatMul inputs, and the heat map of the layer with the
+        largest max/median ratio (no FP16 check: that needs the torch module)."""
+        from ..hf.probe import token_namer
+
+        inputs = self.data.eval_inputs[: cfg.probe_windows]
+        with timed("outliers"):
+            report, first_window = graph_probe(fp32_path, inputs, n_blocks=self.config.get("num_hidden_layers"),
+                                               token=token_namer(self.tokenizer, inputs))
+            sqnr, summaries = sqnr_sections(fp32_path, int8_paths, inputs[:8],
+                                            weight_matmul_inputs(onnx.load(str(fp32_path), load_external_data=False)),
+                                            fp32_sources)
+            layer = largest_ratio_layer(report["residual"]) if report["residual"] else None
+            if layer in first_window:
+                plot_activation_heatmap(first_window[layer], self.run_dir / PLOTS_DIR / "heatmap.png",
+                                        f"|a| of the residual stream after layer {layer} (first evaluation window)")
+                report["heatmap_layer"] = layer
+        return {"outliers": report, "sqnr": sqnr, "sqnr_summary": summaries}
+
+    def sections(self, detected: dict) -> dict:
+        if detected.get("placement") is None:
+            raise ConfigError(f"--model {self.dir}: the placement cannot be read from {ONNX_FILE} "
+                              f"({detected.get('how')}); quantnorm compares placements, so it needs a graph whose "
+                              f"residual adds it can walk from the token embedding")
+        c = self.config
+        source_file = self.dir / ONNX_FILE
+        initializers = onnx.load(str(self.run_dir / FP32_ONNX_FILE), load_external_data=False).graph.initializer
+        n_params = int(sum(int(np.prod(i.dims)) for i in initializers if i.data_type == ORT_FP32))
+        model = {
+            "source": {"kind": "onnx", "path": portable_path(self.dir.resolve(), self.run_dir), "file": ONNX_FILE,
+                       "sha256": _file_sha256(source_file), "bytes": source_file.stat().st_size,
+                       "baseline": "the exported FP32 graph, inputs bound"},
+            "architecture": str(c.get("model_type") or "unknown"),
+            "architectures": list(c.get("architectures") or []),
+            "model_class": "ONNX graph",
+            "kind": self.kind,
+            "placement": detected["placement"], "norm": detected["norm"],
+            "rule": "read from the ONNX graph",
+            "norm_formula": NORM_FORMULAS.get(detected["norm"] or "unknown", NORM_FORMULAS["unknown"]),
+            "final_norm": "yes (in the graph)" if detected.get("final_norm") else None,
+            "placement_check": {"verified": True, "label": "read from the graph",
+                                "detail": "no torch module: placement and norm are the graph's own"},
+            "placement_detected": detected,
+            "detected_from": "the ONNX graph (quantnorm.measure.placement)",
+            "n_layers": c.get("num_hidden_layers"), "d_model": c.get("hidden_size"),
+            "n_heads": c.get("num_attention_heads"), "context": self.max_positions,
+            "vocab_size": c.get("vocab_size") or len(self.tokenizer),
+            "n_params": n_params, "weights": "onnx", "mlm_head": False, "pooling": self.pooling,
+            "dtype": "float32",
+        }
+        return {"model": model, "data": self.data.describe,
+                "train": {"pretrained": True, "diverged": False,
+                          "note": "exported model: not trained by quantnorm"}}
+
+    def write_report(self, results: dict) -> Path:
+        return write_hf_report(self.run_dir, results)
