@@ -20,7 +20,7 @@ from .data import BUILTIN_PYDOC, DataConfig, evaluation_windows, prepare_data
 from .errors import QuantnormError
 from .evaluate import ensure_trained
 from .evaluate import evaluate as run_evaluate
-from .export import export_onnx
+from .export import export_onnx, write_onnx_dir
 from .fileio import write_json_atomic
 from .gate import Policy, append_summary, load_policy, run_gate, write_error_outputs, write_junit
 from .hf.report import is_hf_results, write_hf_report
@@ -303,7 +303,10 @@ def summary_lines_model(results: dict, run_dir: Path) -> str:
 @cli.command()
 @click.argument("run_dir", type=click.Path(path_type=Path))
 @click.option("--opset", type=int, default=18, show_default=True, help="ONNX opset (18 or later).")
-def export(run_dir, opset):
+@click.option("--onnx-dir", type=click.Path(path_type=Path), default=None,
+              help="Also write an ONNX export directory (model.onnx, config.json, a byte tokenizer: the layout "
+                   "Optimum writes) that `quantnorm evaluate --model DIR` reads; needs quantnorm[hf].")
+def export(run_dir, opset, onnx_dir):
     """Export a trained run to RUN_DIR/model.fp32.onnx with a parity check against PyTorch."""
     run = open_run_dir(run_dir)
     model, cfg = load_model(run)
@@ -312,6 +315,10 @@ def export(run_dir, opset):
     result = export_onnx(model, run.file(FP32_ONNX_FILE), inputs[:4], opset=opset)
     click.echo(f"{result.path}: opset {result.opset}, max |delta logit| {result.max_abs_logit_diff:.2e}, "
                f"norm ops {result.norm_ops}")
+    if onnx_dir is not None:
+        written = write_onnx_dir(result.path, cfg.model, onnx_dir,
+                                 placement_note={"placement": cfg.model.placement, "norm": cfg.model.norm})
+        click.echo(f"{written}: ONNX export directory (evaluate it with quantnorm evaluate --model {written})")
 
 
 @cli.command()

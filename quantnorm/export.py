@@ -337,3 +337,80 @@ def torch_outputs(model, inputs: np.ndarray, batch_size: int = 16) -> list[np.nd
     finally:
         model.train(was_training)
     return [np.concatenate([p[i] for p in parts]) for i in range(len(parts[0]))]
+
+
+# --------------------------------------------------------------------------------------------
+# An ONNX export directory of a zoo model (the layout Optimum's exporter writes), so a zoo run
+# can go through the same path as a model exported elsewhere: ``quantnorm export RUN --onnx-dir D``.
+
+ONNX_DIR_MODEL = "model.onnx"
+BOS_TOKEN = "<s>"
+
+
+def byte_to_char() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map (what a ByteLevel pre-tokenizer uses)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+def byte_tokenizer_json(bos_id: int) -> str:
+    """The zoo's vocabulary as a Hugging Face tokenizer: token id = byte value, ``<s>`` = ``bos_id``
+    (a byte-level BPE without merges: every byte is its own token, as in ``quantnorm.data``)."""
+    try:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    except ImportError:
+        raise ConfigError("--onnx-dir writes a tokenizer.json and needs tokenizers: pip install 'quantnorm[hf]'") \
+            from None
+    vocab = {char: b for b, char in byte_to_char().items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    # No regex split: the text is bytes in order, one token each (a split would change nothing but time).
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([BOS_TOKEN])
+    if tok.token_to_id(BOS_TOKEN) != bos_id:
+        raise ExportError(f"byte tokenizer: {BOS_TOKEN} got id {tok.token_to_id(BOS_TOKEN)}, expected {bos_id}")
+    return tok.to_str()
+
+
+def write_onnx_dir(fp32_onnx: Path, model_config, out_dir: Path, *, placement_note: dict) -> Path:
+    """``out_dir`` with ``model.onnx`` (the run's parity-checked FP32 export), ``config.json`` and
+    the byte tokenizer. Written into a temporary sibling and renamed into place: a failure leaves
+    no half-written directory."""
+    import json
+    import shutil
+    import tempfile
+
+    from .data import BOS, VOCAB_SIZE
+
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise ConfigError(f"--onnx-dir {out_dir} exists and is not empty: give a new directory")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        shutil.copyfile(fp32_onnx, tmp / ONNX_DIR_MODEL)
+        config = {
+            "model_type": "quantnorm-zoo", "architectures": ["QuantnormCausalLM"],
+            "vocab_size": VOCAB_SIZE, "bos_token_id": BOS, "hidden_size": model_config.d_model,
+            "num_hidden_layers": model_config.n_layers, "num_attention_heads": model_config.n_heads,
+            "max_position_embeddings": model_config.context, "quantnorm": placement_note,
+        }
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        (tmp / "tokenizer.json").write_text(byte_tokenizer_json(BOS), encoding="utf-8")
+        (tmp / "tokenizer_config.json").write_text(json.dumps({
+            "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS_TOKEN,
+            "model_max_length": model_config.context}, indent=2) + "\n", encoding="utf-8")
+        if out_dir.exists():
+            out_dir.rmdir()
+        os.replace(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir

@@ -38,6 +38,8 @@ def is_hf_results(results: dict) -> bool:
 
 def source_title(source) -> str:
     """The checkpoint's name for a title: ``hf:<path>``, or a GGUF source's file and package."""
+    if isinstance(source, dict) and source.get("kind") == "onnx":
+        return f"ONNX export {source.get('path')}"
     if isinstance(source, dict):
         pkg = f" from {source['package']} {source.get('package_version')}" if source.get("package") else ""
         return f"{source.get('file')}{pkg}"
@@ -48,6 +50,11 @@ def source_rows(model: dict) -> list[list[str]]:
     source = model["source"]
     if not isinstance(source, dict):
         return [["checkpoint", f"`{str(source)[3:]}` ({model.get('weights')} weights, float32, eager attention)"]]
+    if source.get("kind") == "onnx":
+        return [["model", f"ONNX export directory `{source.get('path')}` ({source.get('file')}, "
+                          f"{source.get('bytes', 0):,} bytes)"],
+                ["file SHA-256", f"`{source.get('sha256')}`"],
+                ["FP32 baseline", f"**{source.get('baseline')}**"]]
     pkg = (f"package {source['package']} {source.get('package_version')}" if source.get("package")
            else "not from an installed package")
     parts = f"; joined from {len(source['parts'])} parts ({', '.join(source['parts'])})" if source.get("parts") else ""
@@ -55,6 +62,12 @@ def source_rows(model: dict) -> list[list[str]]:
             ["file SHA-256", f"`{source.get('sha256')}`"],
             ["stored as", f"{source.get('quant_type')}; FP32 baseline: **{source.get('baseline')}** (every ratio "
                           "below is against that dequantized model, not the original BF16 weights)"]]
+
+
+def _agreement(detected: dict) -> str:
+    if detected.get("table") is None:
+        return "no architecture table for this source: the graph's answer is the placement"
+    return f"{'agrees with' if detected.get('agrees') else 'differs from'} the table's {detected.get('table')}"
 
 
 def _pct(value) -> str:
@@ -70,7 +83,8 @@ def render_hf(results: dict, plots: dict[str, str]) -> str:
           f"{results['quantnorm_version']} (results.json schema {results['schema_version']}).", ""]
     L += hardware_section(hw)
     check = model.get("placement_check", {})
-    verified = "verified on block 0" if check.get("verified") else f"NOT verified ({check.get('reason', 'mismatch')})"
+    verified = check.get("label") or ("verified on block 0" if check.get("verified")
+                                      else f"NOT verified ({check.get('reason', 'mismatch')})")
     L += ["", "## Model (pretrained checkpoint, detected)", ""]
     L += _table(["what", "value"], [
         *source_rows(model),
@@ -83,8 +97,8 @@ def render_hf(results: dict, plots: dict[str, str]) -> str:
         ["QK-norm", ", ".join(f"`{n}`" for n in model.get("qk_norm", [])) or "no"],
         ["placement check", f"{verified}: {check.get('detail', '')} (max error {_fmt(check.get('max_abs_error'), '.2g')})"],
         *([["placement from the ONNX graph", f"**{model['placement_detected'].get('placement')} / "
-            f"{model['placement_detected'].get('norm')}** ({'agrees with' if model['placement_detected'].get('agrees') else 'differs from'}"
-            f" the table's {model['placement_detected'].get('table')}): {model['placement_detected'].get('how')}"]]
+            f"{model['placement_detected'].get('norm')}** ({_agreement(model['placement_detected'])}): "
+            f"{model['placement_detected'].get('how')}"]]
           if model.get("placement_detected") else []),
         ["layers, d_model, heads, positions", f"{model['n_layers']}, {model['d_model']}, {model['n_heads']}, {model['context']}"],
         ["parameters, vocabulary", f"{model['n_params']:,}, {model.get('vocab_size'):,}"],
@@ -109,10 +123,18 @@ def render_hf(results: dict, plots: dict[str, str]) -> str:
     L += ["", "## Export", ""]
     norm_ops = ", ".join(f"{k}: {v}" for k, v in ex.get("norm_ops", {}).items())
     diffs = ", ".join(f"{k} {v:.2e}" for k, v in ex.get("max_abs_diff", {}).items())
-    L.append(f"`{ex['path']}` by the {ex.get('exporter')} exporter at opset {ex['opset']}; outputs "
-             f"{', '.join(ex.get('outputs', []))}; parity vs PyTorch max |Δ| {diffs} on inputs "
-             f"{ex.get('parity_shapes')} (gate: {ex.get('tolerance_rule')}, tolerance {ex.get('tolerance')}); "
-             f"norm ops: {norm_ops}.")
+    if ex.get("bound_inputs") is not None:  # an ONNX source: the user's graph, inputs bound
+        bound = "; ".join(f"{k} = {v}" for k, v in ex["bound_inputs"].items()) or "none"
+        L.append(f"`{ex['path']}`: the user's `model.onnx` (opset {ex['opset']}) with its optional inputs bound "
+                 f"({bound}); outputs {', '.join(ex.get('outputs', []))}"
+                 + (f" (dropped: {', '.join(ex['dropped_outputs'])})" if ex.get("dropped_outputs") else "")
+                 + f"; parity vs {ex.get('parity_reference')} max |Δ| {diffs} on inputs {ex.get('parity_shapes')} "
+                   f"(tolerance {ex.get('tolerance')}); norm ops: {norm_ops}.")
+    else:
+        L.append(f"`{ex['path']}` by the {ex.get('exporter')} exporter at opset {ex['opset']}; outputs "
+                 f"{', '.join(ex.get('outputs', []))}; parity vs PyTorch max |Δ| {diffs} on inputs "
+                 f"{ex.get('parity_shapes')} (gate: {ex.get('tolerance_rule')}, tolerance {ex.get('tolerance')}); "
+                 f"norm ops: {norm_ops}.")
     failed = [a for a in ex.get("attempts", []) if a.get("status") != "ok"]
     if failed:
         L.append("Earlier attempts: " + "; ".join(f"{a['exporter']} opset {a['opset']}: {a['status']}" for a in failed) + ".")

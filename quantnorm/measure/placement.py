@@ -349,6 +349,7 @@ def detect_placement(model_or_path) -> GraphPlacement:
         else:
             labels[-1], final = majority, True
             counts[majority] += 1
+            taps[-1] = (taps[-1][0], taps[-1][0])  # the stream is the sum; the norm after it is the final norm
     if not counts:
         return GraphPlacement(None, None, f"no residual add on the stream from the embedding; {len(norms)} norms")
     if counts.get("parallel"):

@@ -99,8 +99,11 @@ def quantize(fp32_path: Path, recipe: Recipe, calib_inputs: np.ndarray | None, o
         q_path = tmp / "quantized.onnx"
         problems: list[str] = []
         if recipe.mode == "pertoken":
-            settings.update(quantize_per_token(pre_path, q_path, to_quantize, reduce_range=settings["reduce_range"],
-                                               fused=recipe.pertoken_kernel == "ort-fused"))
+            try:
+                settings.update(quantize_per_token(pre_path, q_path, to_quantize, reduce_range=settings["reduce_range"],
+                                                   fused=recipe.pertoken_kernel == "ort-fused"))
+            except ValueError as exc:  # a graph the rewrite cannot take (too old an opset)
+                raise QuantizeError(f"recipe {recipe.name} cannot quantize {fp32_path.name}: {exc}") from exc
             problems = sanity_check(q_path, probe_inputs)
             with atomic_path(out_path, suffix=".onnx") as final_tmp:
                 shutil.copyfile(q_path, final_tmp)

@@ -49,7 +49,15 @@ def quantize_per_token(src: Path, dst: Path, nodes: list[str], *, reduce_range: 
     arithmetic; runs on ONNX Runtime only)."""
     model = onnx.load(str(src))
     graph = model.graph
+    opset = _default_opset(model)
     qmax = 63 if reduce_range else 127
+
+    def reduce_max(x: str, out: str, name: str) -> onnx.NodeProto:
+        # ReduceMax takes its axes as an input from opset 18, as an attribute before.
+        if opset >= 18:
+            return helper.make_node("ReduceMax", [x, "pertoken_axes"], [out], name=name, keepdims=1)
+        return helper.make_node("ReduceMax", [x], [out], name=name, axes=[-1], keepdims=1)
+
     initializers = {init.name: init for init in graph.initializer}
     wanted = set(nodes)
     shared = _shared_constants(graph)
@@ -77,8 +85,7 @@ def quantize_per_token(src: Path, dst: Path, nodes: list[str], *, reduce_range: 
             quantized_inputs[x] = (t + "x_quantized", t + "x_scale")
             new_nodes += [
                 helper.make_node("Abs", [x], [t + "abs"], name=t + "Abs"),
-                helper.make_node("ReduceMax", [t + "abs", "pertoken_axes"], [t + "amax"], name=t + "ReduceMax",
-                                 keepdims=1),
+                reduce_max(t + "abs", t + "amax", t + "ReduceMax"),
                 helper.make_node("Max", [t + "amax", "pertoken_eps"], [t + "amax_safe"], name=t + "Max"),
                 helper.make_node("Div", [t + "amax_safe", "pertoken_qmax"], [t + "x_scale"], name=t + "ScaleDiv"),
                 helper.make_node("Div", [x, t + "x_scale"], [t + "x_div"], name=t + "Div"),
@@ -113,7 +120,10 @@ def quantize_per_token(src: Path, dst: Path, nodes: list[str], *, reduce_range: 
     graph.node.extend(new_nodes)
     del graph.initializer[:]
     graph.initializer.extend(kept + new_inits)
-    _ensure_opset(model)
+    if opset < 18:  # the axes initializer is read by no node
+        kept_inits = [i for i in graph.initializer if i.name != "pertoken_axes"]
+        del graph.initializer[:]
+        graph.initializer.extend(kept_inits)
     if fused and not any(imp.domain == "com.microsoft" for imp in model.opset_import):
         model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     onnx.checker.check_model(model)
@@ -136,8 +146,10 @@ def _shared_constants(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
             "axes": numpy_helper.from_array(np.asarray([-1], dtype=np.int64), "pertoken_axes")}
 
 
-def _ensure_opset(model: onnx.ModelProto) -> None:
-    """ReduceMax with axes as an input needs opset 18 of the default domain."""
-    for imp in model.opset_import:
-        if imp.domain in ("", "ai.onnx") and imp.version < 18:
-            raise ValueError(f"per-token INT8 needs opset >= 18, the model has {imp.version}")
+def _default_opset(model: onnx.ModelProto) -> int:
+    """The default domain's opset; per-token INT8 needs 13 or later (Clip with min/max inputs,
+    per-axis MatMulInteger scales broadcast as written)."""
+    version = next((imp.version for imp in model.opset_import if imp.domain in ("", "ai.onnx")), 0)
+    if version < 13:
+        raise ValueError(f"per-token INT8 needs opset >= 13, the model has {version}")
+    return version
