@@ -15,9 +15,9 @@ import onnxruntime as ort
 
 from . import __version__
 from .compare import write_comparison, write_findings
+from .config import EvaluateConfig
 from .data import BUILTIN_PYDOC, DataConfig, evaluation_windows, prepare_data
 from .errors import QuantnormError
-from .config import EvaluateConfig
 from .evaluate import ensure_trained
 from .evaluate import evaluate as run_evaluate
 from .export import export_onnx
@@ -32,7 +32,7 @@ from .quantize import DEFAULT_RECIPES, RECIPES
 from .report import load_results, write_report
 from .runs import FP32_ONNX_FILE, check_out_dir, open_run_dir
 from .sweep import SweepConfig, run_sweep
-from .train import RunConfig, TrainConfig, load_model
+from .train import RunConfig, TrainConfig, default_warmup, load_model
 from .train import train as run_training
 
 DEFAULT_MODEL = ModelConfig()
@@ -74,7 +74,7 @@ def training_options(required: bool):
 
 def build_run_config(placement, norm, layers, d_model, heads, context, steps, batch_size, lr, warmup, seed, corpus):
     if warmup is None:
-        warmup = min(TrainConfig.warmup, max(steps, 0) // 4)
+        warmup = default_warmup(steps)
     return RunConfig(
         model=ModelConfig(placement=placement, norm=norm, n_layers=layers, d_model=d_model, n_heads=heads, context=context),
         train=TrainConfig(steps=steps, batch_size=batch_size, lr=lr, warmup=warmup, seed=seed),

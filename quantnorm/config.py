@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import onnxruntime as ort
 
+from . import serial
 from .errors import ConfigError
 from .measure.sessions import PROVIDERS, SessionSpec, resolve_providers
 from .quantize import DEFAULT_RECIPES, get_recipe, with_exclusions
@@ -59,6 +60,15 @@ class EvaluateConfig:
         if self.latency_iters < 1:
             raise ConfigError(f"latency iterations must be >= 1, got {self.latency_iters}")
         SessionSpec(graph_optimization_level=self.graph_optimization_level, threads=self.threads)
+
+    def to_dict(self) -> dict:
+        """Every field, as JSON (tuples as lists): what a sweep cell is given and sweep.json records."""
+        return serial.to_dict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict, what: str = "the evaluate configuration") -> EvaluateConfig:
+        """The exact inverse of ``to_dict``; an unknown key or a mistyped value is a ConfigError naming it."""
+        return serial.from_dict(cls, data, what)
 
     def search_config(self):
         from .search import SearchConfig

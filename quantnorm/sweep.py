@@ -35,9 +35,9 @@ from typing import IO
 from tqdm import tqdm
 
 from .compare import write_comparison
+from .config import EvaluateConfig
 from .data import BUILTIN_PYDOC, DataConfig, prepare_data
 from .errors import ConfigError, RunDirError
-from .config import EvaluateConfig
 from .fileio import write_json_atomic, write_text_atomic
 from .manifest import MANIFEST_FILE, MANIFEST_VERSION, read_manifest
 from .models import NORMS, PLACEMENTS, ModelConfig
