@@ -40,8 +40,14 @@ DEFAULT_MODEL = ModelConfig()
 DEFAULT_TRAIN = TrainConfig()
 
 
-def training_options(required: bool):
-    """The flags that define a trained model (shared by ``train`` and ``evaluate``)."""
+# The training flags a sweep shares across its cells; the others (placement, norm, layers, warm-up,
+# seed) are its axes, spelled in the plural.
+SWEEP_TRAINING_FLAGS = ("--d-model", "--heads", "--context", "--steps", "--batch-size", "--lr", "--corpus")
+
+
+def training_options(required: bool, only: tuple[str, ...] | None = None):
+    """The flags that define a trained model (shared by ``train`` and ``evaluate``; ``sweep`` takes
+    those in ``only``)."""
     t = DEFAULT_TRAIN
     options = [
         click.option("--placement", type=click.Choice(list(PLACEMENTS)), required=required,
@@ -64,6 +70,10 @@ def training_options(required: bool):
         click.option("--corpus", type=str, default=BUILTIN_PYDOC, show_default=True,
                      help="Training text: a file, a directory of files, or builtin:pydoc (CPython's docs)."),
     ]
+    flags = ["--placement", "--norm", "--layers", "--d-model", "--heads", "--context", "--steps", "--batch-size", "--lr",
+             "--warmup", "--seed", "--corpus"]
+    if only is not None:
+        options = [option for flag, option in zip(flags, options, strict=True) if flag in only]
 
     def decorate(func):
         for option in reversed(options):
@@ -432,17 +442,10 @@ def gate(ctx, inputs, policy, require_provider, recipes, summary, junit, **thres
               help="Comma-separated warm-up steps (axis), e.g. 0,30. [default: the rule of `quantnorm train`]")
 @click.option("--depths", default=str(DEFAULT_MODEL.n_layers), show_default=True,
               help="Comma-separated numbers of blocks (axis).")
-@click.option("--d-model", type=int, default=DEFAULT_MODEL.d_model, show_default=True, help="Hidden size.")
-@click.option("--heads", type=int, default=DEFAULT_MODEL.n_heads, show_default=True, help="Attention heads.")
-@click.option("--context", type=int, default=DEFAULT_MODEL.context, show_default=True, help="Context length in bytes.")
-@click.option("--steps", type=int, default=DEFAULT_TRAIN.steps, show_default=True, help="Training steps.")
-@click.option("--batch-size", type=int, default=DEFAULT_TRAIN.batch_size, show_default=True, help="Windows per step.")
-@click.option("--lr", type=float, default=DEFAULT_TRAIN.lr, show_default=True, help="Peak learning rate (AdamW).")
+@training_options(required=False, only=SWEEP_TRAINING_FLAGS)
 @click.option("--lrs", default=None,
               help="Comma-separated peak learning rates (axis), e.g. 1e-3,3e-3: the report compares each placement "
                    "at its own best rate, chosen on held-out seeds. [default: --lr for every cell]")
-@click.option("--corpus", type=str, default=BUILTIN_PYDOC, show_default=True,
-              help="Training text: a file, a directory of files, or builtin:pydoc.")
 @evaluate_options
 @click.option("--out", type=click.Path(path_type=Path), required=True,
               help="Sweep directory: one run directory per cell, sweep.json, report.md. Run again to resume.")

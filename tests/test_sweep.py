@@ -398,6 +398,10 @@ def test_every_evaluate_flag_is_a_sweep_flag():
             evaluate_params[name].help, name
     assert {"exclude", "min_top1", "max_kld", "search_pick", "search_space", "max_ppl_ratio", "sq_alpha"} <= set(
         cli.EVALUATE_FLAGS)
+    train_params = {p.opts[0]: p for p in cli.train.params}
+    for flag in cli.SWEEP_TRAINING_FLAGS:   # the training flags a sweep shares, spelled as train's
+        (param,) = [p for p in cli.sweep.params if p.opts == [flag]]
+        assert param.help == train_params[flag].help and param.default == train_params[flag].default, flag
 
 
 def test_a_sweep_cell_gets_exactly_the_evaluate_config_of_the_same_flags(tmp_path, small_corpus, monkeypatch):
