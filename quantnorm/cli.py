@@ -8,6 +8,7 @@ from __future__ import annotations
 import shlex
 import sys
 import traceback
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -31,16 +32,22 @@ from .quantize import DEFAULT_RECIPES, RECIPES
 from .report import load_results, write_report
 from .runs import FP32_ONNX_FILE, check_out_dir, open_run_dir
 from .sources import open_model  # imports no transformers until a checkpoint is loaded
-from .sweep import SweepConfig, run_sweep
-from .train import RunConfig, TrainConfig, load_model
+from .sweep import SweepConfig, read_cell_config, run_sweep
+from .train import RunConfig, TrainConfig, default_warmup, load_model
 from .train import train as run_training
 
 DEFAULT_MODEL = ModelConfig()
 DEFAULT_TRAIN = TrainConfig()
 
 
-def training_options(required: bool):
-    """The flags that define a trained model (shared by ``train`` and ``evaluate``)."""
+# The training flags a sweep shares across its cells; the others (placement, norm, layers, warm-up,
+# seed) are its axes, spelled in the plural.
+SWEEP_TRAINING_FLAGS = ("--d-model", "--heads", "--context", "--steps", "--batch-size", "--lr", "--corpus")
+
+
+def training_options(required: bool, only: tuple[str, ...] | None = None):
+    """The flags that define a trained model (shared by ``train`` and ``evaluate``; ``sweep`` takes
+    those in ``only``)."""
     t = DEFAULT_TRAIN
     options = [
         click.option("--placement", type=click.Choice(list(PLACEMENTS)), required=required,
@@ -63,6 +70,10 @@ def training_options(required: bool):
         click.option("--corpus", type=str, default=BUILTIN_PYDOC, show_default=True,
                      help="Training text: a file, a directory of files, or builtin:pydoc (CPython's docs)."),
     ]
+    flags = ["--placement", "--norm", "--layers", "--d-model", "--heads", "--context", "--steps", "--batch-size", "--lr",
+             "--warmup", "--seed", "--corpus"]
+    if only is not None:
+        options = [option for flag, option in zip(flags, options, strict=True) if flag in only]
 
     def decorate(func):
         for option in reversed(options):
@@ -74,7 +85,7 @@ def training_options(required: bool):
 
 def build_run_config(placement, norm, layers, d_model, heads, context, steps, batch_size, lr, warmup, seed, corpus):
     if warmup is None:
-        warmup = min(TrainConfig.warmup, max(steps, 0) // 4)
+        warmup = default_warmup(steps)
     return RunConfig(
         model=ModelConfig(placement=placement, norm=norm, n_layers=layers, d_model=d_model, n_heads=heads, context=context),
         train=TrainConfig(steps=steps, batch_size=batch_size, lr=lr, warmup=warmup, seed=seed),
@@ -140,6 +151,80 @@ def _float_csv(value: str, flag: str) -> tuple[float, ...]:
         raise click.BadParameter(f"expected comma-separated numbers, got {value!r}", param_hint=flag) from None
 
 
+def evaluate_options(func):
+    """The flags of an EvaluateConfig, shared by ``evaluate`` and ``sweep`` (a sweep hands every cell
+    the one configuration they build); ``evaluate_config`` turns them into it."""
+    options = [
+        click.option("--recipes", default=None,
+                     help="Comma-separated INT8 recipes (see `quantnorm recipes`), or `auto` for the accuracy-aware "
+                          "search (may be combined with names). [default: the default set]"),
+        click.option("--sq-alpha", type=float, default=None,
+                     help="SmoothQuant migration strength alpha in [0, 1] for the smoothquant recipe. [default: 0.5]"),
+        click.option("--max-ppl-ratio", type=float, default=1.01, show_default=True,
+                     help="--recipes auto: the target INT8/FP32 perplexity ratio the search must reach."),
+        click.option("--min-top1", type=float, default=None,
+                     help="With --recipes auto: a model passes only if its top-1 agreement with FP32 is at least "
+                          "this (e.g. 0.99). [default: not required]"),
+        click.option("--max-kld", type=float, default=None,
+                     help="With --recipes auto: a model passes only if its mean KL divergence from FP32 is at most "
+                          "this (e.g. 0.007). [default: not required]"),
+        click.option("--search-space", default=None,
+                     help="With --recipes auto: the comma-separated recipes the search tries, in order "
+                          "(weight-MatMul recipes only). [default: every weight-MatMul recipe of `quantnorm recipes`]"),
+        click.option("--search-pick", type=click.Choice(["fastest", "first"]), default="fastest", show_default=True,
+                     help="--recipes auto: keep the fastest passing model (CPU p50, batch 8) or the first one found."),
+        click.option("--providers", default=None,
+                     help="Comma-separated execution providers for latency: cpu, cuda, tensorrt. "
+                          "[default: all this onnxruntime lists; unusable ones are reported as not measured]"),
+        click.option("--calib-samples", type=int, default=64, show_default=True,
+                     help="Calibration windows (taken evenly from the calibration range only)."),
+        click.option("--exclude", multiple=True,
+                     help="Keep matching nodes in FP32 in every recipe (mixed precision); a node name or an fnmatch "
+                          "pattern such as 'head/*' or 'blocks.*.mlp.down/*'. Repeatable."),
+        click.option("--opset", type=int, default=18, show_default=True,
+                     help="ONNX opset (18: RMSNorm decomposed; 23: native RMSNormalization)."),
+        click.option("--opt-level", default="all", show_default=True,
+                     help="ONNX Runtime graph optimization for accuracy and latency: disable, basic, extended, all."),
+        click.option("--threads", type=int, default=None,
+                     help="Intra-op threads for ONNX Runtime (in a sweep: per cell, torch's too). [default: ORT's; "
+                          "in a sweep: the cores divided by --jobs]"),
+        click.option("--batches", default="1,8", show_default=True, help="Latency batch sizes (sequence = context)."),
+        click.option("--iters", type=int, default=30, show_default=True,
+                     help="Timed runs per latency cell (after warm-up)."),
+        click.option("--no-outliers", is_flag=True,
+                     help="Skip the activation probe and per-tensor SQNR (a sweep's residual-growth and outlier "
+                          "findings need them)."),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def evaluate_config(flags: dict, progress: bool) -> EvaluateConfig:
+    """The EvaluateConfig of the ``evaluate_options`` flags, which it pops off ``flags`` (the
+    command's keyword arguments): validated here, before anything runs."""
+    f = {name: flags.pop(name) for name in EVALUATE_FLAGS}
+    return EvaluateConfig(
+        recipes=tuple(_csv(f["recipes"])) if f["recipes"] else DEFAULT_RECIPES,
+        providers=tuple(_csv(f["providers"])) if f["providers"] else None,
+        calib_samples=f["calib_samples"], opset=f["opset"], graph_optimization_level=f["opt_level"],
+        threads=f["threads"], latency_batches=_int_csv(f["batches"], "--batches"), latency_iters=f["iters"],
+        outliers=not f["no_outliers"], progress=progress, sq_alpha=f["sq_alpha"], max_ppl_ratio=f["max_ppl_ratio"],
+        min_top1=f["min_top1"], max_kld=f["max_kld"], search_pick=f["search_pick"],
+        search_space=tuple(_csv(f["search_space"])) if f["search_space"] else None, exclude=tuple(f["exclude"]),
+    )
+
+
+# The parameter names evaluate_options adds, read off a command it decorates (one list, not two).
+EVALUATE_FLAGS = tuple(p.name for p in click.command()(evaluate_options(lambda **_: None)).params)
+
+
+def _given_flags(ctx: click.Context, exempt: tuple[str, ...]) -> list[str]:
+    """The options given on the command line (not left at their defaults), as their flags."""
+    return [next((o for o in p.opts if o.startswith("--")), p.name) for p in ctx.command.params
+            if p.name not in exempt and ctx.get_parameter_source(p.name) not in (None, click.core.ParameterSource.DEFAULT)]
+
+
 _invocation: list[str] | None = None  # the arguments main() was given (None: sys.argv)
 
 
@@ -173,8 +258,9 @@ def _resolve_packaged(argv: list[str]) -> list[str]:
 @click.option("--checkpoint", type=click.Path(path_type=Path), default=None,
               help="Evaluate this trained run directory instead of training one (no training flags then).")
 @click.option("--model", type=click.Path(path_type=Path), default=None,
-              help="Evaluate a local checkpoint: a Hugging Face directory (config.json, safetensors, tokenizer; needs "
-                   "quantnorm[hf]) or a GGUF file (FILE.gguf, or the first part FILE.gguf.part00 of a split one; "
+              help="Evaluate a local model: a Hugging Face directory (config.json, safetensors, tokenizer; needs "
+                   "quantnorm[hf]), an ONNX export directory (model.onnx + config.json + tokenizer, the layout "
+                   "Optimum writes; use_cache=False; needs quantnorm[hf]) or a GGUF file (FILE.gguf, or the first part FILE.gguf.part00 of a split one; "
                    "dequantized to FP32 once and cached in the run directory; needs quantnorm[gguf]). --context is "
                    "then the window in tokens and --corpus the text.")
 @click.option("--eval-tokens", type=click.IntRange(min=2), default=None,
@@ -184,58 +270,28 @@ def _resolve_packaged(argv: list[str]) -> list[str]:
               help="With --model: allow loading pickled pytorch_model.bin weights (unpickling can run code).")
 @click.option("--out", type=click.Path(path_type=Path), default=None,
               help="Run directory (default: runs/<placement>-<norm>-...). Reused when it holds a checkpoint of the same config.")
-@click.option("--recipes", default=None,
-              help="Comma-separated INT8 recipes (see `quantnorm recipes`), or `auto` for the accuracy-aware "
-                   "search (may be combined with names). [default: the default set]")
-@click.option("--sq-alpha", type=float, default=None,
-              help="SmoothQuant migration strength alpha in [0, 1] for the smoothquant recipe. [default: 0.5]")
-@click.option("--max-ppl-ratio", type=float, default=1.01, show_default=True,
-              help="--recipes auto: the target INT8/FP32 perplexity ratio the search must reach.")
-@click.option("--min-top1", type=float, default=None,
-              help="With --recipes auto: a model passes only if its top-1 agreement with FP32 is at least this "
-                   "(e.g. 0.99). [default: not required]")
-@click.option("--max-kld", type=float, default=None,
-              help="With --recipes auto: a model passes only if its mean KL divergence from FP32 is at most this "
-                   "(e.g. 0.007). [default: not required]")
-@click.option("--search-space", default=None,
-              help="With --recipes auto: the comma-separated recipes the search tries, in order (weight-MatMul "
-                   "recipes only). [default: every weight-MatMul recipe of `quantnorm recipes`]")
-@click.option("--search-pick", type=click.Choice(["fastest", "first"]), default="fastest", show_default=True,
-              help="--recipes auto: keep the fastest passing model (CPU p50, batch 8) or the first one found.")
-@click.option("--providers", default=None,
-              help="Comma-separated execution providers for latency: cpu, cuda, tensorrt. "
-                   "[default: all this onnxruntime lists; unusable ones are reported as not measured]")
-@click.option("--calib-samples", type=int, default=64, show_default=True,
-              help="Calibration windows (taken evenly from the calibration range only).")
-@click.option("--exclude", multiple=True,
-              help="Keep matching nodes in FP32 in every recipe (mixed precision); a node name or an fnmatch "
-                   "pattern such as 'head/*' or 'blocks.*.mlp.down/*'. Repeatable.")
-@click.option("--opset", type=int, default=18, show_default=True,
-              help="ONNX opset (18: RMSNorm decomposed; 23: native RMSNormalization).")
-@click.option("--opt-level", default="all", show_default=True,
-              help="ONNX Runtime graph optimization for accuracy and latency: disable, basic, extended, all.")
-@click.option("--threads", type=int, default=None, help="Intra-op threads for ONNX Runtime. [default: ORT's]")
-@click.option("--batches", default="1,8", show_default=True, help="Latency batch sizes (sequence = context).")
-@click.option("--iters", type=int, default=30, show_default=True, help="Timed runs per latency cell (after warm-up).")
-@click.option("--no-outliers", is_flag=True, help="Skip the activation probe and per-tensor SQNR.")
+@evaluate_options
+@click.option("--config", "config_file", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="Train and evaluate from one JSON file holding the run and evaluate configurations "
+                   "({\"run\": ..., \"evaluate\": ...}, as a sweep writes each cell's cell.json) instead of "
+                   "training and evaluate flags (only --out and --quiet may be given beside it).")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
-def evaluate(checkpoint, out, recipes, sq_alpha, max_ppl_ratio, min_top1, max_kld, search_space, search_pick, providers, calib_samples, exclude, opset,
-             opt_level, threads, batches, iters, no_outliers, quiet, **flags):
+def evaluate(checkpoint, out, config_file, quiet, **flags):
     """Train (or reuse) a model, export it, quantize it with each recipe, measure accuracy and
     latency, and write results.json and report.md into the run directory.
 
     Example: quantnorm evaluate --placement pre --norm rms
     """
     model_path, allow_pickle = flags.pop("model", None), flags.pop("allow_pickle", False)
-    cfg = EvaluateConfig(
-        recipes=tuple(_csv(recipes)) if recipes else DEFAULT_RECIPES,
-        providers=tuple(_csv(providers)) if providers else None,
-        calib_samples=calib_samples, opset=opset, graph_optimization_level=opt_level, threads=threads,
-        latency_batches=_int_csv(batches, "--batches"), latency_iters=iters, outliers=not no_outliers,
-        progress=not quiet, sq_alpha=sq_alpha, max_ppl_ratio=max_ppl_ratio, min_top1=min_top1, max_kld=max_kld,
-        search_pick=search_pick, search_space=tuple(_csv(search_space)) if search_space else None,
-        exclude=tuple(exclude),
-    )
+    cfg = evaluate_config(flags, progress=not quiet)
+    file_run = None
+    if config_file is not None:  # a sweep cell, or its rerun: both configurations from the file, no flags
+        given = _given_flags(click.get_current_context(), exempt=("config_file", "out", "quiet"))
+        if given:
+            raise click.UsageError(f"--config holds the whole configuration: drop {', '.join(given)}")
+        file_run, cfg = read_cell_config(config_file)
+        if quiet:
+            cfg = replace(cfg, progress=False)
     if model_path is not None:  # a checkpoint or an exported graph: the source is chosen by what the path holds
         if checkpoint is not None:
             raise click.UsageError("give either --model (a checkpoint or ONNX export) or --checkpoint (a trained run), "
@@ -253,11 +309,11 @@ def evaluate(checkpoint, out, recipes, sq_alpha, max_ppl_ratio, min_top1, max_kl
     if checkpoint is not None:
         run_dir = open_run_dir(checkpoint)
     else:
-        if flags["placement"] is None or flags["norm"] is None:
-            raise click.UsageError("give --placement and --norm (to train a model), or --checkpoint RUN_DIR")
-        run = build_run_config(**flags)
+        if file_run is None and (flags["placement"] is None or flags["norm"] is None):
+            raise click.UsageError("give --placement and --norm (to train a model), --checkpoint RUN_DIR or --config FILE")
+        run = file_run or build_run_config(**flags)
         out = out or default_run_dir(run)
-        run_dir = ensure_trained(run, out, prepare_data(run.data, run.model.context), progress=not quiet)
+        run_dir = ensure_trained(run, out, prepare_data(run.data, run.model.context), progress=cfg.progress)
     results = run_evaluate(run_dir, cfg, command=_command_line())
     click.echo(summary_lines(results, run_dir.path))
 
@@ -428,30 +484,11 @@ def gate(ctx, inputs, policy, require_provider, recipes, summary, junit, **thres
               help="Comma-separated warm-up steps (axis), e.g. 0,30. [default: the rule of `quantnorm train`]")
 @click.option("--depths", default=str(DEFAULT_MODEL.n_layers), show_default=True,
               help="Comma-separated numbers of blocks (axis).")
-@click.option("--d-model", type=int, default=DEFAULT_MODEL.d_model, show_default=True, help="Hidden size.")
-@click.option("--heads", type=int, default=DEFAULT_MODEL.n_heads, show_default=True, help="Attention heads.")
-@click.option("--context", type=int, default=DEFAULT_MODEL.context, show_default=True, help="Context length in bytes.")
-@click.option("--steps", type=int, default=DEFAULT_TRAIN.steps, show_default=True, help="Training steps.")
-@click.option("--batch-size", type=int, default=DEFAULT_TRAIN.batch_size, show_default=True, help="Windows per step.")
-@click.option("--lr", type=float, default=DEFAULT_TRAIN.lr, show_default=True, help="Peak learning rate (AdamW).")
+@training_options(required=False, only=SWEEP_TRAINING_FLAGS)
 @click.option("--lrs", default=None,
               help="Comma-separated peak learning rates (axis), e.g. 1e-3,3e-3: the report compares each placement "
                    "at its own best rate, chosen on held-out seeds. [default: --lr for every cell]")
-@click.option("--corpus", type=str, default=BUILTIN_PYDOC, show_default=True,
-              help="Training text: a file, a directory of files, or builtin:pydoc.")
-@click.option("--recipes", default=None, help="Comma-separated INT8 recipes. [default: evaluate's default set]")
-@click.option("--sq-alpha", type=float, default=None, help="SmoothQuant alpha for the smoothquant recipe.")
-@click.option("--providers", default=None, help="Comma-separated latency providers: cpu, cuda, tensorrt. "
-                                               "[default: all this onnxruntime lists]")
-@click.option("--calib-samples", type=int, default=64, show_default=True, help="Calibration windows.")
-@click.option("--opset", type=int, default=18, show_default=True, help="ONNX opset.")
-@click.option("--opt-level", default="all", show_default=True, help="ONNX Runtime graph optimization level.")
-@click.option("--threads", type=int, default=None,
-              help="Threads per cell (torch and ONNX Runtime). [default: the cores divided by --jobs]")
-@click.option("--batches", default="1,8", show_default=True, help="Latency batch sizes.")
-@click.option("--iters", type=int, default=30, show_default=True, help="Timed runs per latency cell.")
-@click.option("--no-outliers", is_flag=True, help="Skip the activation probe (the residual-growth and outlier "
-                                                  "findings need it).")
+@evaluate_options
 @click.option("--out", type=click.Path(path_type=Path), required=True,
               help="Sweep directory: one run directory per cell, sweep.json, report.md. Run again to resume.")
 @click.option("--jobs", type=int, default=None,
@@ -463,12 +500,11 @@ def gate(ctx, inputs, policy, require_provider, recipes, summary, junit, **thres
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @click.pass_context
 def sweep(ctx, placements, norms, seeds, warmups, depths, d_model, heads, context, steps, batch_size, lr, lrs, corpus,
-          recipes,
-          sq_alpha, providers, calib_samples, opset, opt_level, threads, batches, iters, no_outliers, out, jobs,
-          executor, ray_address, quiet):
+          out, jobs, executor, ray_address, quiet, **flags):
     """Train and evaluate every placement x norm (x warm-up x depth) x seed, each cell in its own
     process; resumable (finished cells are skipped); then write OUT/report.md with intervals,
-    a ranking and findings. Exit code 1 when a cell failed (the others still run).
+    a ranking and findings. Exit code 1 when a cell failed (the others still run). Every
+    evaluate flag applies to every cell.
 
     Example: quantnorm sweep --placements post,pre,peri --norms layer,rms --seeds 3 --warmups 0,30 --out sweeps/a
     """
@@ -480,10 +516,7 @@ def sweep(ctx, placements, norms, seeds, warmups, depths, d_model, heads, contex
         depths=_int_csv(depths, "--depths"), lrs=_float_csv(lrs, "--lrs") if lrs is not None else None,
         d_model=d_model, heads=heads, context=context, steps=steps,
         batch_size=batch_size, lr=lr, corpus=corpus,
-        recipes=tuple(_csv(recipes)) if recipes is not None else None,
-        providers=tuple(_csv(providers)) if providers is not None else None,
-        calib_samples=calib_samples, opset=opset, opt_level=opt_level, threads=threads,
-        batches=_int_csv(batches, "--batches"), iters=iters, outliers=not no_outliers, sq_alpha=sq_alpha,
+        evaluate=evaluate_config(flags, progress=False),  # cells write logs, not progress bars
     )
     outcome = run_sweep(cfg, out, jobs=jobs, executor=executor, ray_address=ray_address, progress=not quiet,
                         command=_command_line(), echo=click.echo)

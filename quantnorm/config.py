@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import onnxruntime as ort
 
+from . import serial
 from .errors import ConfigError
 from .measure.sessions import PROVIDERS, SessionSpec, resolve_providers
 from .quantize import DEFAULT_RECIPES, get_recipe, with_exclusions
@@ -64,6 +65,15 @@ class EvaluateConfig:
     def searches(self) -> bool:
         """Whether the accuracy-aware search runs (``--recipes auto``)."""
         return AUTO in self.recipes
+
+    def to_dict(self) -> dict:
+        """Every field, as JSON (tuples as lists): what a sweep cell is given and sweep.json records."""
+        return serial.to_dict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict, what: str = "the evaluate configuration") -> EvaluateConfig:
+        """The exact inverse of ``to_dict``; an unknown key or a mistyped value is a ConfigError naming it."""
+        return serial.from_dict(cls, data, what)
 
     def search_config(self):
         from .search import SearchConfig

@@ -66,7 +66,7 @@ from .models import ModelConfig
 from .quantize import get_recipe, quantize
 from .quantize.fp16 import FP16_MAX, convert_fp16
 from .runs import TRAIN_SUMMARY_FILE
-from .train import RunConfig, TrainConfig, load_model
+from .train import RunConfig, TrainConfig, default_warmup, load_model
 
 GPU_PROVIDERS = (CUDA, TENSORRT)
 NO_GPU = "no CUDA device"
@@ -305,13 +305,11 @@ class ModelGroup:
 def prepare_zoo(cfg: GpuBenchConfig) -> ModelGroup:
     """Train (when absent), export and make the FP16 and INT8 variants of the zoo model."""
 
-    # The CLI's defaults (lr, seed, corpus; warm-up min(30, steps/4)), built here: no import of the cli.
-    train_defaults = TrainConfig()
+    # The CLI's defaults (lr, seed, corpus, the warm-up rule), built here: no import of the cli.
     run = RunConfig(
         model=ModelConfig(placement=cfg.placement, norm=cfg.norm, n_layers=cfg.layers, d_model=cfg.d_model,
                           n_heads=cfg.heads, context=cfg.context),
-        train=TrainConfig(steps=cfg.steps, batch_size=cfg.train_batch,
-                          warmup=min(train_defaults.warmup, cfg.steps // 4)),
+        train=TrainConfig(steps=cfg.steps, batch_size=cfg.train_batch, warmup=default_warmup(cfg.steps)),
         data=DataConfig(),
     )
     data = prepare_data(run.data, run.model.context)

@@ -13,7 +13,12 @@ from pathlib import Path
 from .errors import RunDirError
 
 MANIFEST_FILE = "sweep.json"
-MANIFEST_VERSION = 1
+# 2: ``settings`` holds the evaluate configuration serialized (``settings.evaluate``, the fields of
+# EvaluateConfig) instead of version 1's re-spelled evaluate flags beside the axes, and each cell's
+# entry its ``config`` (the RunConfig and EvaluateConfig it ran with). What compare and gate read
+# (``cells``, ``commands``, the training flags in ``settings``) is the same in both; the sweep
+# resumes a version-1 directory by reading its flags into an EvaluateConfig (sweep.previous_settings).
+MANIFEST_VERSION = 2
 
 
 def read_manifest(out_dir: Path) -> dict | None:

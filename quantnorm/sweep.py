@@ -3,8 +3,11 @@ own process, resumable, with a comparison report at the end.
 
 Layout of a sweep directory::
 
-    sweep.json                 the manifest: settings, axes, and each cell's last status
-    <cell>/                    one run directory per cell (``quantnorm evaluate --out <cell>``)
+    sweep.json                 the manifest: settings (the axes, the training flags and the one
+                               EvaluateConfig every cell gets), and each cell's configuration and last status
+    <cell>/                    one run directory per cell
+    <cell>/cell.json           the cell's RunConfig and EvaluateConfig, serialized; the cell's process is
+                               ``quantnorm evaluate --config <cell>/cell.json --out <cell>``
     <cell>/evaluate.log        the cell's stdout and stderr
     report.md, plots/          the comparison report (``quantnorm.compare``)
 
@@ -27,13 +30,14 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO
 
 from tqdm import tqdm
 
+from . import serial
 from .compare import write_comparison
 from .config import EvaluateConfig
 from .data import BUILTIN_PYDOC, DataConfig, prepare_data
@@ -44,16 +48,17 @@ from .models import NORMS, PLACEMENTS, ModelConfig
 from .quantize import DEFAULT_RECIPES
 from .report import load_results
 from .runs import CONFIG_FILE, RESULTS_FILE, TRAIN_SUMMARY_FILE
-from .train import RunConfig, TrainConfig
+from .train import RunConfig, TrainConfig, default_warmup
 
 CELL_LOG_FILE = "evaluate.log"
 LOG_TAIL_LINES = 15
 EXECUTORS = ("local", "ray")
 RAY_HINT = "pip install 'quantnorm[ray]'"
 
-# Settings that must be equal for every cell of one sweep directory (the axes may grow).
-_SHARED_SETTINGS = ("d_model", "heads", "context", "steps", "batch_size", "lr", "corpus", "recipes", "providers",
-                    "calib_samples", "opset", "opt_level", "threads", "batches", "iters", "outliers", "sq_alpha")
+CELL_CONFIG_FILE = "cell.json"
+# The settings a sweep directory's cells may differ in: its axes, which may grow. Every other
+# setting (the training flags, each field of the EvaluateConfig) must stay equal.
+AXES = ("placements", "norms", "seeds", "warmups", "depths", "lrs")
 
 
 def _unique(values, what: str) -> tuple:
@@ -65,12 +70,13 @@ def _unique(values, what: str) -> tuple:
 
 @dataclass(frozen=True)
 class SweepConfig:
-    """The grid and the flags every cell shares. Validated at construction; nothing is written."""
+    """The grid, the training flags every cell shares and the one EvaluateConfig every cell gets.
+    Validated at construction; nothing is written."""
 
     placements: tuple[str, ...] = tuple(PLACEMENTS)
     norms: tuple[str, ...] = tuple(NORMS)
     seeds: int = 3
-    warmups: tuple[int, ...] | None = None   # None: the default warm-up rule of `quantnorm train`
+    warmups: tuple[int, ...] | None = None   # None: train.default_warmup(steps), as `quantnorm train`
     depths: tuple[int, ...] = (ModelConfig.n_layers,)
     # None: every cell trains at ``lr``. A tuple is a learning-rate axis: the report compares each
     # placement at its own best rate, chosen on held-out seeds (compare.tuned_comparison)
@@ -82,17 +88,9 @@ class SweepConfig:
     batch_size: int = 32
     lr: float = 3e-3
     corpus: str = BUILTIN_PYDOC
-    # evaluate flags (None = evaluate's own default)
-    recipes: tuple[str, ...] | None = None
-    providers: tuple[str, ...] | None = None
-    calib_samples: int = 64
-    opset: int = 18
-    opt_level: str = "all"
-    threads: int | None = None
-    batches: tuple[int, ...] = (1, 8)
-    iters: int = 30
-    outliers: bool = True
-    sq_alpha: float | None = None
+    # Every cell gets this, as it stands, but for ``threads`` when it is None (the executor gives
+    # each cell its share of the cores) and ``progress`` (off: a cell writes to its log file).
+    evaluate: EvaluateConfig = field(default_factory=lambda: EvaluateConfig(progress=False))
 
     def __post_init__(self) -> None:
         placements = _unique(self.placements, "placements")
@@ -115,31 +113,25 @@ class SweepConfig:
         if lrs is not None and not all(x > 0 and x == x and x != float("inf") for x in lrs):
             raise ConfigError(f"--lrs must be positive learning rates, got {', '.join(map(repr, lrs))}")
         object.__setattr__(self, "lrs", lrs)
-        if self.recipes is not None:
-            _unique(self.recipes, "recipes")
-        if self.providers is not None:
-            _unique(self.providers, "providers")
         if self.corpus != BUILTIN_PYDOC:
             object.__setattr__(self, "corpus", str(Path(self.corpus).expanduser().resolve()))
         object.__setattr__(self, "placements", placements)
         object.__setattr__(self, "norms", norms)
         object.__setattr__(self, "depths", depths)
         object.__setattr__(self, "warmups", warmups)
-        if self.threads is not None and self.threads < 1:
-            raise ConfigError(f"--threads must be >= 1, got {self.threads}")
-
-    def default_warmup(self) -> int:
-        # The rule of `quantnorm train` when --warmup is not given (cli.build_run_config).
-        return min(TrainConfig.warmup, max(self.steps, 0) // 4)
+        if self.evaluate.progress:
+            object.__setattr__(self, "evaluate", replace(self.evaluate, progress=False))
 
     def cells(self) -> list[Cell]:
-        warmups = self.warmups if self.warmups is not None else (self.default_warmup(),)
+        warmups = self.warmups if self.warmups is not None else (default_warmup(self.steps),)
         lrs = self.lrs if self.lrs is not None else (None,)
         return [Cell(p, n, d, w, s, lr) for d in self.depths for w in warmups for lr in lrs for p in self.placements
                 for n in self.norms for s in range(self.seeds)]
 
     def to_dict(self) -> dict:
-        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items()}
+        """sweep.json's ``settings``: the axes and training flags under their flag names (what the
+        comparison report prints), and ``evaluate``, the serialized EvaluateConfig."""
+        return serial.to_dict(self)
 
 
 @dataclass(frozen=True)
@@ -159,7 +151,7 @@ class Cell:
     def lr_of(self, cfg: SweepConfig) -> float:
         return cfg.lr if self.lr is None else self.lr
 
-    def run_config(self, cfg: SweepConfig):
+    def run_config(self, cfg: SweepConfig) -> RunConfig:
         return RunConfig(
             model=ModelConfig(placement=self.placement, norm=self.norm, n_layers=self.depth, d_model=cfg.d_model,
                               n_heads=cfg.heads, context=cfg.context),
@@ -168,38 +160,44 @@ class Cell:
             data=DataConfig(corpus=cfg.corpus),
         )
 
-    def evaluate_args(self, cfg: SweepConfig, out_dir: Path, threads: int | None) -> list[str]:
-        """`quantnorm evaluate` arguments that train and evaluate this cell into ``out_dir``."""
-        args = ["evaluate", "--placement", self.placement, "--norm", self.norm, "--layers", str(self.depth),
-                "--d-model", str(cfg.d_model), "--heads", str(cfg.heads), "--context", str(cfg.context),
-                "--steps", str(cfg.steps), "--batch-size", str(cfg.batch_size), "--lr", repr(self.lr_of(cfg)),
-                "--warmup", str(self.warmup), "--seed", str(self.seed), "--corpus", cfg.corpus,
-                "--calib-samples", str(cfg.calib_samples), "--opset", str(cfg.opset), "--opt-level", cfg.opt_level,
-                "--batches", ",".join(str(b) for b in cfg.batches), "--iters", str(cfg.iters),
-                "--out", str(out_dir), "--quiet"]
-        if cfg.recipes:
-            args += ["--recipes", ",".join(cfg.recipes)]
-        if cfg.providers:
-            args += ["--providers", ",".join(cfg.providers)]
-        if threads is not None:
-            args += ["--threads", str(threads)]
-        if not cfg.outliers:
-            args.append("--no-outliers")
-        if cfg.sq_alpha is not None:
-            args += ["--sq-alpha", repr(cfg.sq_alpha)]
-        return args
+    def config(self, cfg: SweepConfig, threads: int | None) -> dict:
+        """What the cell's process is given (its cell.json): the RunConfig to train and the
+        sweep's EvaluateConfig, with ``threads`` when the sweep left them to the executor."""
+        evaluate = cfg.evaluate if cfg.evaluate.threads is not None else replace(cfg.evaluate, threads=threads)
+        return cell_config(self.run_config(cfg), evaluate)
+
+
+def cell_config(run: RunConfig, evaluate: EvaluateConfig) -> dict:
+    return {"run": run.to_dict(), "evaluate": evaluate.to_dict()}
+
+
+def read_cell_config(path: str | Path) -> tuple[RunConfig, EvaluateConfig]:
+    """The RunConfig and EvaluateConfig of a cell.json (``quantnorm evaluate --config FILE``)."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"--config {path}: no such file") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"--config {path} cannot be read as JSON ({exc})") from None
+    if not isinstance(data, dict) or set(data) != {"run", "evaluate"}:
+        keys = ", ".join(map(repr, data)) if isinstance(data, dict) else type(data).__name__
+        raise ConfigError(f"--config {path} must be a JSON object with the keys 'run' and 'evaluate', got {keys}")
+    return (RunConfig.from_dict(data["run"], f"--config {path}: run"),
+            EvaluateConfig.from_dict(data["evaluate"], f"--config {path}: evaluate"))
+
+
+def cell_args(cell_dir: Path) -> list[str]:
+    """The `quantnorm` arguments of a cell's process: everything else is in its cell.json."""
+    return ["evaluate", "--config", str(cell_dir / CELL_CONFIG_FILE), "--out", str(cell_dir), "--quiet"]
 
 
 def validate(cfg: SweepConfig) -> list[Cell]:
-    """Check everything a cell would check (model and training configs, recipes, providers, the
-    corpus) before anything is written; returns the cells."""
+    """Check everything a cell would check (model and training configs, the corpus; the
+    EvaluateConfig validated itself) before anything is written; returns the cells."""
     cells = cfg.cells()
     for cell in cells:
         cell.run_config(cfg)  # ConfigError on e.g. heads not dividing d_model, warm-up longer than training
-    EvaluateConfig(recipes=cfg.recipes or DEFAULT_RECIPES, providers=cfg.providers, calib_samples=cfg.calib_samples,
-                   opset=cfg.opset, graph_optimization_level=cfg.opt_level, threads=cfg.threads,
-                   latency_batches=cfg.batches, latency_iters=cfg.iters, outliers=cfg.outliers, progress=False,
-                   sq_alpha=cfg.sq_alpha)
     prepare_data(DataConfig(corpus=cfg.corpus), cfg.context)  # DataError on a missing/empty/small corpus
     return cells
 
@@ -291,13 +289,15 @@ def _warn(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def run_cell_process(args: list[str], log_path: str, env_overrides: dict[str, str], cell: Cell | None = None) -> int:
+def run_cell_process(args: list[str], log_path: str, env_overrides: dict[str, str], cell: Cell | None = None,
+                     config: dict | None = None) -> int:
     """Run ``python -m quantnorm.cli ARGS`` with output to ``log_path`` (in the cell's directory);
     returns its exit code.
 
     Under the cell's lock: a cell that another process finished meanwhile is not run again (0);
     otherwise the temporaries of a killed earlier attempt and a results.json that is not this
-    cell's are removed first, so a half-done directory is simply redone. Module-level so that Ray
+    cell's are removed first, so a half-done directory is simply redone, and ``config`` (the
+    cell's, see Cell.config) is written to its cell.json, which ARGS name. Module-level so that Ray
     can ship it to a worker (which needs quantnorm installed and the sweep directory on a file
     system it shares with the driver).
     """
@@ -309,6 +309,8 @@ def run_cell_process(args: list[str], log_path: str, env_overrides: dict[str, st
         clean_stale_temporaries(cell_dir)
         if cell is not None and (cell_dir / RESULTS_FILE).exists():  # not valid for this cell (checked above)
             (cell_dir / RESULTS_FILE).unlink()
+        if config is not None:
+            write_json_atomic(cell_dir / CELL_CONFIG_FILE, config)
         env = {**os.environ, **env_overrides}
         cmd = [sys.executable, "-m", "quantnorm.cli", *args]
         with open(log_path, "w", encoding="utf-8") as log:
@@ -420,9 +422,12 @@ class _Manifest:
         }
 
     def set(self, cell: Cell, **entry) -> None:
+        """Replace the cell's entry; its ``config`` (the cell.json it last ran with) stays until a new one is given."""
+        config = entry.pop("config", None) or self.data["cells"].get(cell.name, {}).get("config")
         self.data["cells"][cell.name] = {"placement": cell.placement, "norm": cell.norm, "depth": cell.depth,
                                          "warmup": cell.warmup, "seed": cell.seed,
-                                         **({} if cell.lr is None else {"lr": cell.lr}), **entry}
+                                         **({} if cell.lr is None else {"lr": cell.lr}), **entry,
+                                         **({} if config is None else {"config": config})}
 
     def write(self) -> None:
         self.data["updated"] = _now()
@@ -434,15 +439,49 @@ def _now() -> str:
 
 
 def check_compatible(previous: dict | None, cfg: SweepConfig, out_dir: Path) -> None:
-    """A sweep directory holds one configuration: the axes may grow, the shared flags may not change."""
+    """A sweep directory holds one configuration: the axes may grow, every other setting (the
+    training flags and each field of the serialized EvaluateConfig) may not change."""
     if previous is None:
         return
-    old = previous.get("settings", {})
-    new = cfg.to_dict()
-    diffs = [f"{k} {old.get(k)!r} -> {new[k]!r}" for k in _SHARED_SETTINGS if old.get(k) != new[k]]
+    old, new = previous_settings(previous, out_dir), cfg.to_dict()
+    old_evaluate = old.get("evaluate") or {}
+    diffs = [f"{k} {old.get(k)!r} -> {v!r}" for k, v in new.items() if k not in AXES and k != "evaluate"
+             and old.get(k) != v]
+    diffs += [f"evaluate.{k} {old_evaluate.get(k)!r} -> {v!r}" for k, v in new["evaluate"].items()
+              if old_evaluate.get(k) != v]
     if diffs:
         raise ConfigError(f"{out_dir} holds a sweep with other settings ({'; '.join(diffs)}): "
                           f"use the same flags to resume it, or another --out")
+
+
+# Version 1 of sweep.json spelled, beside the axes, the evaluate flags the sweep passed to each
+# cell (the others were at evaluate's defaults): these keys, with their defaults of then.
+_V1_EVALUATE_FLAGS = {"recipes": None, "providers": None, "calib_samples": 64, "opset": 18, "opt_level": "all",
+                      "threads": None, "batches": [1, 8], "iters": 30, "outliers": True, "sq_alpha": None}
+
+
+def previous_settings(previous: dict, out_dir: Path) -> dict:
+    """A manifest's ``settings`` in this version's layout: a version-1 manifest's evaluate flags
+    become the EvaluateConfig its cells ran with, so a version-1 sweep resumes with the same flags."""
+    version = previous.get("sweep_version", 1)
+    if not isinstance(version, int) or not 1 <= version <= MANIFEST_VERSION:
+        raise RunDirError(f"{out_dir / MANIFEST_FILE} has sweep_version {version!r}; this quantnorm reads versions "
+                          f"1 to {MANIFEST_VERSION}: resume it with the quantnorm that wrote it, or use another --out")
+    settings = previous.get("settings") or {}
+    if version >= 2:
+        return settings
+    flags = {k: settings.get(k, default) for k, default in _V1_EVALUATE_FLAGS.items()}
+    try:
+        evaluate = EvaluateConfig(
+            recipes=tuple(flags["recipes"] or DEFAULT_RECIPES),
+            providers=tuple(flags["providers"]) if flags["providers"] else None,
+            calib_samples=flags["calib_samples"], opset=flags["opset"], graph_optimization_level=flags["opt_level"],
+            threads=flags["threads"], latency_batches=tuple(flags["batches"]), latency_iters=flags["iters"],
+            outliers=flags["outliers"], sq_alpha=flags["sq_alpha"], progress=False)
+    except (ConfigError, TypeError) as exc:
+        raise RunDirError(f"{out_dir / MANIFEST_FILE} (version 1) records evaluate settings this quantnorm cannot "
+                          f"run ({exc}): use another --out") from None
+    return {**{k: v for k, v in settings.items() if k not in _V1_EVALUATE_FLAGS}, "evaluate": evaluate.to_dict()}
 
 
 def plan(cfg: SweepConfig, out_dir: Path) -> tuple[list[Cell], dict | None]:
@@ -474,9 +513,9 @@ def run_sweep(cfg: SweepConfig, out_dir: str | Path, *, jobs: int | None = None,
 
     if executor == "local":
         jobs = jobs or default_jobs()
-        threads = cfg.threads or max(1, available_cores() // jobs)
+        threads = cfg.evaluate.threads or max(1, available_cores() // jobs)
     else:
-        threads = cfg.threads or 2
+        threads = cfg.evaluate.threads or 2
 
     out_dir.mkdir(parents=True, exist_ok=True)
     clean_stale_temporaries_top(out_dir)
@@ -500,14 +539,14 @@ def run_sweep(cfg: SweepConfig, out_dir: str | Path, *, jobs: int | None = None,
     bar = tqdm(total=len(cells), initial=len(cells) - len(todo), desc="sweep", unit="cell", disable=not progress,
                dynamic_ncols=True)
 
-    def start(cell: Cell) -> tuple[list[str], Path]:
+    def start(cell: Cell) -> tuple[list[str], Path, dict]:
         cell_dir = out_dir / cell.name
         cell_dir.mkdir(parents=True, exist_ok=True)
         # ONNX Runtime sizes its pool to the machine unless told: give each cell its share of the cores
-        args = cell.evaluate_args(cfg, cell_dir, threads)
-        manifest.set(cell, status="running", started=_now())
+        config = cell.config(cfg, threads)
+        manifest.set(cell, status="running", started=_now(), config=config)
         manifest.write()
-        return args, cell_dir / CELL_LOG_FILE
+        return cell_args(cell_dir), cell_dir / CELL_LOG_FILE, config
 
     def finish(cell: Cell, rc: int, seconds: float) -> None:
         cell_dir = out_dir / cell.name
@@ -566,8 +605,9 @@ def _run_local(todo: list[Cell], jobs: int, start, finish, env: dict[str, str]) 
             while pending or running:
                 while pending and len(running) < jobs:
                     cell = pending.pop(0)
-                    args, log = start(cell)
-                    running[pool.submit(run_cell_process, args, str(log), env, cell)] = (cell, time.perf_counter(), log)
+                    args, log, config = start(cell)
+                    running[pool.submit(run_cell_process, args, str(log), env, cell, config)] = (
+                        cell, time.perf_counter(), log)
                 done, _ = wait(list(running), return_when=FIRST_COMPLETED)
                 for fut in done:
                     cell, t0, log = running.pop(fut)
@@ -600,8 +640,8 @@ def _run_ray(ray, todo: list[Cell], jobs: int | None, address: str | None, threa
         while pending or running:
             while pending and len(running) < limit:
                 cell = pending.pop(0)
-                args, log = start(cell)
-                running[remote.remote(args, str(log), env, cell)] = (cell, time.perf_counter(), log)
+                args, log, config = start(cell)
+                running[remote.remote(args, str(log), env, cell, config)] = (cell, time.perf_counter(), log)
             done, _ = ray.wait(list(running), num_returns=1)
             for ref in done:
                 cell, t0, log = running.pop(ref)

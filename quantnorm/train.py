@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from . import __version__
+from . import __version__, serial
 from .data import DataConfig, PreparedData, evaluation_windows, prepare_data, sample_train_batch
-from .errors import ConfigError, RunDirError
+from .errors import ConfigError, QuantnormError, RunDirError
 from .fileio import atomic_path, write_json_atomic
 from .measure.accuracy import torch_perplexity
 from .models import CausalLM, ModelConfig
@@ -34,12 +34,21 @@ SPIKE_FACTOR = 3.0
 SPIKE_WINDOW = 50
 
 
+DEFAULT_WARMUP = 30
+
+
+def default_warmup(steps: int) -> int:
+    """The warm-up when none is given: DEFAULT_WARMUP steps, or a quarter of a shorter training
+    (`quantnorm train`/`evaluate` without --warmup, a sweep without --warmups, the GPU bench)."""
+    return min(DEFAULT_WARMUP, max(steps, 0) // 4)
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     steps: int = 400
     batch_size: int = 32
     lr: float = 3e-3
-    warmup: int = 30
+    warmup: int = DEFAULT_WARMUP
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.1
     grad_clip: float = 1.0
@@ -77,14 +86,17 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
 
     def to_dict(self) -> dict:
-        return {"model": asdict(self.model), "train": asdict(self.train), "data": asdict(self.data)}
+        """The model, train and data sections (config.json's, and what a sweep cell is given);
+        the hash is taken over it, so its layout decides which checkpoints are reused."""
+        return serial.to_dict(self)
 
     def hash(self, corpus_sha256: str) -> str:
         return config_hash({**self.to_dict(), "corpus_sha256": corpus_sha256})
 
     @classmethod
-    def from_dict(cls, d: dict) -> RunConfig:
-        return cls(ModelConfig(**d["model"]), TrainConfig(**d["train"]), DataConfig(**d["data"]))
+    def from_dict(cls, d: dict, what: str = "the run configuration") -> RunConfig:
+        """The exact inverse of ``to_dict``; an unknown key or a mistyped value is a ConfigError naming it."""
+        return serial.from_dict(cls, d, what)
 
 
 @dataclass(frozen=True)
@@ -249,8 +261,9 @@ def load_model(run_dir: RunDir) -> tuple[CausalLM, RunConfig]:
     """Rebuild the model of a trained run directory from its config and safetensors weights."""
     config = run_dir.read_json(CONFIG_FILE)
     try:
-        run = RunConfig.from_dict(config)
-    except (KeyError, TypeError) as exc:
+        # config.json also records its hash, the parameter count and the data ranges beside the config
+        run = RunConfig.from_dict({k: config[k] for k in ("model", "train", "data")})
+    except (KeyError, TypeError, QuantnormError) as exc:
         raise RunDirError(f"{run_dir.file(CONFIG_FILE)} is not a quantnorm run config ({exc}); train the run again") from None
     model = CausalLM(run.model)
     try:

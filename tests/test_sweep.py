@@ -20,12 +20,17 @@ from test_compare import make_results
 
 from quantnorm import sweep as sweep_mod
 from quantnorm.cli import main
+from quantnorm.config import EvaluateConfig
 from quantnorm.report import load_results
-from quantnorm.sweep import MANIFEST_FILE, Cell, SweepConfig, cell_status
+from quantnorm.sweep import CELL_CONFIG_FILE, MANIFEST_FILE, Cell, SweepConfig, cell_status
+from quantnorm.train import RunConfig
 
+# --min-top1, --max-kld and --search-pick only steer --recipes auto; given here, they must still
+# reach every cell's configuration (the sweep hands each cell the EvaluateConfig it was given)
 TINY = ["--norms", "rms", "--seeds", "1", "--depths", "1", "--d-model", "32", "--heads", "2", "--context", "32",
         "--steps", "8", "--batch-size", "8", "--batches", "1", "--iters", "2", "--calib-samples", "8",
-        "--recipes", "dynamic", "--providers", "cpu", "--no-outliers", "--jobs", "1"]
+        "--recipes", "dynamic", "--providers", "cpu", "--no-outliers", "--min-top1", "0.5", "--max-kld", "0.5",
+        "--search-pick", "first", "--jobs", "1"]
 CELLS = ["pre-rms-L1-w2-seed0", "peri-rms-L1-w2-seed0"]
 
 
@@ -91,6 +96,26 @@ def test_sigkill_mid_sweep_then_resume_finishes_every_cell(killed_and_resumed):
     assert {k: v["status"] for k, v in manifest["cells"].items()} == {CELLS[0]: "done", CELLS[1]: "done"}
 
 
+def test_a_real_cell_runs_from_its_cell_json(killed_and_resumed):
+    """Each cell's process was `quantnorm evaluate --config <cell>/cell.json`: the file holds the
+    cell's RunConfig and the sweep's EvaluateConfig (with the executor's thread share), the
+    manifest records the same, and the trained model is the one the file describes."""
+    out, _ = killed_and_resumed
+    manifest = json.loads((out / MANIFEST_FILE).read_text())
+    assert manifest["sweep_version"] == 2
+    for name in CELLS:
+        config = json.loads((out / name / CELL_CONFIG_FILE).read_text())
+        assert manifest["cells"][name]["config"] == config
+        evaluate = EvaluateConfig.from_dict(config["evaluate"])
+        assert (evaluate.min_top1, evaluate.max_kld, evaluate.search_pick) == (0.5, 0.5, "first")
+        assert evaluate.threads == sweep_mod.available_cores()   # --jobs 1: all cores to the one cell
+        assert {**config["evaluate"], "threads": None} == manifest["settings"]["evaluate"]
+        results = load_results(out / name)
+        assert results["command"].startswith("quantnorm evaluate --config ") and CELL_CONFIG_FILE in results["command"]
+        run = RunConfig.from_dict(config["run"])
+        assert results["train"]["config"] == config["run"]["train"] and results["model"]["d_model"] == run.model.d_model
+
+
 def test_resumed_sweep_writes_the_comparison_report(killed_and_resumed):
     out, _ = killed_and_resumed
     report = (out / "report.md").read_text()
@@ -127,16 +152,20 @@ def _arg(args: list[str], flag: str) -> str:
 def _stub_cell(behaviour: dict[str, str]):
     """A stand-in for run_cell_process: per placement, "ok" writes a synthetic results.json,
     "fail" writes a traceback-like log and exits 1, "diverge" writes a diverged train.json."""
-    calls = []
+    calls, configs = [], []
 
-    def run(args, log_path, env, cell=None):
-        out, placement = Path(_arg(args, "--out")), _arg(args, "--placement")
+    def run(args, log_path, env, cell=None, config=None):
+        out = Path(_arg(args, "--out"))
+        assert args == sweep_mod.cell_args(out)   # the process gets its configuration from cell.json only
+        model, train = config["run"]["model"], config["run"]["train"]
+        placement = model["placement"]
         calls.append((placement, env.get("OMP_NUM_THREADS")))
+        configs.append(config)
         Path(log_path).write_text("$ quantnorm evaluate ...\nTraceback (most recent call last):\nboom: cell exploded\n")
         what = behaviour[placement]
         if what == "ok":
-            r = make_results(placement, _arg(args, "--norm"), int(_arg(args, "--seed")), depth=int(_arg(args, "--layers")),
-                             warmup=int(_arg(args, "--warmup")), recipes=("dynamic",))
+            r = make_results(placement, model["norm"], train["seed"], depth=model["n_layers"], warmup=train["warmup"],
+                             recipes=("dynamic",))
             (out / "results.json").write_text(json.dumps(r))
             return 0
         if what == "diverge":
@@ -147,6 +176,7 @@ def _stub_cell(behaviour: dict[str, str]):
             return 2
         return 1
 
+    run.configs = configs
     return run, calls
 
 
@@ -266,8 +296,7 @@ def test_lrs_is_an_axis_of_cells_named_by_their_rate():
     cells = cfg.cells()
     assert len(cells) == 8 and cells[0].name == "post-rms-L4-w2-lr0.001-seed0"
     assert {c.run_config(cfg).train.lr for c in cells} == {1e-3, 3e-3}
-    args = cells[0].evaluate_args(cfg, Path("x"), None)
-    assert args[args.index("--lr") + 1] == "0.001"
+    assert cells[0].config(cfg, None)["run"]["train"]["lr"] == 0.001
     assert SweepConfig(seeds=1).cells()[0].name == "post-layer-L4-w30-seed0"   # no --lrs: names unchanged
 
 
@@ -275,10 +304,11 @@ def test_resuming_with_other_settings_is_refused(tmp_path, small_corpus, capsys)
     out = tmp_path / "s"
     out.mkdir()
     old = SweepConfig(placements=("pre",), norms=("rms",), seeds=1, steps=99)
-    (out / MANIFEST_FILE).write_text(json.dumps({"settings": old.to_dict(), "cells": {}}))
+    (out / MANIFEST_FILE).write_text(json.dumps({"sweep_version": 2, "settings": old.to_dict(), "cells": {}}))
     assert main(_sweep_args(out, small_corpus)) == 2
     err = capsys.readouterr().err.strip()
     assert "other settings" in err and "steps 99 -> 8" in err and len(err.splitlines()) == 1
+    assert "evaluate.min_top1 None -> 0.5" in err and "evaluate.latency_iters 30 -> 2" in err
 
 
 def test_ray_missing_is_a_clear_one_line_error(tmp_path, small_corpus, monkeypatch, capsys):
@@ -334,3 +364,139 @@ def test_ray_sweep_reports_a_killed_cell_failed_and_resumes_it(tmp_path, small_c
     finally:
         ray.shutdown()
 
+
+
+# ------------------------------------------------------- one serialized configuration per cell
+
+# Every evaluate flag away from its default (--recipes auto so that the search flags mean something)
+EVALUATE_FLAGS = ["--recipes", "auto,dynamic", "--sq-alpha", "0.3", "--max-ppl-ratio", "1.05", "--min-top1", "0.9",
+                  "--max-kld", "0.02", "--search-space", "dynamic,static-minmax-matmul", "--search-pick", "first",
+                  "--providers", "cpu", "--calib-samples", "5", "--exclude", "head/*", "--exclude", "blocks.0.*",
+                  "--opset", "23", "--opt-level", "basic", "--batches", "2,4", "--iters", "3", "--no-outliers"]
+
+
+def _evaluate_config_of_flags(monkeypatch, flags: list[str]) -> tuple:
+    """The (RunConfig, EvaluateConfig) that `quantnorm evaluate FLAGS` hands the pipeline."""
+    from quantnorm import cli
+
+    seen = {}
+    run_dir = type("RunDir", (), {"path": Path("run")})()
+    monkeypatch.setattr(cli, "ensure_trained", lambda run, out, data, progress: seen.update(run=run) or run_dir)
+    monkeypatch.setattr(cli, "run_evaluate", lambda run_dir, cfg, command: seen.update(cfg=cfg) or {"recipes": []})
+    monkeypatch.setattr(cli, "prepare_data", lambda data, context: None)
+    assert main(["evaluate", *flags]) == 0
+    return seen.get("run"), seen["cfg"]
+
+
+def test_every_evaluate_flag_is_a_sweep_flag():
+    from quantnorm import cli
+
+    sweep_params = {p.name: p for p in cli.sweep.params}
+    evaluate_params = {p.name: p for p in cli.evaluate.params}
+    for name in cli.EVALUATE_FLAGS:   # one option list, so the same flag, type, default and help
+        assert sweep_params[name].opts == evaluate_params[name].opts and sweep_params[name].help == \
+            evaluate_params[name].help, name
+    assert {"exclude", "min_top1", "max_kld", "search_pick", "search_space", "max_ppl_ratio", "sq_alpha"} <= set(
+        cli.EVALUATE_FLAGS)
+    train_params = {p.opts[0]: p for p in cli.train.params}
+    for flag in cli.SWEEP_TRAINING_FLAGS:   # the training flags a sweep shares, spelled as train's
+        (param,) = [p for p in cli.sweep.params if p.opts == [flag]]
+        assert param.help == train_params[flag].help and param.default == train_params[flag].default, flag
+
+
+def test_a_sweep_cell_gets_exactly_the_evaluate_config_of_the_same_flags(tmp_path, small_corpus, monkeypatch):
+    run, _ = _stub_cell({"pre": "ok"})
+    monkeypatch.setattr(sweep_mod, "run_cell_process", run)
+    out = tmp_path / "s"
+    assert main(["sweep", "--placements", "pre", *TINY[: TINY.index("--batches")], *EVALUATE_FLAGS,
+                 "--threads", "2", "--jobs", "1", "--corpus", str(small_corpus), "--out", str(out), "--quiet"]) == 0
+    (config,) = run.configs
+    _, expected = _evaluate_config_of_flags(monkeypatch, ["--placement", "pre", "--norm", "rms", *EVALUATE_FLAGS,
+                                                          "--threads", "2", "--quiet"])
+    got = EvaluateConfig.from_dict(config["evaluate"])
+    assert got == expected
+    assert got.exclude == ("head/*", "blocks.0.*") and (got.min_top1, got.max_kld, got.search_pick) == (0.9, 0.02,
+                                                                                                      "first")
+    assert got.graph_optimization_level == "basic" and got.search_space == ("dynamic", "static-minmax-matmul")
+    manifest = json.loads((out / MANIFEST_FILE).read_text())
+    assert manifest["settings"]["evaluate"] == expected.to_dict()
+    assert manifest["cells"]["pre-rms-L1-w2-seed0"]["config"] == config
+
+
+def test_evaluate_config_file_is_what_the_pipeline_gets(tmp_path, monkeypatch, capsys):
+    cfg = SweepConfig(placements=("post",), norms=("layer",), seeds=1, steps=12, d_model=32, heads=2, context=16,
+                      evaluate=EvaluateConfig(recipes=("dynamic",), exclude=("head/*",), min_top1=0.9, threads=1))
+    cell = cfg.cells()[0]
+    path = tmp_path / CELL_CONFIG_FILE
+    path.write_text(json.dumps(cell.config(cfg, None)))
+    run, got = _evaluate_config_of_flags(monkeypatch, ["--config", str(path), "--out", str(tmp_path / "run")])
+    assert run == cell.run_config(cfg) and run.train.warmup == 3       # the warm-up rule, written once
+    assert got == cfg.evaluate
+    capsys.readouterr()
+    # beside --config, a training or evaluate flag would be ignored: refused instead
+    assert main(["evaluate", "--config", str(path), "--recipes", "dynamic", "--layers", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "error: --config holds the whole configuration: drop --layers, --recipes", err
+    bad = json.loads(path.read_text())
+    bad["evaluate"]["opt_level"] = "all"    # v1's spelling of graph_optimization_level
+    path.write_text(json.dumps(bad))
+    assert main(["evaluate", "--config", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "unknown key 'opt_level'" in err and str(path) in err and len(err.splitlines()) == 1
+
+
+def _v1_settings(**overrides) -> dict:
+    """The settings of a version-1 sweep.json for the TINY flags (evaluate flags re-spelled flat)."""
+    return {"placements": ["pre", "peri"], "norms": ["rms"], "seeds": 1, "warmups": None, "depths": [1], "d_model": 32,
+            "heads": 2, "context": 32, "steps": 8, "batch_size": 8, "lr": 0.003, "corpus": None,
+            "recipes": ["dynamic"], "providers": ["cpu"], "calib_samples": 8, "opset": 18, "opt_level": "all",
+            "threads": None, "batches": [1], "iters": 2, "outliers": False, "sq_alpha": None, **overrides}
+
+
+def test_a_version_1_sweep_resumes_with_the_same_flags_and_refuses_other_ones(tmp_path, small_corpus, monkeypatch,
+                                                                             capsys):
+    """A version-1 manifest's flags read as the EvaluateConfig its cells ran with (the flags v1 did
+    not pass at evaluate's defaults): the same flags resume it, other ones are refused naming the field."""
+    run, calls = _stub_cell({"pre": "ok", "peri": "ok"})
+    monkeypatch.setattr(sweep_mod, "run_cell_process", run)
+    out = tmp_path / "s"
+    out.mkdir()
+    v1 = {"sweep_version": 1, "command": "quantnorm sweep ...", "settings": _v1_settings(corpus=str(small_corpus)),
+          "cells": {}}
+    (out / MANIFEST_FILE).write_text(json.dumps(v1))
+    tiny = [a for a in TINY if a not in ("--min-top1", "0.5", "--max-kld", "--search-pick", "first")]  # v1: not passed
+    args = ["sweep", "--placements", "pre,peri", *tiny, "--corpus", str(small_corpus), "--out", str(out), "--quiet"]
+    assert main([*args[:-1], "--opt-level", "basic", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "evaluate.graph_optimization_level 'all' -> 'basic'" in err and len(err.strip().splitlines()) == 1
+    assert main(args) == 0 and len(calls) == 2
+    manifest = json.loads((out / MANIFEST_FILE).read_text())
+    assert manifest["sweep_version"] == 2 and manifest["commands"][0] == "quantnorm sweep ..."
+    assert "opt_level" not in manifest["settings"] and manifest["settings"]["evaluate"]["latency_iters"] == 2
+
+
+def test_a_manifest_of_a_newer_version_is_refused(tmp_path, small_corpus, capsys):
+    out = tmp_path / "s"
+    out.mkdir()
+    (out / MANIFEST_FILE).write_text(json.dumps({"sweep_version": 3, "settings": {}, "cells": {}}))
+    assert main(_sweep_args(out, small_corpus)) == 2
+    assert "sweep_version 3; this quantnorm reads versions 1 to 2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["reference", "zoo"])
+def test_a_committed_version_1_sweep_is_compatible_with_its_recorded_commands(name, monkeypatch):
+    """reports/<name>/sweep.json (version 1) would resume with each command that grew it."""
+    import shlex
+
+    from quantnorm import cli
+
+    root = Path(__file__).resolve().parents[1] / "reports" / name
+    manifest = json.loads((root / MANIFEST_FILE).read_text())
+    assert manifest["sweep_version"] == 1
+    built = []
+    monkeypatch.setattr(cli, "run_sweep", lambda cfg, out, **kw: built.append(cfg) or
+                        sweep_mod.SweepOutcome(Path(out), [], None))
+    for command in manifest.get("commands") or [manifest["command"]]:
+        assert main(shlex.split(command)[1:]) == 0
+        sweep_mod.check_compatible(manifest, built[-1], root)     # raises ConfigError on any difference
+    assert built[-1].evaluate.recipes == tuple(manifest["settings"]["recipes"])

@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 
 # train_log.jsonl: step 0's per-block (FFN) gradient norms are claim 2's data
-KEEP_PER_CELL = ("results.json", "report.md", "train.json", "config.json", "train_log.jsonl")
+# cell.json: the configuration the cell's recorded command (quantnorm evaluate --config) reads
+KEEP_PER_CELL = ("results.json", "report.md", "train.json", "config.json", "train_log.jsonl", "cell.json")
 
 
 def main(sweep: str, dest: str) -> int:
