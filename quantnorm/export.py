@@ -35,7 +35,7 @@ import torch
 from onnx import numpy_helper
 
 from .errors import ConfigError, ExportError
-from .fileio import atomic_path
+from .fileio import atomic_path, external_data_file, needs_external_data, save_onnx
 from .measure.accuracy import run_logits
 from .measure.sessions import SessionSpec, make_session
 
@@ -106,10 +106,11 @@ def _export_checked(model, out_path: Path, parity_inputs: np.ndarray, opset: int
     dynamic_shapes = ({0: torch.export.Dim("batch"), 1: torch.export.Dim("seq", max=context)},)
 
     with atomic_path(out_path, suffix=".onnx") as tmp:
-        with _quiet_exporter() as chatter:
+        with quiet_exporter() as chatter:
             try:
                 torch.onnx.export(
-                    model, (example,), str(tmp), dynamo=True, external_data=False, opset_version=opset,
+                    model, (example,), str(tmp), dynamo=True,
+                    external_data=needs_external_data(parameter_bytes(model)), opset_version=opset,
                     input_names=[INPUT_NAME], output_names=[OUTPUT_NAME], dynamic_shapes=dynamic_shapes,
                     verbose=False,
                 )
@@ -118,7 +119,7 @@ def _export_checked(model, out_path: Path, parity_inputs: np.ndarray, opset: int
                 raise ExportError(f"torch.onnx.export failed at opset {opset}: {exc}"
                                   + (f" (exporter said: {' | '.join(tail)})" if tail else "")) from exc
 
-        onnx_model = finish_onnx_file(tmp, _rename_nodes_by_module)
+        onnx_model = finish_onnx_file(tmp, rename_nodes_by_module, out_path)
 
         with torch.no_grad():
             expected = model(torch.from_numpy(parity_inputs).to(device)).float().cpu().numpy()
@@ -153,7 +154,7 @@ def _check_token_inputs(inputs: np.ndarray, context: int, vocab_size: int) -> np
 
 
 @contextlib.contextmanager
-def _quiet_exporter() -> Iterator[io.StringIO]:
+def quiet_exporter() -> Iterator[io.StringIO]:
     """Swallow the exporter's progress lines (stdout), its warnings and torch's logger chatter.
 
     What it printed is kept and put into the error message if the export fails.
@@ -172,20 +173,29 @@ def _quiet_exporter() -> Iterator[io.StringIO]:
             lg.setLevel(level)
 
 
-def finish_onnx_file(path: Path, name_nodes) -> onnx.ModelProto:
+def finish_onnx_file(path: Path, name_nodes, final: Path) -> onnx.ModelProto:
     """Load a freshly exported file, name its nodes (``name_nodes(model)``), check it with
-    ``onnx.checker`` (an ``ExportError`` if it fails) and save it back; return the model."""
+    ``onnx.checker`` (an ``ExportError`` if it fails) and save it back (``path`` is the temporary
+    that becomes ``final``: external data, past 2 GB, is named after ``final``); return the model."""
     model = onnx.load(str(path))
     name_nodes(model)
     try:
-        onnx.checker.check_model(model)
+        # The checker takes a path for models past 2 GB (it cannot serialize them in memory).
+        onnx.checker.check_model(str(path) if needs_external_data(model.ByteSize()) else model)
     except onnx.checker.ValidationError as exc:
         raise ExportError(f"exported ONNX model fails onnx.checker: {exc}") from exc
-    onnx.save(model, str(path))
+    save_onnx(model, path, data_name=external_data_file(final).name)
+    exporter_data = external_data_file(path)  # torch's own external data file, now copied
+    exporter_data.unlink(missing_ok=True)
     return model
 
 
-def _rename_nodes_by_module(model: onnx.ModelProto) -> None:
+def parameter_bytes(model) -> int:
+    """Float32 bytes of a torch module's parameters: whether its export needs external data."""
+    return sum(p.numel() * 4 for p in model.parameters())
+
+
+def rename_nodes_by_module(model: onnx.ModelProto) -> None:
     """Name each node ``<module path>/<OpType>[_k]`` from the exporter's ``name_scopes`` metadata.
 
     Nodes without that metadata keep their name. Names stay unique within the graph.

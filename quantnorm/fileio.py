@@ -13,6 +13,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import onnx
+
 
 def _current_umask() -> int:
     mask = os.umask(0)
@@ -45,3 +47,51 @@ def write_text_atomic(target: str | os.PathLike, text: str) -> None:
 
 def write_json_atomic(target: str | os.PathLike, data: Any) -> None:
     write_text_atomic(target, json.dumps(data, indent=2, sort_keys=False) + "\n")
+
+
+# ONNX files: protobuf cannot serialize a message over 2 GB, so a graph whose weights pass that
+# is written with its tensors in ``<file name>.data`` beside it (ONNX external data; onnxruntime
+# and onnx.load read it from the same directory). The threshold leaves room for the graph itself;
+# QUANTNORM_EXTERNAL_DATA_BYTES lowers it (the tests do, with small models).
+EXTERNAL_DATA_BYTES = 1_800_000_000
+
+
+def external_data_threshold() -> int:
+    value = os.environ.get("QUANTNORM_EXTERNAL_DATA_BYTES")
+    return int(value) if value else EXTERNAL_DATA_BYTES
+
+
+def needs_external_data(n_bytes: int) -> bool:
+    return n_bytes > external_data_threshold()
+
+
+def external_data_file(path: str | os.PathLike) -> Path:
+    """Where ``save_onnx`` puts the weights of ``path`` when it needs external data."""
+    path = Path(path)
+    return path.with_name(path.name + ".data")
+
+
+def save_onnx(model, path: str | os.PathLike, *, data_name: str | None = None) -> None:
+    """Save an ``onnx.ModelProto`` to ``path``: inline, or with external data when its size passes
+    the threshold. ``data_name``: the data file's name when ``path`` is a temporary that will be
+    renamed (the location is stored relative to the model file, so it must be the final name's)."""
+    path = Path(path)
+    if needs_external_data(model.ByteSize()):
+        location = data_name or external_data_file(path).name
+        (path.parent / location).unlink(missing_ok=True)  # convert_model_to_external_data appends otherwise
+        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=location, size_threshold=1024)
+        os.chmod(path.parent / location, 0o666 & ~_current_umask())
+    else:
+        onnx.save_model(model, str(path))
+
+
+def onnx_needs_external_data(path: str | os.PathLike) -> bool:
+    """Whether a model file's weights (inline, or in its external data files) pass the threshold:
+    copies of it (a preprocessed or augmented model) then need external data too."""
+    path = Path(path)
+    model = onnx.load(str(path), load_external_data=False)
+    locations = {entry.value for init in model.graph.initializer for entry in init.external_data
+                 if entry.key == "location"}
+    return needs_external_data(path.stat().st_size + sum((path.parent / loc).stat().st_size
+                                                           for loc in locations if (path.parent / loc).is_file()))

@@ -144,3 +144,27 @@ def test_decomposed_layernorm_and_rmsnorm_patterns():
     other = rms[:-1] + [node("Mul", ["z", "inv"], ["y"])]
     g = _graph(other, {"eps": 1e-6, "z": np.ones((2, 8))})
     assert count_norm_ops(helper.make_model(g)) == {"LayerNormalization": 0, "RMSNormalization": 0, "decomposed": 0}
+
+
+def test_a_graph_past_the_external_data_threshold_is_written_with_external_data(tmp_path, monkeypatch):
+    """Protobuf stops at 2 GB; past the threshold (lowered here, as these models stay under it) the
+    export writes its weights to model.fp32.onnx.data, and the whole pipeline still runs on it."""
+    import json
+
+    from quantnorm.cli import main
+
+    monkeypatch.setenv("QUANTNORM_EXTERNAL_DATA_BYTES", "20000")
+    run = tmp_path / "run"
+    assert main(["train", "--placement", "pre", "--norm", "rms", "--layers", "1", "--d-model", "32", "--heads", "2",
+                 "--context", "16", "--steps", "2", "--out", str(run), "--quiet"]) == 0
+    assert main(["evaluate", "--checkpoint", str(run), "--recipes", "static-minmax-matmul,pertoken",
+                 "--providers", "cpu", "--iters", "2", "--batches", "1", "--calib-samples", "4", "--quiet",
+                 "--threads", "1"]) == 0
+    fp32 = run / "model.fp32.onnx"
+    data = run / "model.fp32.onnx.data"
+    assert data.is_file() and data.stat().st_size > 20000
+    header = onnx.load(str(fp32), load_external_data=False)
+    assert any(init.data_location == onnx.TensorProto.EXTERNAL for init in header.graph.initializer)
+    assert not [p.name for p in run.iterdir() if p.name.startswith(".")]  # no temporaries left
+    results = json.loads((run / "results.json").read_text())
+    assert [r["status"] for r in results["recipes"]] == ["ok", "ok"]

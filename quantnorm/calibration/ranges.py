@@ -18,6 +18,7 @@ import onnx
 from onnxruntime.quantization.calibrate import HistogramCollector, create_calibrator
 from tqdm import tqdm
 
+from ..fileio import onnx_needs_external_data
 from . import WindowCalibrationReader, get_calibration_method
 from .entropy import ENTROPY_NUM_BINS, ENTROPY_QUANTIZED_BINS, fast_entropy_collector
 
@@ -80,6 +81,8 @@ def collect_ranges(model_path: str | Path, method: str, inputs: np.ndarray, *, o
         calibrator = create_calibrator(
             Path(model_path), op_types, augmented_model_path=str(Path(tmp) / "augmented.onnx"),
             calibrate_method=calibrate_method, extra_options=extra,
+            # the augmented copy is FP32-sized: past 2 GB it needs external data as the model does
+            use_external_data_format=onnx_needs_external_data(model_path),
         )
         if method == "entropy":
             calibrator.collector = fast_entropy_collector(calibrator)

@@ -39,8 +39,15 @@ import numpy as np
 import onnx
 
 from ..errors import ConfigError, ExportError
-from ..export import _quiet_exporter, _rename_nodes_by_module, count_norm_ops, finish_onnx_file, torch_outputs
-from ..fileio import atomic_path
+from ..export import (
+    count_norm_ops,
+    finish_onnx_file,
+    parameter_bytes,
+    quiet_exporter,
+    rename_nodes_by_module,
+    torch_outputs,
+)
+from ..fileio import atomic_path, needs_external_data
 from ..measure.sessions import SessionSpec, make_session
 
 DEFAULT_OPSET = 18
@@ -161,7 +168,7 @@ def export_hf_onnx(wrapper, out_path: Path, parity_inputs: np.ndarray, *, output
         if exporter is None:
             raise ExportError("torch.onnx.export failed with both exporters: "
                               + "; ".join(f"{a['exporter']} opset {a['opset']}: {a['status']}" for a in attempts))
-        model = finish_onnx_file(tmp, _name_nodes)
+        model = finish_onnx_file(tmp, _name_nodes, out_path)
 
         diffs, shapes = _parity(wrapper, tmp, parity_inputs, outputs, tolerance, used_opset)
         norm_ops = count_norm_ops(model)
@@ -174,10 +181,11 @@ def _export_once(wrapper, tmp: Path, parity_inputs: np.ndarray, outputs, max_pos
 
     # Batch 2 and the full window: torch.export specializes axes of size 0 or 1.
     example = torch.from_numpy(np.ascontiguousarray(np.resize(parity_inputs, (2, parity_inputs.shape[1]))))
-    with _quiet_exporter():
+    with quiet_exporter():
         if dynamo:
             seq = torch.export.Dim("seq", max=max_positions) if max_positions else torch.export.Dim("seq")
-            torch.onnx.export(wrapper, (example,), str(tmp), dynamo=True, external_data=False, opset_version=opset,
+            torch.onnx.export(wrapper, (example,), str(tmp), dynamo=True,
+                              external_data=needs_external_data(parameter_bytes(wrapper)), opset_version=opset,
                               input_names=[INPUT_NAME], output_names=list(outputs),
                               dynamic_shapes=({0: torch.export.Dim("batch"), 1: seq},), verbose=False)
         else:
@@ -191,7 +199,7 @@ def _export_once(wrapper, tmp: Path, parity_inputs: np.ndarray, outputs, max_pos
 def _name_nodes(model: onnx.ModelProto) -> None:
     """Nodes named after the HF module they came from (``model.layers.0.mlp.down_proj/MatMul``):
     the zoo's renaming, then the wrapper's own attribute dropped from the front."""
-    _rename_nodes_by_module(model)
+    rename_nodes_by_module(model)
     prefix = WRAPPER_ATTR + "."
     names = {n.name for n in model.graph.node}
     for node in model.graph.node:

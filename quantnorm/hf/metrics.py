@@ -20,7 +20,7 @@ import math
 import numpy as np
 
 from ..errors import MeasureError
-from ..measure.accuracy import _ppl_result, _target_nll, log_softmax
+from ..measure.accuracy import log_softmax, ppl_result, target_nll
 
 LOGIT_BUDGET_BYTES = 256 * 1024 * 1024  # float64 log-probs of one batch, both models
 
@@ -75,15 +75,15 @@ def compare_tokens(fp32_session, int8_session, inputs: np.ndarray, targets: np.n
             raise MeasureError(f"a target id {int(tgt.max())} is outside the model's vocabulary of {lp.shape[-1]}")
         logp = log_softmax(lp[mask])
         logq = log_softmax(lq[mask])
-        nll_p += float(_target_nll(logp, tgt).sum())
-        nll_q += float(_target_nll(logq, tgt).sum())
+        nll_p += float(target_nll(logp, tgt).sum())
+        nll_q += float(target_nll(logq, tgt).sum())
         klds.append(np.maximum((np.exp(logp) * (logp - logq)).sum(axis=-1), 0.0))
         agree += int((logp.argmax(-1) == logq.argmax(-1)).sum())
     kld = np.concatenate(klds)
     n = int(kld.size)
     if n == 0:
         raise MeasureError("no scored positions")
-    p, q = _ppl_result(nll_p, n), _ppl_result(nll_q, n)
+    p, q = ppl_result(nll_p, n), ppl_result(nll_q, n)
     return {
         "ppl_fp32": p.ppl, "ppl_int8": q.ppl, "ppl_ratio": q.ppl / p.ppl,
         "kld_mean": float(kld.mean()), "kld_p99": float(np.percentile(kld, 99)), "kld_max": float(kld.max()),

@@ -122,12 +122,12 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
 
 
-def _target_nll(logp: np.ndarray, targets: np.ndarray) -> np.ndarray:
+def target_nll(logp: np.ndarray, targets: np.ndarray) -> np.ndarray:
     """-log p(target) per position: ``logp`` [..., vocab], ``targets`` [...] -> [...]."""
     return -np.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
 
 
-def _ppl_result(nll_sum: float, count: int) -> PerplexityResult:
+def ppl_result(nll_sum: float, count: int) -> PerplexityResult:
     mean = nll_sum / count
     return PerplexityResult(ppl=math.exp(mean), bits_per_byte=mean / math.log(2), mean_nll=mean, n_scored=count)
 
@@ -160,11 +160,11 @@ def perplexity(session: _Session, inputs: np.ndarray, targets: np.ndarray, *, sc
         hi = lo + logits.shape[0]
         tgt = targets[lo:hi, scored_from:]
         _check_vocab(tgt, logits.shape[-1])
-        nll = _target_nll(log_softmax(logits[:, scored_from:]), tgt)
+        nll = target_nll(log_softmax(logits[:, scored_from:]), tgt)
         nll_sum += float(nll.sum())
         count += nll.size
         lo = hi
-    return _ppl_result(nll_sum, count)
+    return ppl_result(nll_sum, count)
 
 
 def compare(fp32_session: _Session, int8_session: _Session, inputs: np.ndarray, targets: np.ndarray, *,
@@ -188,8 +188,8 @@ def compare(fp32_session: _Session, int8_session: _Session, inputs: np.ndarray, 
         _check_vocab(tgt, logits_p.shape[-1])
         logp = log_softmax(logits_p[:, scored_from:])
         logq = log_softmax(logits_q[:, scored_from:])
-        nll_p += float(_target_nll(logp, tgt).sum())
-        nll_q += float(_target_nll(logq, tgt).sum())
+        nll_p += float(target_nll(logp, tgt).sum())
+        nll_q += float(target_nll(logq, tgt).sum())
         kl = (np.exp(logp) * (logp - logq)).sum(axis=-1)
         # KL >= 0 exactly; float64 rounding can leave -1e-17 for identical distributions.
         klds.append(np.maximum(kl, 0.0).ravel())
@@ -197,7 +197,7 @@ def compare(fp32_session: _Session, int8_session: _Session, inputs: np.ndarray, 
         lo = hi
     kld = np.concatenate(klds)
     n = kld.size
-    p, q = _ppl_result(nll_p, n), _ppl_result(nll_q, n)
+    p, q = ppl_result(nll_p, n), ppl_result(nll_q, n)
     return AccuracyResult(
         ppl_fp32=p.ppl, ppl_int8=q.ppl, ppl_ratio=q.ppl / p.ppl,
         kld_mean=float(kld.mean()), kld_p99=float(np.percentile(kld, 99)), kld_max=float(kld.max()),
@@ -246,4 +246,4 @@ def torch_perplexity(model, inputs: np.ndarray, targets: np.ndarray, scored_from
                 count += tgt.size
     finally:
         model.train(was_training)
-    return _ppl_result(nll_sum, count)
+    return ppl_result(nll_sum, count)

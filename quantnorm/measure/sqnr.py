@@ -38,6 +38,7 @@ from onnxruntime.quantization import qdq_loss_debug
 from scipy import stats as scipy_stats
 
 from ..errors import MeasureError
+from ..fileio import save_onnx
 from .latency import quant_format
 from .outliers import TensorAccumulator
 
@@ -118,7 +119,7 @@ def expose_tensors(model_path: Path, names: Sequence[str], out_path: Path) -> No
         if name not in existing:
             model.graph.output.append(
                 onnx.helper.make_tensor_value_info(name, elem_types.get(name, onnx.TensorProto.FLOAT), None))
-    onnx.save(model, str(out_path))
+    save_onnx(model, out_path)
 
 
 def _augment_qdq(int8_path: Path, out_path: Path) -> None:

@@ -29,7 +29,7 @@ import onnx
 from ..calibration import get_calibration_method
 from ..calibration.ranges import collect_ranges, method_details
 from ..errors import ConfigError, QuantizeError
-from ..fileio import atomic_path
+from ..fileio import atomic_path, onnx_needs_external_data
 from .pertoken import quantize_per_token
 from .recipes import ONLINE_ROTATION_MARKER, Recipe
 from .sanity import sanity_check
@@ -171,7 +171,9 @@ def _preprocess(src: Path, dst: Path) -> str:
 
     with _quiet():
         try:
-            quant_pre_process(str(src), str(dst), skip_symbolic_shape=True)
+            # an FP32 graph past 2 GB stays in external data through the copy (the INT8 result fits inline)
+            quant_pre_process(str(src), str(dst), skip_symbolic_shape=True,
+                              save_as_external_data=onnx_needs_external_data(src), all_tensors_to_one_file=True)
         except Exception as exc:
             raise QuantizeError(f"ONNX Runtime's quant_pre_process failed on {src.name}: {exc}") from exc
     return "onnx shape inference + ORT basic optimization (symbolic shape inference skipped)"

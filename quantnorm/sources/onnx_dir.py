@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +40,7 @@ from onnx import TensorProto, helper, numpy_helper
 from ..data import BUILTIN_PYDOC
 from ..errors import ConfigError, ExportError
 from ..export import count_norm_ops
+from ..fileio import atomic_path, external_data_file, save_onnx
 from ..hf.loader import DETECTED, NORM_FORMULAS, TOKENIZER_FILES, pooling_mode
 from ..hf.report import write_hf_report
 from ..measure.graph_probe import graph_probe, weight_matmul_inputs
@@ -62,7 +62,6 @@ BOUND_INPUTS = {
 }
 OUTPUTS = {"causal": ("logits",), "encoder": ("last_hidden_state", "sentence_embedding")}
 PARITY_TOLERANCE = 1e-4   # relative: binding only moves constants into the graph
-EXTERNAL_DATA_BYTES = 1_800_000_000  # protobuf's 2 GB limit, with room for the graph itself
 ORT_FP32 = TensorProto.FLOAT
 
 
@@ -210,26 +209,6 @@ def _pool(hidden: np.ndarray, pooling: str) -> np.ndarray:
     return hidden.max(axis=1) if pooling == "max" else hidden.mean(axis=1)
 
 
-def save_model(model: onnx.ModelProto, path: Path) -> None:
-    """Write ``model`` to ``path`` atomically; weights past protobuf's 2 GB limit go to
-    ``<name>.data`` beside it (ONNX external data, which onnxruntime reads from the same folder)."""
-    tmp = path.with_name(path.name + ".tmp")
-    large = model.ByteSize() > EXTERNAL_DATA_BYTES if not _has_external(model) else True
-    try:
-        if large:
-            onnx.save_model(model, str(tmp), save_as_external_data=True, all_tensors_to_one_file=True,
-                            location=path.name + ".data", size_threshold=1024)
-        else:
-            onnx.save_model(model, str(tmp))
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def _has_external(model: onnx.ModelProto) -> bool:
-    return any(i.data_location == TensorProto.EXTERNAL for i in model.graph.initializer)
-
-
 def _file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -293,7 +272,8 @@ class OnnxDirSource:
             raise ConfigError(f"--model {self.dir}: cannot load {ONNX_FILE} with its weights: "
                               f"{' '.join(str(exc).split())[:200]}") from None
         bound, dropped = bind_inputs(original, self.interface, self.pooling or "mean")
-        save_model(bound, fp32_path)
+        with atomic_path(fp32_path, suffix=".onnx") as tmp:
+            save_onnx(bound, tmp, data_name=external_data_file(fp32_path).name)
         del original, bound
         parity_inputs = self.data.eval_inputs[: max(1, cfg.parity_windows)]
         try:
