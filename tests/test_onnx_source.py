@@ -174,6 +174,12 @@ def _rename_output(path: Path) -> None:
     onnx.save(model, str(path))
 
 
+def _external_data_lost(path: Path) -> None:
+    model = onnx.load(str(path))
+    onnx.save_model(model, str(path), save_as_external_data=True, location="model.onnx.data", size_threshold=0)
+    (path.parent / "model.onnx.data").unlink()
+
+
 CASES = {
     "past_key_values": (lambda d: _with_past_input(d / "model.onnx"), "use_cache=False"),
     "truncated model.onnx": (lambda d: (d / "model.onnx").write_bytes((d / "model.onnx").read_bytes()[:999]),
@@ -182,6 +188,8 @@ CASES = {
     "corrupt config.json": (lambda d: (d / "config.json").write_text('{"model_type": '), "not readable JSON"),
     "no tokenizer": (lambda d: (d / "tokenizer.json").unlink(), "no tokenizer files"),
     "no logits output": (lambda d: _rename_output(d / "model.onnx"), "neither a logits nor a last_hidden_state"),
+    "external data file missing": (lambda d: _external_data_lost(d / "model.onnx"), "cannot load model.onnx with its weights"),
+    "missing directory": (lambda d: shutil.rmtree(d), "no such file or directory"),
 }
 
 
