@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
+import onnx
 from tqdm import tqdm
 
 from . import __version__
@@ -24,9 +25,13 @@ from .config import AUTO, EvaluateConfig
 from .errors import ConfigError, QuantizeError
 from .fileio import write_json_atomic
 from .hardware import cpu_has_vnni
+from .measure.graph_probe import graph_probe, weight_matmul_inputs
 from .measure.latency import bench_grid
+from .measure.outliers import largest_ratio_layer
 from .measure.placement import detect_placement
 from .measure.sessions import SessionSpec, hardware_info, make_session
+from .measure.sqnr import sqnr_sections
+from .plots import plot_activation_heatmap
 from .quantize import quantize
 from .quantize.sanity import softmax_input_report
 from .runs import FP32_ONNX_FILE, PLOTS_DIR, RESULTS_FILE, RunDir, int8_onnx_file
@@ -142,11 +147,33 @@ def evaluate(source: ModelSource | RunDir, cfg: EvaluateConfig, *, command: str)
         **extra,
     }
     if cfg.outliers:
-        results.update(source.probe(fp32_path, int8_paths, cfg, fp32_sources, stage))
+        with stage("outliers"):
+            results.update(probe_sections(run_dir, fp32_path, int8_paths, data.eval_inputs[: cfg.probe_windows],
+                                          fp32_sources, **source.probe_options()))
+        results.update(source.extras(cfg, stage))
     results["stage_seconds"] = stage_seconds
     write_json_atomic(run_dir / RESULTS_FILE, results)
     source.write_report(results)
     return results
+
+
+def probe_sections(run_dir: Path, fp32_path: Path, int8_paths: dict[str, Path], inputs, fp32_sources: dict[str, Path],
+                   *, n_blocks: int | None, causal: bool, token=None) -> dict:
+    """The ``outliers``, ``sqnr`` and ``sqnr_summary`` sections, read off the FP32 graph for every
+    source (``measure.graph_probe``), and the heat map of the layer with the largest max/median.
+
+    SQNR's correlation with outlier figures is taken over the inputs of weight MatMuls
+    (attention probabilities are mostly exact zeros from the causal mask, so their max/median
+    ratios are meaningless and would swamp the correlation)."""
+    report, first_window = graph_probe(fp32_path, inputs, n_blocks=n_blocks, token=token, causal=causal)
+    matmul_inputs = weight_matmul_inputs(onnx.load(str(fp32_path), load_external_data=False))
+    sqnr, summaries = sqnr_sections(fp32_path, int8_paths, inputs[:8], matmul_inputs, fp32_sources)
+    layer = largest_ratio_layer(report["residual"]) if report["residual"] else None
+    if layer in first_window:
+        plot_activation_heatmap(first_window[layer], run_dir / PLOTS_DIR / "heatmap.png",
+                                f"|a| of the residual stream after layer {layer} (first evaluation window)")
+        report["heatmap_layer"] = layer
+    return {"outliers": report, "sqnr": sqnr, "sqnr_summary": summaries}
 
 
 def placement_from_graph(fp32_path: Path, table_placement: str) -> dict:

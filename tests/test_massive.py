@@ -1,5 +1,5 @@
 """The probe finds a planted massive activation: its block, position, channel, where it is born,
-and which Linear inputs carry it (quantnorm.hf.probe)."""
+and which Linear inputs carry it (quantnorm.measure.graph_probe, on the exported graph)."""
 
 from types import SimpleNamespace
 
@@ -7,8 +7,9 @@ import numpy as np
 import torch
 import transformers
 
+from quantnorm.hf.export import export_hf_onnx, make_wrapper
 from quantnorm.hf.loader import ARCHITECTURES
-from quantnorm.hf.probe import probe_hf
+from quantnorm.measure.graph_probe import graph_probe
 
 BOS, CH_IN, HIDDEN_UNIT, CH_OUT = 1, 5, 7, 3
 
@@ -17,7 +18,7 @@ def planted_llama():
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                      bos_token_id=BOS)
+                                      bos_token_id=BOS, attn_implementation="eager")
     model = transformers.LlamaForCausalLM(config).eval()
     with torch.no_grad():
         # BOS alone carries channel CH_IN; block 1's MLP turns it into a huge value in CH_OUT
@@ -33,14 +34,19 @@ def planted_llama():
     return model
 
 
-def test_planted_massive_activation_is_found_where_it_is_born():
+def test_planted_massive_activation_is_found_where_it_is_born(tmp_path):
     model = planted_llama()
-    loaded = SimpleNamespace(model=model, spec=ARCHITECTURES["llama"], layers=list(model.model.layers),
-                             tokenizer=SimpleNamespace(convert_ids_to_tokens=lambda i: "<s>" if i == BOS else f"t{i}"))
+
+    loaded = SimpleNamespace(model=model, spec=ARCHITECTURES["llama"],
+                             files=SimpleNamespace(pooling="mean", mlm_head=False))
+    path = tmp_path / "planted.onnx"
+    # the pipeline's own export (dynamo first), so the graph is the one evaluate probes
+    export_hf_onnx(make_wrapper(loaded), path, np.full((2, 12), 3), outputs=("logits",), max_positions=64)
     rng = np.random.default_rng(0)
     windows = rng.integers(2, 64, size=(4, 12))
     windows[:, 0] = BOS
-    report, _ = probe_hf(loaded, windows, batch_size=2)
+    report, _ = graph_probe(path, windows, n_blocks=3, batch_size=2,
+                            token=lambda sample, position: "<s>" if windows[sample, position] == BOS else "t")
     massive = report["massive"]
     assert massive, "the planted value was not flagged"
     top = massive[0]
@@ -48,14 +54,16 @@ def test_planted_massive_activation_is_found_where_it_is_born():
     assert top["layer"] in (1, 2) and abs(top["value"]) > 100 and top["ratio"] >= 1000
     born = report["massive_born"][0]
     assert (born["layer"], born["position"], born["channel"]) == (1, 0, CH_OUT)
-    assert born["born_in"] == "layers.1.mlp.down_proj"
+    assert born["born_in"] == "block 1 mlp"  # the second residual add of block 1 made it
     # The down-projection input of block 1 carries it; the normalized attention inputs do not.
-    rows = {r["tensor"]: r for r in report["matmul_inputs"]}
-    assert rows["model.layers.1.mlp.down_proj"]["carries_massive"]
-    assert not rows["model.layers.0.self_attn.q_proj"]["carries_massive"]
+    rows = {m: r for r in report["matmul_inputs"] for m in r["modules"]}
+    down = next(r for m, r in rows.items() if "layers.1.mlp.down_proj/" in m)
+    q0 = next(r for m, r in rows.items() if "layers.0.self_attn.q_proj/" in m)
+    assert down["carries_massive"] and not q0["carries_massive"]
     # Per-token INT8 keeps that input far better than one scale for the whole tensor.
-    fake = rows["model.layers.1.mlp.down_proj"]["sqnr_db_fake"]
-    assert fake["per_token"] > fake["per_tensor_dynamic"] + 10
+    assert down["sqnr_db_fake"]["per_token"] > down["sqnr_db_fake"]["per_tensor_dynamic"] + 10
+    # The attention probabilities are found (one Softmax per block), and BOS gets a real share.
+    assert len(report["bos_attention"]) == 3 and all(0 < a < 1 for a in report["bos_attention"])
 
 
 def test_fp16_check_names_a_planted_value_past_65504():

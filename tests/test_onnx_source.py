@@ -120,8 +120,9 @@ def test_zoo_export_directory_end_to_end(zoo_dir, tmp_path):
 
 
 def test_graph_probe_matches_the_torch_probe_on_a_zoo_model(tmp_path):
-    """The same residual statistics from graph taps as from the torch hooks (post-LN too)."""
-    for placement in ("pre", "post"):
+    """The same statistics from graph taps as from the torch hooks (measure.outliers.probe, the
+    reference implementation): residual stream, ResiDual's second stream, attention to BOS."""
+    for placement in ("pre", "post", "peri", "deepnorm", "residual"):
         model = zoo_model(placement, "layer")
         path = tmp_path / f"{placement}.onnx"
         windows = np.random.default_rng(1).integers(0, 256, size=(4, 32))
@@ -133,6 +134,11 @@ def test_graph_probe_matches_the_torch_probe_on_a_zoo_model(tmp_path):
             assert graph_rows[row["layer"]]["top"][0]["value"] == pytest.approx(row["top"][0]["value"], rel=1e-4), \
                 (placement, row["layer"])
             assert graph_rows[row["layer"]]["median_abs"] == pytest.approx(row["median_abs"], rel=1e-3)
+        skip = {r["layer"]: r for r in from_graph["residual_skip"]}
+        assert len(skip) == len(from_torch["residual_skip"]), placement
+        for row in from_torch["residual_skip"]:
+            assert skip[row["layer"]]["top"][0]["value"] == pytest.approx(row["top"][0]["value"], rel=1e-4)
+        assert from_graph["bos_attention"] == pytest.approx(from_torch["bos_attention"], rel=1e-4), placement
 
 
 def test_minilm_torch_export_end_to_end(minilm_dir, tmp_path):

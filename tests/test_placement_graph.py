@@ -52,7 +52,7 @@ def test_a_family_outside_the_table_is_classified_parallel(tmp_path):
     assert (found.placement, found.norm) == ("parallel", "layer"), found.how
 
 
-@pytest.mark.parametrize("placement", ["pre", "post", "peri", "deepnorm"])
+@pytest.mark.parametrize("placement", ["pre", "post", "peri", "deepnorm", "residual"])
 def test_zoo_placements(placement, tmp_path):
     torch.manual_seed(0)
     model = CausalLM(ModelConfig(placement=placement, norm="rms", n_layers=2, d_model=32, n_heads=2, context=16))
@@ -60,6 +60,7 @@ def test_zoo_placements(placement, tmp_path):
     export_onnx(model.eval(), out, np.random.default_rng(0).integers(0, 256, size=(2, 16)), opset=18)
     found = detect_placement(out)
     assert (found.placement, found.norm) == (placement, "rms"), found.how
+    assert len(found.taps) == 4 and bool(found.skips) == (placement == "residual")  # ResiDual's x_d found
 
 
 def test_an_architecture_outside_the_table_is_evaluated_with_its_detected_placement(tmp_path):

@@ -13,10 +13,11 @@ from onnx import numpy_helper
 from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quantize_static
 
 from quantnorm.data import BOS
+from quantnorm.export import rename_nodes_by_module
+from quantnorm.measure.graph_probe import weight_matmul_inputs
 from quantnorm.measure.outliers import TensorAccumulator
 from quantnorm.measure.sqnr import (
     activation_sqnr,
-    matmul_input_modules,
     onnx_tensor_stats,
     spearman,
     sqnr_db,
@@ -75,8 +76,16 @@ def planted(tmp_path_factory):
     return (model, *_export_and_quantize(model, tmp_path_factory.mktemp("planted")))
 
 
+def _modules(fp32: Path) -> dict[str, list[str]]:
+    """tensor -> the modules of the MatMuls reading it (after the export's renaming, node names are
+    ``<module>/MatMul``)."""
+    model = onnx.load(str(fp32))
+    rename_nodes_by_module(model)
+    return {t: [n.split("/")[0] for n in nodes] for t, nodes in weight_matmul_inputs(model).items()}
+
+
 def _input_of(model: CausalLM, fp32: Path, module: str) -> str:
-    return next(t for t, mods in matmul_input_modules(fp32, model).items() if module in mods)
+    return next(t for t, mods in _modules(fp32).items() if module in mods)
 
 
 def test_sqnr_of_first_tensor_matches_hand_quantization(clean):
@@ -84,7 +93,7 @@ def test_sqnr_of_first_tensor_matches_hand_quantization(clean):
     x = windows(6, 2)
     rows = {r["tensor"]: r for r in activation_sqnr(fp32, int8, x, batch_size=4)}
     name = _input_of(model, fp32, "blocks.0.attn.q")
-    assert set(matmul_input_modules(fp32, model)[name]) == {"blocks.0.attn.q", "blocks.0.attn.k", "blocks.0.attn.v"}
+    assert set(_modules(fp32)[name]) == {"blocks.0.attn.q", "blocks.0.attn.k", "blocks.0.attn.v"}
 
     with torch.no_grad():  # the FP32 tensor by hand: pre-LN's first norm of the embedding
         ref = model.blocks[0].attn_norms["norm"](model.embed(torch.from_numpy(x))).numpy().astype(np.float64)

@@ -1,11 +1,18 @@
-"""Massive activations and outliers read from the FP32 ONNX graph itself.
+"""Massive activations and outliers read from the FP32 ONNX graph: the one probe of every source.
 
-For a source that has no torch module (an ONNX export directory), the probe taps the graph: the
-residual stream as ``measure.placement`` walks it (the stream the first block reads, then the
-stream after every residual add), every norm output, and every weight-MatMul input, exposed as
-extra graph outputs (as SQNR does) and reduced batch by batch with the zoo's statistics
-(``TensorAccumulator``, ``find_massive``). The section has the shape of the torch probes', so the
-report reads it the same way.
+Every source becomes this graph after export (zoo, Hugging Face, GGUF, ONNX directory), so the
+probe is written once, on it. Tapped, as extra graph outputs (as SQNR does), and reduced batch by
+batch with ``measure.outliers``' statistics (``TensorAccumulator``, ``find_massive``):
+
+- the residual stream as ``measure.placement`` walks it: the stream the first block reads, then
+  the stream after every residual add; in post/deepnorm stacks also each pre-norm sum
+  (``norm_inputs``), where post-LN models keep their large values; for ResiDual its second
+  stream x_d (``residual_skip``, as the placement walk finds it);
+- every norm output and every weight-MatMul input (q, k and v share one input: one row);
+- the attention probabilities: the first input of each activation x activation MatMul that comes
+  out of a Softmax (or of a division by its own ReduceSum, the zoo's mask-multiplying softmax):
+  per layer the mean probability on key 0 (BOS / [CLS]), over heads, queries 1..T-1 for causal
+  models (query 0 can only see key 0) and all queries for encoders, plus the last key ([SEP]).
 
 Blocks: with two residual adds per block (attention, then MLP: every placement we know; the
 block count comes from the caller, e.g. config.json's ``num_hidden_layers``), the
@@ -64,7 +71,35 @@ def weight_matmul_inputs(model: onnx.ModelProto) -> dict[str, list[str]]:
     return out
 
 
-def _layers(taps: list[tuple[str, str]], n_blocks: int | None) -> tuple[list[str], list[str] | None]:
+def attention_probabilities(model: onnx.ModelProto) -> list[str]:
+    """The attention-probability tensors in graph order (see the module docstring)."""
+    graph = model.graph
+    constants = {i.name for i in graph.initializer} | {n.output[0] for n in graph.node if n.op_type == "Constant"}
+    producer = {o: n for n in graph.node for o in n.output}
+
+    def source(name: str) -> onnx.NodeProto | None:
+        node = producer.get(name)
+        for _ in range(4):  # through casts and (inference-time) dropout
+            if node is None or node.op_type not in ("Cast", "Identity", "Dropout"):
+                break
+            node = producer.get(node.input[0])
+        return node
+
+    found = []
+    for node in graph.node:
+        if node.op_type != "MatMul" or len(node.input) < 2 or any(i in constants for i in node.input):
+            continue
+        made_by = source(node.input[0])
+        if made_by is None:
+            continue
+        divided = made_by.op_type == "Div" and (producer.get(made_by.input[1]) is not None
+                                                 and producer[made_by.input[1]].op_type == "ReduceSum")
+        if made_by.op_type == "Softmax" or divided:
+            found.append(node.input[0])
+    return found
+
+
+def _layers(taps: list[tuple[str, str, str]], n_blocks: int | None) -> tuple[list[str], list[str] | None]:
     """(block output tensors, the stream after each block's first add, or None)."""
     if n_blocks and len(taps) == 2 * n_blocks:
         return [t[1] for t in taps[1::2]], [t[1] for t in taps[0::2]]
@@ -72,12 +107,12 @@ def _layers(taps: list[tuple[str, str]], n_blocks: int | None) -> tuple[list[str
 
 
 def graph_probe(fp32_path: Path, inputs: np.ndarray, *, n_blocks: int | None = None, batch_size: int = 4,
-                token: Callable[[int, int], str | None] | None = None) -> tuple[dict, dict]:
+                token: Callable[[int, int], str | None] | None = None, causal: bool = True) -> tuple[dict, dict]:
     """Run ``inputs`` (windows [n, seq]) through the FP32 graph with its residual stream, norm
     outputs and weight-MatMul inputs exposed. Returns (the ``outliers`` section, {layer: |a|
     [seq, d] of the first window}). ``n_blocks``: the model's block count (config.json), which
     pairs the residual adds into blocks when there are two per block. ``token(sample, position)``:
-    the token's text, for labels."""
+    the token's text, for labels. ``causal``: how attention to key 0 is averaged (see above)."""
     windows = np.asarray(inputs, dtype=np.int64)
     if windows.ndim != 2 or len(windows) == 0:
         raise MeasureError(f"probe inputs must be windows [n, seq], got shape {windows.shape}")
@@ -85,13 +120,19 @@ def graph_probe(fp32_path: Path, inputs: np.ndarray, *, n_blocks: int | None = N
     placement = detect_placement(model)
     blocks, mids = _layers(placement.taps, n_blocks)
     residual = ([("embed", placement.embedding)] if placement.embedding else []) + list(enumerate(blocks))
-    post_sums = [(i, s) for i, ((s, after), label) in enumerate(zip(placement.taps, placement.labels))
+    post_sums = [(i, s) for i, ((s, after, _), label) in enumerate(zip(placement.taps, placement.labels))
                  if s != after and label in ("post", "deepnorm")]
+    skip_all = [x for x in placement.skips if x is not None]  # ResiDual's x_d (else empty)
+    skip = list(enumerate(skip_all[1::2] if mids is not None else skip_all))
     norms = [n.output for n in find_norms(model)]
     matmuls = weight_matmul_inputs(model)
+    probabilities = attention_probabilities(model)
     del model
-    wanted = list(dict.fromkeys([t for _, t in residual] + (mids or []) + [s for _, s in post_sums] + norms
-                                + list(matmuls)))
+    wanted = list(dict.fromkeys([t for _, t in residual] + (mids or []) + [s for _, s in post_sums]
+                                + [t for _, t in skip] + norms + list(matmuls) + probabilities))
+    attn_sum = np.zeros(len(probabilities))
+    attn_count = np.zeros(len(probabilities))
+    last_sum = np.zeros(len(probabilities))
 
     accs: dict[tuple[str, object], TensorAccumulator] = {}
     sqnr: dict[str, FakeQuantSqnr] = {}
@@ -122,6 +163,16 @@ def graph_probe(fp32_path: Path, inputs: np.ndarray, *, n_blocks: int | None = N
                 massive.extend(find_massive(x, layer, start))
                 if start == 0:
                     first_window[layer] = np.abs(x[0])
+            for layer, tensor in skip:
+                x = as_samples(values[tensor], n)
+                add("residual_skip", layer, x, n)
+                massive.extend(find_massive(x, layer, start, stream="skip"))
+            for k, tensor in enumerate(probabilities):
+                p = values[tensor]  # [B, H, T, T]
+                to_first = p[:, :, 1:, 0] if causal else p[..., 0]
+                attn_sum[k] += float(to_first.sum(dtype=np.float64))
+                attn_count[k] += to_first.size
+                last_sum[k] += float(p[..., -1].sum(dtype=np.float64))
             for i, tensor in post_sums:
                 x = as_samples(values[tensor], n)
                 add("norm_input", tensor, x, n)
@@ -162,18 +213,18 @@ def graph_probe(fp32_path: Path, inputs: np.ndarray, *, n_blocks: int | None = N
         top = row["top"][0] if row.get("top") else None
         row["carries_massive"] = bool(top and top["position"] in massive_positions and abs(top["value"]) > MASSIVE_ABS)
     residual_rows = rows("residual", "layer")
-    for row in residual_rows:
-        row["layer"] = row["layer"] if row["layer"] == "embed" else int(row["layer"])
+    all_queries = np.where(attn_count > 0, attn_count, 1)
     report = {
         "residual": residual_rows,
         "massive_born": first_births(sorted(born, key=lambda r: (r["layer"], -abs(r["value"])))),
-        "residual_skip": [],
+        "residual_skip": rows("residual_skip", "layer"),
         "norm_outputs": rows("norm"),
         "norm_inputs": rows("norm_input"),
         "matmul_inputs": matmul_rows,
         "massive": massive,
         "massive_total": massive_total,
-        "bos_attention": [],  # attention probabilities are not tapped on the graph
+        "bos_attention": [float(v) for v in attn_sum / all_queries],
+        "attention_key": "BOS (key 0), queries 1..T-1" if causal else "[CLS] (key 0), all queries",
         "n_samples": int(len(windows)),
         "seq_len": int(windows.shape[1]),
         "thresholds": {"massive_abs": MASSIVE_ABS, "massive_ratio": MASSIVE_RATIO,
@@ -184,6 +235,8 @@ def graph_probe(fp32_path: Path, inputs: np.ndarray, *, n_blocks: int | None = N
                  "residual_adds": len(placement.taps)},
         "summary": summarize(residual_rows, massive, massive_total),
     }
+    if not causal:  # encoders: all queries, so key 0 and the last key are averaged over the same count
+        report["sep_attention"] = [float(v) for v in last_sum / all_queries]
     return report, first_window
 
 

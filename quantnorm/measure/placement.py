@@ -50,10 +50,11 @@ class GraphPlacement:
     labels: list[str] = field(default_factory=list)
     final_norm: bool = False
     # The residual stream as graph tensors, for the graph probe (not in to_dict): the stream the
-    # first block reads, then per residual add its sum and the stream after it (the sum itself,
-    # or the norm's output in post/deepnorm stacks).
+    # first block reads, then per residual add its sum, the stream after it (the sum itself, or
+    # the norm's output in post/deepnorm stacks) and the branch (sublayer) output it adds.
     embedding: str | None = None
-    taps: list[tuple[str, str]] = field(default_factory=list)  # (sum, stream after), one per label
+    taps: list[tuple[str, str, str]] = field(default_factory=list)  # (sum, stream after, branch) per label
+    skips: list[str | None] = field(default_factory=list)  # ResiDual's x_d after each add (else empty)
 
     def to_dict(self) -> dict:
         counts = Counter(self.labels)
@@ -272,8 +273,10 @@ def detect_placement(model_or_path) -> GraphPlacement:
         return GraphPlacement(None, None, f"no token embedding (Gather of a constant table by an input) found; "
                                           f"{len(norms)} norms in the graph")
     labels: list[str] = []
-    taps: list[tuple[str, str]] = []
+    taps: list[tuple[str, str, str]] = []
     embedding: str | None = None
+    skip_stream: str | None = None   # ResiDual's x_d, once found
+    skips: list[str | None] = []
     kinds: Counter = Counter()
     previous_norm: Norm | None = None
     final = False
@@ -297,13 +300,28 @@ def detect_placement(model_or_path) -> GraphPlacement:
             if reading:
                 kinds[reading[0].kind] += 1
             break
-        add = adds[0]
+        # Two adds read the stream where one branch output is added to two streams (ResiDual: x_a
+        # and x_d both start as the embedding): follow the one whose sum is normalized, x_a.
+        add = next((a for a in adds if by_input.get(g.source(a.output[0]))), adds[0])
         branch = next((i for i in add.input if g.source(i) != s and not _descends_scale(g, i, s)), add.input[-1])
         branch_norm = outputs.get(g.source(branch))
         after = add.output[0]
         post_norm = by_input.get(g.source(after), [])
         sum_feeds_add = any(n.op_type == "Add" and not any(g.is_const(i) for i in n.input) for n in g.uses(after))
-        if post_norm and not sum_feeds_add:
+        skip_add = next((n for n in g.uses(g.source(branch)) if n.op_type == "Add" and n is not add), None)
+        if branch_norm is not None and skip_stream is not None and g.source(branch_norm.input) == g.source(skip_stream):
+            final = True  # ResiDual's readout x_a + N(x_d): not a residual add of a block
+            kinds[branch_norm.kind] += 1
+            break
+        if post_norm and (skip_add is not None or (sum_feeds_add and _adds_directly(g, post_norm[0].output))):
+            # ResiDual: the branch output goes to two streams, x_a = N(x_a + f) and x_d = x_d + f.
+            # Its first sublayer's two sums are one tensor (both streams start as the embedding,
+            # and the exporter computes emb + f once): the sum is x_d and its norm x_a.
+            label = "residual"
+            kinds[post_norm[0].kind] += 1
+            skip_stream = skip_add.output[0] if skip_add is not None else after
+            nxt = post_norm[0].output
+        elif post_norm and not sum_feeds_add:
             # The sum is normalized and only the norm reads it: post, unless this is the last add of
             # a pre/peri stack (its sum goes to the final norm and then the head): told apart below.
             label = "deepnorm" if scaled else "post"
@@ -333,7 +351,8 @@ def detect_placement(model_or_path) -> GraphPlacement:
         if not labels:
             embedding = stream
         labels.append(label)
-        taps.append((after, nxt))
+        taps.append((after, nxt, branch))
+        skips.append(skip_stream if label == "residual" else None)
         if label == "last":
             break
         stream = nxt
@@ -349,7 +368,7 @@ def detect_placement(model_or_path) -> GraphPlacement:
         else:
             labels[-1], final = majority, True
             counts[majority] += 1
-            taps[-1] = (taps[-1][0], taps[-1][0])  # the stream is the sum; the norm after it is the final norm
+            taps[-1] = (taps[-1][0], taps[-1][0], taps[-1][2])  # the sum is the stream; its norm is the final one
     if not counts:
         return GraphPlacement(None, None, f"no residual add on the stream from the embedding; {len(norms)} norms")
     if counts.get("parallel"):
@@ -364,7 +383,13 @@ def detect_placement(model_or_path) -> GraphPlacement:
            f"{', '.join(f'{k} {v}' for k, v in kinds.most_common()) or 'none'} "
            f"({Counter(n.how for n in norms).most_common(1)[0][0] if norms else 'none found'}); "
            f"final norm before the head: {'yes' if final else 'no'}")
-    return GraphPlacement(placement if placement != "none" else None, norm, how, labels, final, embedding, taps)
+    return GraphPlacement(placement if placement != "none" else None, norm, how, labels, final, embedding, taps,
+                          skips if any(skips) else [])
+
+
+def _adds_directly(g: _Graph, tensor: str) -> bool:
+    """``tensor`` is itself a residual stream: an Add of it and a non-constant reads it."""
+    return any(n.op_type == "Add" and not any(g.is_const(i) for i in n.input) for n in g.uses(g.source(tensor)))
 
 
 def _descends_scale(g: _Graph, tensor: str, stream: str) -> bool:

@@ -33,7 +33,6 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnxruntime as ort
-from onnx import numpy_helper
 from onnxruntime.quantization import qdq_loss_debug
 from scipy import stats as scipy_stats
 
@@ -225,32 +224,6 @@ def onnx_tensor_stats(fp32_path: Path, tensor_names: Sequence[str], inputs: np.n
     return {name: acc.finish().metrics() for name, acc in accs.items()}
 
 
-def matmul_input_modules(fp32_path: Path, model) -> dict[str, list[str]]:
-    """Map each ONNX tensor that feeds a weight MatMul to the nn.Linear modules it feeds.
-
-    The exporter renames weights (``val_10`` holds ``blocks.0.attn.q.weight`` transposed), so the
-    match is by value. q, k and v share one input tensor, hence a list. Lets reports label ONNX
-    tensor names the way outliers.probe labels module inputs.
-    """
-    from torch import nn  # only this helper needs torch
-
-    linears = [(name, m.weight.detach().float().cpu().numpy().T)
-               for name, m in model.named_modules() if isinstance(m, nn.Linear)]
-    graph = onnx.load(str(fp32_path)).graph
-    weights = {init.name: init for init in graph.initializer}
-    mapping: dict[str, list[str]] = {}
-    for node in graph.node:
-        if node.op_type not in ("MatMul", "Gemm") or len(node.input) < 2 or node.input[1] not in weights:
-            continue
-        w = numpy_helper.to_array(weights[node.input[1]])
-        if node.op_type == "Gemm" and any(a.name == "transB" and a.i for a in node.attribute):
-            w = w.T
-        for name, wt in linears:
-            if wt.shape == w.shape and np.array_equal(wt, w):
-                mapping.setdefault(node.input[0], []).append(name)
-    return mapping
-
-
 def spearman(xs: Sequence[float | None], ys: Sequence[float | None]) -> float | None:
     """Spearman rank correlation with average ranks for ties, over pairs where both are finite.
 
@@ -275,7 +248,7 @@ def sqnr_summary(sqnr_rows: list[dict], tensor_stats: dict[str, dict], worst: in
     ``worst``: the tensors with the lowest ``sqnr_db``, with their outlier figures.
     ``tensors`` restricts both to those names. Attention probabilities are quantized too and
     are mostly exact zeros (the causal mask), so their max/median ratio is astronomically large
-    by construction; ``tensors=matmul_input_modules(fp32, model)`` keeps the weight-MatMul inputs.
+    by construction; ``tensors=graph_probe.weight_matmul_inputs(model)`` keeps the weight-MatMul inputs.
     """
     joined = []
     for row in sqnr_rows:

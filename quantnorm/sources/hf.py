@@ -21,10 +21,8 @@ import numpy as np
 from ..data import BUILTIN_PYDOC
 from ..errors import ConfigError
 from ..hf.report import write_hf_report
-from ..measure.sqnr import matmul_input_modules, sqnr_sections
-from ..plots import plot_activation_heatmap
 from ..portable import portable_path
-from ..runs import PLOTS_DIR, check_out_dir
+from ..runs import check_out_dir
 from .base import SearchScoring, SourceData
 
 FP16_CHECK_WINDOWS = 4  # torch float16 on a CPU is slow; the overflow shows on any window with BOS
@@ -50,6 +48,16 @@ class HFOptions:
             raise ConfigError(f"--context (the window in tokens) must be >= 3 for --model, got {self.window}")
         if self.max_eval_windows is not None and self.max_eval_windows < 2:
             raise ConfigError(f"evaluation windows must be >= 2, got {self.max_eval_windows}")
+
+
+def token_namer(tokenizer, windows: np.ndarray):
+    """``name(sample, position)``: the token at a probe entry, so "position 0" reads as ``<s>``."""
+    def name(sample: int, position: int) -> str | None:
+        try:
+            return str(tokenizer.convert_ids_to_tokens(int(windows[sample, position])))
+        except Exception:  # noqa: BLE001 - a label only; never fail the probe for it
+            return None
+    return name
 
 
 def default_out_dir(model_path: Path, prefix: str = "hf") -> Path:
@@ -169,30 +177,19 @@ class HFSource:
     def search_scoring(self, cfg) -> SearchScoring:
         return token_search_scoring(self.kind, self.data, self.mlm)
 
-    def probe(self, fp32_path: Path, int8_paths: dict[str, Path], cfg, fp32_sources: dict[str, Path],
-              timed: Callable) -> dict:
-        """The ``outliers``, ``sqnr`` and ``sqnr_summary`` sections, the heat map of the layer with
-        the largest max/median ratio and, for causal LMs, the FP16 check."""
-        from ..hf.probe import heatmap_layer, probe_hf
+    def probe_options(self) -> dict:
+        return {"n_blocks": len(self.loaded.layers), "causal": self.kind == "causal",
+                "token": token_namer(self.loaded.tokenizer, self.data.eval_inputs)}
 
-        inputs = self.data.eval_inputs[: cfg.probe_windows]
-        with timed("outliers"):
-            report, first_window = probe_hf(self.loaded, inputs)
-            sqnr, summaries = sqnr_sections(fp32_path, int8_paths, inputs[:8],
-                                            matmul_input_modules(fp32_path, self.loaded.model), fp32_sources)
-            layer = heatmap_layer(report["residual"])
-            if layer in first_window:
-                plot_activation_heatmap(first_window[layer], self.run_dir / PLOTS_DIR / "heatmap.png",
-                                        f"|a| of the residual stream after layer {layer} (first evaluation window)")
-                report["heatmap_layer"] = layer
-        out = {"outliers": report, "sqnr": sqnr, "sqnr_summary": summaries}
-        if self.kind == "causal":
-            from ..hf.fp16 import fp16_check  # torch forwards in three dtypes: only when the probe runs
+    def extras(self, cfg, timed: Callable) -> dict:
+        """Causal LMs: the FP16 check (torch forwards in float16, clipped float16 and bfloat16)."""
+        if self.kind != "causal":
+            return {}
+        from ..hf.fp16 import fp16_check  # torch forwards in three dtypes: only when the probe runs
 
-            n = min(FP16_CHECK_WINDOWS, len(self.data.eval_inputs))
-            with timed("fp16_check"):
-                out["fp16"] = fp16_check(self.loaded, self.data.eval_inputs[:n], self.data.eval_targets[:n])
-        return out
+        n = min(FP16_CHECK_WINDOWS, len(self.data.eval_inputs))
+        with timed("fp16_check"):
+            return {"fp16": fp16_check(self.loaded, self.data.eval_inputs[:n], self.data.eval_targets[:n])}
 
     def sections(self, detected: dict) -> dict:
         from ..hf.loader import DETECTED

@@ -43,14 +43,10 @@ from ..export import count_norm_ops
 from ..fileio import atomic_path, external_data_file, save_onnx
 from ..hf.loader import DETECTED, NORM_FORMULAS, TOKENIZER_FILES, pooling_mode
 from ..hf.report import write_hf_report
-from ..measure.graph_probe import graph_probe, weight_matmul_inputs
-from ..measure.outliers import largest_ratio_layer
-from ..measure.sqnr import sqnr_sections
-from ..plots import plot_activation_heatmap
 from ..portable import portable_path
-from ..runs import FP32_ONNX_FILE, PLOTS_DIR, check_out_dir
+from ..runs import FP32_ONNX_FILE, check_out_dir
 from .base import NoTransforms, SearchScoring
-from .hf import TokenAccuracy, default_out_dir, hf_data, token_search_scoring
+from .hf import TokenAccuracy, default_out_dir, hf_data, token_namer, token_search_scoring
 
 ONNX_FILE = "model.onnx"
 INPUT_IDS = "input_ids"
@@ -332,25 +328,12 @@ class OnnxDirSource:
     def search_scoring(self, cfg) -> SearchScoring:
         return token_search_scoring(self.kind, self.data, None)
 
-    def probe(self, fp32_path: Path, int8_paths: dict[str, Path], cfg, fp32_sources: dict[str, Path],
-              timed: Callable) -> dict:
-        """The graph probe, SQNR over the weight-MatMul inputs, and the heat map of the layer with the
-        largest max/median ratio (no FP16 check: that needs the torch module)."""
-        from ..hf.probe import token_namer
+    def probe_options(self) -> dict:
+        return {"n_blocks": self.config.get("num_hidden_layers"), "causal": self.kind == "causal",
+                "token": token_namer(self.tokenizer, self.data.eval_inputs)}
 
-        inputs = self.data.eval_inputs[: cfg.probe_windows]
-        with timed("outliers"):
-            report, first_window = graph_probe(fp32_path, inputs, n_blocks=self.config.get("num_hidden_layers"),
-                                               token=token_namer(self.tokenizer, inputs))
-            sqnr, summaries = sqnr_sections(fp32_path, int8_paths, inputs[:8],
-                                            weight_matmul_inputs(onnx.load(str(fp32_path), load_external_data=False)),
-                                            fp32_sources)
-            layer = largest_ratio_layer(report["residual"]) if report["residual"] else None
-            if layer in first_window:
-                plot_activation_heatmap(first_window[layer], self.run_dir / PLOTS_DIR / "heatmap.png",
-                                        f"|a| of the residual stream after layer {layer} (first evaluation window)")
-                report["heatmap_layer"] = layer
-        return {"outliers": report, "sqnr": sqnr, "sqnr_summary": summaries}
+    def extras(self, cfg, timed: Callable) -> dict:
+        return {}  # the FP16 check runs torch forwards: there is no torch module here
 
     def sections(self, detected: dict) -> dict:
         if detected.get("placement") is None:

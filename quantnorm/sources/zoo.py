@@ -1,8 +1,8 @@
 """The zoo source: a run directory of ``quantnorm train`` (one of the placement x norm models).
 
 Byte-level windows from the run's own corpus splits, the PyTorch parity-checked export, the
-zoo's SmoothQuant fold, byte-level accuracy (FORMULAS.md), the hook-based probe (which knows
-the blocks' sublayers by name) and the diagnostics that need the torch model.
+zoo's SmoothQuant fold, byte-level accuracy (FORMULAS.md) and the diagnostics that need the
+torch model (the probe itself reads the graph, as for every source).
 """
 
 from __future__ import annotations
@@ -16,11 +16,8 @@ from ..errors import QuantizeError
 from ..export import export_onnx
 from ..measure.accuracy import compare
 from ..measure.diagnostics import diagnostics
-from ..measure.outliers import heatmap_for_layer, largest_ratio_layer, probe
-from ..measure.sqnr import matmul_input_modules, sqnr_sections
-from ..plots import plot_activation_heatmap
 from ..report import write_report
-from ..runs import PLOTS_DIR, TRAIN_SUMMARY_FILE, RunDir, check_out_dir
+from ..runs import TRAIN_SUMMARY_FILE, RunDir, check_out_dir
 from ..smoothquant import SmoothedModels
 from ..train import RunConfig, load_model, train
 from .base import SearchScoring, SourceData
@@ -76,27 +73,13 @@ class ZooSource:
     def search_scoring(self, cfg) -> SearchScoring:
         return SearchScoring(self.data.eval_inputs, self.data.eval_targets, scorer=None, level="byte")
 
-    def probe(self, fp32_path: Path, int8_paths: dict[str, Path], cfg, fp32_sources: dict[str, Path],
-              timed: Callable) -> dict:
-        """The ``outliers``, ``sqnr`` and ``sqnr_summary`` sections, the activation heat map of the
-        layer with the largest ratio, and the torch-side ``diagnostics``.
+    def probe_options(self) -> dict:
+        return {"n_blocks": self.config.model.n_layers, "causal": True}
 
-        SQNR's correlation with outlier figures is taken over the inputs of weight MatMuls
-        (attention probabilities are mostly exact zeros from the causal mask, so their max/median
-        ratios are meaningless and would swamp the correlation)."""
-        inputs = self.data.eval_inputs[: cfg.probe_windows]
-        with timed("outliers"):
-            report = probe(self.model, inputs).to_dict()
-            sqnr, summaries = sqnr_sections(fp32_path, int8_paths, inputs[:8],
-                                            matmul_input_modules(fp32_path, self.model), fp32_sources)
-            layer = largest_ratio_layer(report["residual"])
-            plot_activation_heatmap(heatmap_for_layer(self.model, inputs[:1], layer),
-                                    self.run.file(PLOTS_DIR) / "heatmap.png",
-                                    f"|a| of the residual stream at layer {layer} (first evaluation window)")
-            report["heatmap_layer"] = layer
+    def extras(self, cfg, timed: Callable) -> dict:
+        """The torch-side diagnostics (perturbation sensitivity, block-output similarity)."""
         with timed("diagnostics"):
-            diag = diagnostics(self.model, inputs)
-        return {"outliers": report, "sqnr": sqnr, "sqnr_summary": summaries, "diagnostics": diag}
+            return {"diagnostics": diagnostics(self.model, self.data.eval_inputs[: cfg.probe_windows])}
 
     def sections(self, detected: dict) -> dict:
         return {
