@@ -14,22 +14,21 @@ import click
 import onnxruntime as ort
 
 from . import __version__
-from .compare import write_comparison, write_findings
+from .config import EvaluateConfig
 from .data import BUILTIN_PYDOC, DataConfig, evaluation_windows, prepare_data
 from .errors import QuantnormError
-from .config import EvaluateConfig
 from .evaluate import ensure_trained
 from .evaluate import evaluate as run_evaluate
 from .export import export_onnx
 from .fileio import write_json_atomic
 from .gate import Policy, append_summary, load_policy, run_gate, write_error_outputs, write_junit
 from .hf.evaluate import evaluate_from_cli  # imports no transformers until a checkpoint is loaded
-from .hf.report import is_hf_results, write_hf_report
 from .measure.latency import bench_grid
 from .measure.sessions import PROVIDERS, resolve_providers
 from .models import NORMS, PLACEMENTS, ModelConfig
 from .quantize import DEFAULT_RECIPES, RECIPES
-from .report import load_results, write_report
+from .report import write_comparison, write_findings, write_report
+from .results import load as load_results
 from .runs import FP32_ONNX_FILE, check_out_dir, open_run_dir
 from .sweep import SweepConfig, run_sweep
 from .train import RunConfig, TrainConfig, load_model
@@ -318,9 +317,7 @@ def bench(models, providers, batches, seq, iters, warmup, threads, opt_level, js
 @click.argument("run_dir", type=click.Path(path_type=Path))
 def report(run_dir):
     """Regenerate RUN_DIR/report.md and its plots from RUN_DIR/results.json."""
-    results = load_results(run_dir)
-    write = write_hf_report if is_hf_results(results) else write_report
-    click.echo(str(write(run_dir, results)))
+    click.echo(str(write_report(run_dir, load_results(run_dir))))
 
 
 @cli.command()

@@ -34,15 +34,15 @@ from typing import IO
 
 from tqdm import tqdm
 
-from .compare import write_comparison
+from .config import EvaluateConfig
 from .data import BUILTIN_PYDOC, DataConfig, prepare_data
 from .errors import ConfigError, RunDirError
-from .config import EvaluateConfig
 from .fileio import write_json_atomic, write_text_atomic
 from .manifest import MANIFEST_FILE, MANIFEST_VERSION, read_manifest
 from .models import NORMS, PLACEMENTS, ModelConfig
 from .quantize import DEFAULT_RECIPES
-from .report import load_results
+from .report import write_comparison
+from .results import load as load_results
 from .runs import CONFIG_FILE, RESULTS_FILE, TRAIN_SUMMARY_FILE
 from .train import RunConfig, TrainConfig
 

@@ -20,7 +20,7 @@ from test_compare import make_results
 
 from quantnorm import sweep as sweep_mod
 from quantnorm.cli import main
-from quantnorm.report import load_results
+from quantnorm.results import load as load_results
 from quantnorm.sweep import MANIFEST_FILE, Cell, SweepConfig, cell_status
 
 TINY = ["--norms", "rms", "--seeds", "1", "--depths", "1", "--d-model", "32", "--heads", "2", "--context", "32",
