@@ -249,10 +249,16 @@ def fp32_p50(results: dict | None, provider: str = CPU) -> tuple[float | None, i
 # ------------------------------------------------------------------------------------ activations
 
 
+def section(results: dict | None, name: str) -> dict | None:
+    """An optional object section (``hardware``, ``smoothquant``, ``search``, ``fp16``,
+    ``sqnr_summary``, ...): None when the run has none (or it is not an object)."""
+    found = (results or {}).get(name)
+    return found if isinstance(found, dict) else None
+
+
 def outliers(results: dict | None) -> dict | None:
     """The ``outliers`` section (the probe's, from torch or the ONNX graph), None when not probed."""
-    section = (results or {}).get("outliers")
-    return section if isinstance(section, dict) else None
+    return section(results, "outliers")
 
 
 def residual(results: dict | None) -> list[dict]:
@@ -264,3 +270,16 @@ def massive_count(results: dict | None) -> int | None:
     """How many massive activations the probe found (None when there was no probe)."""
     section = outliers(results)
     return None if section is None else len(section.get("massive") or [])
+
+
+def diagnostics(results: dict | None) -> tuple[list[dict] | None, list[float] | None]:
+    """The zoo probe's ``diagnostics``: the weight-perturbation rows and the cosine of each block's
+    output with its input (each None when absent or empty)."""
+    d = section(results, "diagnostics")
+    if d is None:
+        return None, None
+    rows = d.get("perturbation")
+    rows = [r for r in rows if isinstance(r, dict)] if isinstance(rows, list) else None
+    cos = d.get("block_cosine")
+    cos = list(cos) if isinstance(cos, list) else None
+    return rows or None, cos or None

@@ -137,3 +137,13 @@ def test_outlier_views():
     assert results_file.residual(probed) == [{"layer": "embed", "ratio": 3.0}]
     assert results_file.massive_count(probed) == 1
     assert results_file.massive_count({"outliers": {"residual": []}}) == 0
+
+
+def test_section_and_diagnostics_views():
+    data = {"smoothquant": {"alpha": 0.5}, "search": None, "fp16": [1],
+            "diagnostics": {"perturbation": [{"relative_noise": 0.01}, "junk"], "block_cosine": []}}
+    assert results_file.section(data, "smoothquant") == {"alpha": 0.5}
+    assert results_file.section(data, "search") is None and results_file.section(data, "fp16") is None
+    assert results_file.section(None, "hardware") is None
+    assert results_file.diagnostics(data) == ([{"relative_noise": 0.01}], None)   # an empty list is no measurement
+    assert results_file.diagnostics({}) == (None, None)

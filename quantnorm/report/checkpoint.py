@@ -162,7 +162,7 @@ def export_checked(results: dict) -> list[str]:
 
 def export_given(results: dict) -> list[str]:
     """An ONNX source's graph: used as it was exported (the FP32 baseline every ratio is against)."""
-    ex = results.get("export") or {}
+    ex = results_file.section(results, "export") or {}
     return ["", "## Export", "",
             f"`{ex.get('path')}` as given (opset {ex.get('opset')}); inputs {', '.join(ex.get('inputs', [])) or '?'}; "
             f"outputs {', '.join(ex.get('outputs', [])) or '?'}; no PyTorch parity check (there is no PyTorch "
@@ -181,7 +181,7 @@ def warnings(results: dict) -> list[str]:
 def massive(results: dict, limit: int = 12) -> list[str]:
     """The first question: where the massive activations are born, and which quantized MatMul
     inputs see them, with what each recipe does to those inputs (SQNR, dB)."""
-    o = results.get("outliers")
+    o = results_file.outliers(results)
     if not o or "matmul_inputs" not in o:
         return []
     L = ["", "## Massive activations and the quantized tensors that see them", ""]
@@ -226,7 +226,7 @@ def massive(results: dict, limit: int = 12) -> list[str]:
 
 
 def fp16(results: dict) -> list[str]:
-    f = results.get("fp16")
+    f = results_file.section(results, "fp16")
     if not f:
         return []
     L = ["", "## FP16: does it survive float16?", "", f"**{f['verdict']}.** {f['how']}; {f['n_windows']} windows of "

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .. import results as results_file
 from ..fileio import write_text_atomic
 from ..runs import PLOTS_DIR, REPORT_FILE
 from ..train_status import DIVERGED, STATUSES, TRAINED
@@ -136,8 +137,8 @@ def render(sweep: Sweep, plots: dict[str, str] | None = None) -> str:
     groups = {g: [c for c in cells if c.trained] for g, cells in full.groups().items()}
     groups = {g: cells for g, cells in groups.items() if cells}
     recipes = sweep.recipes()
-    first = next((c.results for c in full.cells if c.results), None) or {}
-    hw = first.get("hardware", {})
+    first = next((c.results for c in full.cells if c.results), None)
+    hw = results_file.section(first, "hardware") or {}
     seeds = full.seeds
     L = [f"# quantnorm sweep: {full.path.name}", ""]
     L += _manifest_line(full)
@@ -195,14 +196,15 @@ def render(sweep: Sweep, plots: dict[str, str] | None = None) -> str:
     if layer_table:
         L += ["", "## Residual stream per layer", ""] + layer_table
 
-    sq = [(g, cells) for g, cells in groups.items() if any((c.results or {}).get("smoothquant") for c in cells)]
+    sq = [(g, cells) for g, cells in groups.items() if any(results_file.section(c.results, "smoothquant")
+                                                           for c in cells)]
     if sq:
         L += ["", "## SmoothQuant foldability", "",
               "MatMuls whose smoothing scale folds into the preceding norm's weight vs those that need an explicit "
               "Mul (count per model).", ""]
         rows = []
         for g, cells in sq:
-            sqs = [(c.results or {}).get("smoothquant") or {} for c in cells]
+            sqs = [results_file.section(c.results, "smoothquant") or {} for c in cells]
             folded = estimate(len(s.get("folded") or []) for s in sqs if s)
             explicit = estimate(len(s.get("explicit_scale") or []) for s in sqs if s)
             frac = estimate(len(s.get("folded") or []) / max(1, len(s.get("folded") or []) + len(s.get("explicit_scale") or []))

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .. import results as results_file
 from ..train_status import STATUSES, TRAINED
 from .markdown import table
 from .stats import (
@@ -620,7 +621,7 @@ def claim_outliers_predict(sweep: Sweep, full: Sweep | None = None) -> Finding:
                        f"trained settings of each seed: {', '.join(shown) or '–'}")
     within: dict[str, dict[int, list[float]]] = {}
     for c in cells:
-        for name, s in ((c.results or {}).get("sqnr_summary") or {}).items():
+        for name, s in (results_file.section(c.results, "sqnr_summary") or {}).items():
             if finite([s.get("spearman_ratio_sqnr")]):
                 within.setdefault(name, {}).setdefault(c.seed, []).append(s["spearman_ratio_sqnr"])
     for name, per in within.items():

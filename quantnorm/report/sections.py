@@ -33,7 +33,7 @@ def hardware(results: dict) -> list[str]:
 
 def warnings_for(results: dict) -> list[str]:
     out: list[str] = []
-    hw = results.get("hardware", {})
+    hw = results_file.section(results, "hardware") or {}
     if hw.get("vnni") is False:
         out.append("This CPU has no VNNI: ONNX Runtime's u8s8 INT8 kernels can saturate (AVX2 path), so recipes "
                    "use 7-bit weights (`reduce_range`) where set to auto; accuracy was measured under the same "
@@ -95,7 +95,7 @@ def latency_tables(results: dict) -> list[str]:
 def sqnr_tables(results: dict) -> list[str]:
     """Per static recipe: the rank correlation of outlier figures with SQNR and the worst tensors."""
     L: list[str] = []
-    for recipe, summary in results.get("sqnr_summary", {}).items():
+    for recipe, summary in (results_file.section(results, "sqnr_summary") or {}).items():
         feeds = {r["tensor"]: ", ".join(r.get("modules", [])) for r in results.get("sqnr", {}).get(recipe, [])}
         L += ["", f"### Per-tensor SQNR, `{recipe}`", "",
               f"Spearman rank correlation with SQNR: ratio {fmt(summary.get('spearman_ratio_sqnr'), '.2f')}, "
@@ -108,7 +108,7 @@ def sqnr_tables(results: dict) -> list[str]:
 
 
 def smoothquant(results: dict) -> list[str]:
-    sq = results.get("smoothquant")
+    sq = results_file.section(results, "smoothquant")
     if sq is None:
         return []
     L = ["", f"## SmoothQuant (alpha {sq.get('alpha')})", "", sq.get("statement", ""), ""]
@@ -126,7 +126,7 @@ def smoothquant(results: dict) -> list[str]:
 
 
 def search(results: dict) -> list[str]:
-    found = results.get("search")
+    found = results_file.section(results, "search")
     if found is None:
         return []
     chosen = found.get("chosen")
@@ -265,7 +265,7 @@ def zoo_outliers(results: dict) -> list[str]:
 
 
 def zoo_diagnostics(results: dict) -> list[str]:
-    d = results.get("diagnostics")
+    d = results_file.section(results, "diagnostics")
     if d is None:
         return []
     L = ["", "## Diagnostics", "",

@@ -229,18 +229,6 @@ def _step0(cell_dir: Path) -> dict:
         return {}
 
 
-def _diagnostics(results: dict) -> tuple[list[dict] | None, list[float] | None]:
-    """The perturbation rows and per-block cosines of results["diagnostics"] (None when absent)."""
-    d = results.get("diagnostics")
-    if not isinstance(d, dict):
-        return None, None
-    rows = d.get("perturbation")
-    rows = [r for r in rows if isinstance(r, dict)] if isinstance(rows, list) else None
-    cos = d.get("block_cosine")
-    cos = list(cos) if isinstance(cos, list) else None
-    return rows or None, cos or None
-
-
 def _status(train: dict, data: dict | None, margin: float | None) -> dict:
     try:
         st = status_from_results(train, data, margin)
@@ -259,7 +247,7 @@ def load_cell(cell_dir: Path, margin: float | None = None) -> CellResult | None:
         try:
             m, t = results["model"], results["train"]
             tc = t["config"]
-            perturbation, block_cosine = _diagnostics(results)
+            perturbation, block_cosine = results_file.diagnostics(results)
             status = _status(t, results.get("data"), margin)
             return CellResult(cell_dir.name, cell_dir, m["placement"], m["norm"], int(m["n_layers"]),
                               int(tc["warmup"]), int(tc["seed"]), bool(t.get("diverged")), t, results,
