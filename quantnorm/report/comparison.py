@@ -92,7 +92,6 @@ def status_section(sweep: Sweep) -> list[str]:
     return L + [""]
 
 
-
 def lr_section(sweep: Sweep) -> list[str]:
     """The per-learning-rate table and the tuned comparison (trained view; only with an lr axis)."""
     lrs = sweep.lrs
@@ -239,7 +238,6 @@ def write_findings(sweep_dir: str | Path, margin: float | None = None) -> tuple[
     return target, text
 
 
-
 def _layer_tables(sweep: Sweep, groups: dict) -> list[str]:
     out: list[str] = []
     for key, title, spec in (("ratio", "max/median |a| ratio", ".1f"), ("rms", "RMS", ".3g")):
@@ -264,7 +262,6 @@ def _layer_tables(sweep: Sweep, groups: dict) -> list[str]:
         out += [f"### {title} of the residual stream (after the embedding, then after each block)", ""]
         out += table(["setting", *layers], rows) + [""]
     return out
-
 
 
 def make_plots(sweep: Sweep) -> dict[str, str]:

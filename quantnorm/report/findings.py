@@ -44,7 +44,6 @@ FINDINGS_FILE = "findings.md"
 FINDINGS_JSON = "findings.json"
 
 
-
 @dataclass
 class Finding:
     number: int
@@ -68,7 +67,6 @@ class Finding:
         return out + [""]
 
 
-
 def _missing(sweep: Sweep, placements: Iterable[str]) -> list[str]:
     present = {c.placement for c in sweep.cells}
     return [p for p in placements if p not in present]
@@ -78,7 +76,6 @@ def _missing_why(sweep: Sweep, placements: Iterable[str]) -> str | None:
     """Why a claim is not tested when placements it compares have no trained cells; None when all are there."""
     missing = _missing(sweep, placements)
     return f"no trained {' and '.join(missing)} cells in the sweep" if missing else None
-
 
 
 def decide(f: Finding, tests: list[SubTest], rule: str) -> Finding:
@@ -97,7 +94,6 @@ def decide(f: Finding, tests: list[SubTest], rule: str) -> Finding:
         if n < len(tests):
             f.why += f"; {len(tests) - n} of {len(tests)} sub-tests not tested (see above)"
     return f
-
 
 
 def by_seed(cells: Iterable[CellResult], metric: Callable[[CellResult], float | None]) -> dict[int, float]:
@@ -162,7 +158,6 @@ def held_out_best(cells: Iterable[CellResult], setting: Callable[[CellResult], t
         return held, chosen, None, {}
     best_all = min(by_setting, key=lambda st: (sum(by_setting[st].values()) / len(by_setting[st]), str(st)))
     return held, chosen, best_all, by_setting[best_all]
-
 
 
 def claim_warmup(sweep: Sweep, full: Sweep | None = None) -> Finding:
@@ -726,8 +721,8 @@ def findings_section(sweep: Sweep, plots: dict[str, str] | None = None,
                      found: list[Finding] | None = None) -> list[str]:
     """The Markdown lines of the findings section (``## Findings``): which cells are left out, one
     subsection per claim, a summary line and the table of the twelve verdicts. ``plots`` (title ->
-    path relative to the sweep directory, as from :func:`make_plots`) adds the pictures to the claims
-    they illustrate."""
+    path relative to the sweep directory, as quantnorm.report.comparison.make_plots returns them)
+    adds the pictures to the claims they illustrate."""
     found = found if found is not None else findings(sweep)
     for item in found:
         item.plots = {t: (plots or {})[t] for t in CLAIM_PLOTS.get(item.number, ()) if t in (plots or {})}

@@ -216,8 +216,6 @@ def combine(parts: Sequence[str]) -> str:
     return NOT_SIGNIFICANT
 
 
-
-
 def growth_fit(rms: Sequence[float]) -> dict | None:
     """Fit RMS over depth (x = 0, 1, ... for consecutive outputs) as exponential (log-linear) and
     as linear; R^2 of both in RMS units (so they compare). None with fewer than 3 points.
@@ -242,7 +240,6 @@ def growth_fit(rms: Sequence[float]) -> dict | None:
             "delta_r2": r2(pred_exp) - r2(pred_lin)}
 
 
-
 def fmt_pct(est: Estimate) -> str:
     """A log-ratio estimate as a percentage change."""
     if est.mean is None:
@@ -259,7 +256,6 @@ def fmt_factor(est: Estimate) -> str:
     return f"{f(est.mean)} [{f(est.lo)}, {f(est.hi)}]" if est.has_interval else f"{f(est.mean)} (n={est.n})"
 
 
-
 # ------------------------------------------------------------- sub-tests over seeds, Holm's correction
 #
 # The seed is the unit of replication: a sub-test is one stratum of the design (one value of every
@@ -270,7 +266,6 @@ def fmt_factor(est: Estimate) -> str:
 # (family-wise error 5%); the 95% intervals shown are the uncorrected ones.
 
 ALPHA = 1 - LEVEL
-
 
 
 @dataclass

@@ -29,8 +29,6 @@ PLACEMENT_ORDER = ("post", "pre", "peri", "deepnorm", "residual")
 NORM_ORDER = ("layer", "rms")
 
 
-
-
 @dataclass
 class CellResult:
     """One finished cell: its results.json (None when training diverged) and training summary.
@@ -320,7 +318,6 @@ def load_sweep(sweep_dir: str | Path, margin: float | None = None) -> Sweep:
                  margin if margin is not None else DEFAULT_COLLAPSE_MARGIN)
 
 
-
 def group_estimate(cells: list[CellResult], metric: Callable[[CellResult], float | None]) -> Estimate:
     return estimate(metric(c) for c in cells)
 
@@ -359,11 +356,9 @@ def rank(items: list[tuple[tuple, str, str, Estimate]]) -> list[RankRow]:
     return rows
 
 
-
 def residual_series(cell: CellResult, key: str) -> tuple[list[str], list[float | None]]:
     rows = cell.residual()
     return [str(r.get("layer")) for r in rows], [r.get(key) for r in rows]
-
 
 
 def placements_in(sweep: Sweep, cells: Iterable[CellResult] | None = None) -> list[str]:
