@@ -15,7 +15,6 @@ import click
 import onnxruntime as ort
 
 from . import __version__
-from .compare import write_comparison, write_findings
 from .config import EvaluateConfig
 from .data import BUILTIN_PYDOC, DataConfig, evaluation_windows, prepare_data
 from .errors import QuantnormError
@@ -24,12 +23,12 @@ from .evaluate import evaluate as run_evaluate
 from .export import export_onnx, write_onnx_dir
 from .fileio import write_json_atomic
 from .gate import Policy, append_summary, load_policy, run_gate, write_error_outputs, write_junit
-from .hf.report import is_hf_results, write_hf_report
 from .measure.latency import bench_grid
 from .measure.sessions import PROVIDERS, resolve_providers
 from .models import NORMS, PLACEMENTS, ModelConfig
 from .quantize import DEFAULT_RECIPES, RECIPES
-from .report import load_results, write_report
+from .report import write_comparison, write_findings, write_report
+from .results import load as load_results
 from .runs import FP32_ONNX_FILE, check_out_dir, open_run_dir
 from .sources import open_model  # imports no transformers until a checkpoint is loaded
 from .sweep import SweepConfig, read_cell_config, run_sweep
@@ -415,9 +414,7 @@ def bench(models, providers, batches, seq, iters, warmup, threads, opt_level, js
 @click.argument("run_dir", type=click.Path(path_type=Path))
 def report(run_dir):
     """Regenerate RUN_DIR/report.md and its plots from RUN_DIR/results.json."""
-    results = load_results(run_dir)
-    write = write_hf_report if is_hf_results(results) else write_report
-    click.echo(str(write(run_dir, results)))
+    click.echo(str(write_report(run_dir, load_results(run_dir))))
 
 
 @cli.command()

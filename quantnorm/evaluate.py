@@ -14,13 +14,11 @@ import shutil
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from datetime import datetime, timezone
 from pathlib import Path
 
 import onnx
 from tqdm import tqdm
 
-from . import __version__
 from .config import AUTO, EvaluateConfig
 from .errors import ConfigError, QuantizeError
 from .fileio import write_json_atomic
@@ -29,18 +27,19 @@ from .measure.graph_probe import graph_probe, weight_matmul_inputs
 from .measure.latency import bench_grid
 from .measure.outliers import largest_ratio_layer
 from .measure.placement import detect_placement
-from .measure.sessions import SessionSpec, hardware_info, make_session
+from .measure.sessions import SessionSpec, make_session
 from .measure.sqnr import sqnr_sections
-from .plots import plot_activation_heatmap
 from .quantize import quantize
 from .quantize.sanity import softmax_input_report
+from .report import write_report
+from .report.plots import plot_activation_heatmap
+from .results import header as results_header
 from .runs import FP32_ONNX_FILE, PLOTS_DIR, RESULTS_FILE, RunDir, int8_onnx_file
 from .sources.base import DETECTED, ModelSource, SearchScoring
 from .sources.zoo import ZooSource, ensure_trained
 
 __all__ = ["AUTO", "EvaluateConfig", "ensure_trained", "evaluate"]  # ensure_trained: the sweep's and the CLI's
 
-SCHEMA_VERSION = 1
 
 
 @contextmanager
@@ -153,7 +152,7 @@ def evaluate(source: ModelSource | RunDir, cfg: EvaluateConfig, *, command: str)
         results.update(source.extras(cfg, stage))
     results["stage_seconds"] = stage_seconds
     write_json_atomic(run_dir / RESULTS_FILE, results)
-    source.write_report(results)
+    write_report(run_dir, results)  # the sections are chosen by the source's kind (quantnorm.report.run)
     return results
 
 
@@ -187,17 +186,6 @@ def placement_from_graph(fp32_path: Path, table_placement: str) -> dict:
     if table_placement == DETECTED:
         return {**found, "table": None, "agrees": None}
     return {**found, "table": table_placement, "agrees": found["placement"] == table_placement}
-
-
-def results_header(command: str, threads: int | None) -> dict:
-    """The keys every results.json starts with (RESULTS.md): schema, version, command, time, hardware."""
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "quantnorm_version": __version__,
-        "command": command,
-        "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "hardware": hardware_info(threads),
-    }
 
 
 def measure_latency(cfg: EvaluateConfig, models: dict[str, Path], seq: int) -> list:

@@ -1,10 +1,12 @@
 """The deployment gate: a policy (thresholds) applied to results.json files -> pass / fail.
 
 Exit codes (``quantnorm gate``): 0 every run passes, 1 a run fails a check, 2 the gate could not
-judge (missing, unreadable or corrupt input, a ``schema_version`` other than 1 and 2, a malformed
-or physically impossible results.json, a bad policy or one that checks nothing).
+judge (missing, unreadable or corrupt input, a ``schema_version`` quantnorm.results does not read
+(1 and 2), a ``model.source`` it does not know, a malformed or physically impossible results.json,
+a bad policy or one that checks nothing).
 
-It fails closed. A results.json is validated first (validate_results: NaN, a negative KL, a
+It fails closed. A results.json is read by quantnorm.results.load (the one loader) and validated
+first (validate_results: NaN, a negative KL, a
 fraction above 1, duplicate recipe names, a latency row without a provider, ... -> ResultsError,
 exit 2, one line naming the file and the field). On a valid one, a number the policy needs that
 the run does not have or did not measure (``latency[].status = "not measured: ..."``, a recipe
@@ -53,16 +55,14 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from . import results as results_file
 from .errors import ConfigError, QuantnormError
 from .fileio import write_text_atomic
 from .manifest import MANIFEST_FILE
 from .measure.sessions import normalize_provider
+from .results import FP32_VARIANT, MEASURED, is_pretrained, latency_rows, source_kind
 from .runs import CONFIG_FILE, RESULTS_FILE, TRAIN_SUMMARY_FILE
 from .train_status import DEFAULT_COLLAPSE_MARGIN, status_from_results
-
-SUPPORTED_SCHEMAS = (1, 2)  # 2 adds the real-checkpoint keys (RESULTS.md); the gated keys are the same
-FP32_VARIANT = "fp32"
-MEASURED = "measured"
 
 EXIT_PASS, EXIT_FAIL, EXIT_ERROR = 0, 1, 2
 
@@ -413,15 +413,14 @@ class ResultsError(GateError):
     """A results.json is malformed or holds a number no measurement can produce."""
 
 
-def check_schema(results: Any, source: str = "results") -> None:
-    """GateError unless ``results`` is a results.json dict of a supported schema_version."""
-    if not isinstance(results, dict) or "schema_version" not in results:
-        raise ResultsError(f"{source} is not a quantnorm results.json (no schema_version)")
-    version = results["schema_version"]
-    if isinstance(version, bool) or version not in SUPPORTED_SCHEMAS:
-        known = " and ".join(str(v) for v in SUPPORTED_SCHEMAS)
-        raise ResultsError(f"{source}: schema_version {version!r} is not one this quantnorm gates ({known}); "
-                        f"use the quantnorm version that wrote it")
+def _check_contract(results: Any, source: str) -> None:
+    """ResultsError unless ``results`` is a results.json object of a schema_version and a model
+    source quantnorm.results reads (its own error, re-raised as the gate's: exit 2)."""
+    try:
+        results_file.check_schema(results, source)
+        source_kind(results, source)
+    except results_file.ResultsError as exc:
+        raise ResultsError(str(exc)) from None
 
 
 def _malformed(source: str, field: str, problem: str) -> ResultsError:
@@ -524,7 +523,7 @@ def validate_results(results: Any, source: str = "results") -> None:
     """ResultsError (a GateError: exit code 2) unless ``results`` is a well-formed results.json of a
     supported schema whose every gated number is finite and physically possible. The message is one
     line naming ``source`` and the field."""
-    check_schema(results, source)
+    _check_contract(results, source)
     _validate_recipes(results.get("recipes"), source)
     _validate_latency(results.get("latency"), source)
 
@@ -539,11 +538,6 @@ _ACCURACY_CHECKS = (  # (policy key, accuracy key, "<=" or ">=")
 
 def _compare(value: float, op: str, threshold: float) -> bool:
     return value <= threshold if op == "<=" else value >= threshold
-
-
-def _latency_list(results: dict) -> list:
-    latency = results.get("latency")
-    return latency if isinstance(latency, list) else []
 
 
 def _status_check(results: dict, entry: dict, policy: Policy) -> list[Check]:
@@ -581,36 +575,31 @@ def _accuracy_checks(results: dict, entry: dict, policy: Policy) -> list[Check]:
     return out
 
 
-def _rows(latency: list, provider: str, variant: str) -> list[dict]:
-    return [r for r in latency if isinstance(r, dict) and r.get("provider") == provider and r.get("variant") == variant]
-
-
 def _provider_checks(results: dict, entry: dict, policy: Policy) -> list[Check]:
-    latency, name = _latency_list(results), entry["name"]
+    name = entry["name"]
     out: list[Check] = []
     for provider in policy.require_provider:
         short = _short_provider(provider)
         problems: dict[str, list[str]] = {}  # reason -> rows; rows usually share one ("no CUDA device")
         for variant in (FP32_VARIANT, name):
-            rows = _rows(latency, provider, variant)
+            rows = latency_rows(results, provider=provider, variant=variant)
             if not rows:
                 problems.setdefault("no latency row", []).append(variant)
             for r in rows:
-                status = r.get("status")
-                if status != MEASURED:
-                    why = status if isinstance(status, str) and status else "no status"
-                elif not _is_number(r.get("p50_ms")):
-                    why = f"p50_ms {_describe_bad(r.get('p50_ms'))}"
+                if not r.measured:
+                    why = r.status if isinstance(r.status, str) and r.status else "no status"
+                elif not _is_number(r.p50_ms):
+                    why = f"p50_ms {_describe_bad(r.p50_ms)}"
                 else:
                     continue
-                problems.setdefault(why, []).append(f"{variant} b={r.get('batch')}")
+                problems.setdefault(why, []).append(f"{variant} b={r.batch}")
         reason = "; ".join(f"{why} ({', '.join(rows)})" for why, rows in problems.items())
         out.append(Check(name, f"provider {short}", None, "measured", not problems, reason))
     return out
 
 
 def _latency_checks(results: dict, entry: dict, policy: Policy) -> list[Check]:
-    latency, name = _latency_list(results), entry["name"]
+    name = entry["name"]
     threshold = policy.max_latency_ratio
     if threshold is None:
         return []
@@ -619,24 +608,23 @@ def _latency_checks(results: dict, entry: dict, policy: Policy) -> list[Check]:
     if policy.require_provider:
         providers = list(policy.require_provider)
     else:
-        providers = list(dict.fromkeys(r.get("provider") for r in latency if isinstance(r, dict)
-                                       and r.get("variant") == name and r.get("status") == MEASURED))
+        providers = list(dict.fromkeys(r.provider for r in latency_rows(results, variant=name, measured=True)))
     for provider in providers:
         short = _short_provider(str(provider))
-        int8_rows = [r for r in _rows(latency, provider, name) if r.get("status") == MEASURED]
+        int8_rows = latency_rows(results, provider=provider, variant=name, measured=True)
         if not int8_rows:
             out.append(Check(name, f"latency_ratio {short}", None, limit, False,
                              f"missing: no measured INT8 latency on {short}"))
             continue
         for row in int8_rows:
-            label = f"latency_ratio {short} b={row.get('batch')}"
-            fp32 = [r for r in _rows(latency, provider, FP32_VARIANT)
-                    if r.get("batch") == row.get("batch") and r.get("seq") == row.get("seq")]
-            if not fp32 or fp32[0].get("status") != MEASURED:
-                why = fp32[0].get("status") if fp32 else "no row"
+            label = f"latency_ratio {short} b={row.batch}"
+            fp32 = [r for r in latency_rows(results, provider=provider, variant=FP32_VARIANT)
+                    if r.batch == row.batch and r.seq == row.seq]
+            if not fp32 or not fp32[0].measured:
+                why = fp32[0].status if fp32 else "no row"
                 out.append(Check(name, label, None, limit, False, f"missing: FP32 latency {why}"))
                 continue
-            p_int8, p_fp32 = row.get("p50_ms"), fp32[0].get("p50_ms")
+            p_int8, p_fp32 = row.p50_ms, fp32[0].p50_ms
             if not _is_number(p_int8) or not _is_number(p_fp32) or p_fp32 <= 0:
                 out.append(Check(name, label, None, limit, False,
                                  f"missing: p50_ms INT8 {p_int8!r}, FP32 {p_fp32!r} (need positive numbers)"))
@@ -644,7 +632,7 @@ def _latency_checks(results: dict, entry: dict, policy: Policy) -> list[Check]:
             ratio = p_int8 / p_fp32
             passed = ratio <= threshold
             note = "" if passed else f"{ratio:.4g} not {limit} ({p_int8:.4g} ms / {p_fp32:.4g} ms)"
-            if row.get("simulated_int8"):
+            if row.row.get("simulated_int8"):
                 note = (note + "; " if note else "") + "simulated INT8 (QDQ with float math)"
             out.append(Check(name, label, ratio, limit, passed, note))
     if not out:
@@ -657,12 +645,9 @@ def _train_status_check(results: dict, policy: Policy) -> list[Check]:
     """A model that never trained (on the unigram plateau, or barely off it) or diverged fails: its
     INT8 numbers (PPL ratio 1.000x, 100% top-1) say nothing. A pretrained checkpoint
     (``train.pretrained``, or a ``model.source`` other than a zoo run) was not trained here and has
-    no such check."""
+    no such check; nor has a hand-written results.json with neither a source nor a train section."""
     train = results.get("train")
-    source = (results.get("model") or {}).get("source")
-    kind = source.get("kind") if isinstance(source, dict) else source
-    pretrained = (isinstance(train, dict) and train.get("pretrained") is True) or kind not in (None, "trained", "zoo")
-    if policy.collapse_margin is None or pretrained or (train is None and kind is None):
+    if policy.collapse_margin is None or is_pretrained(results) or (train is None and source_kind(results) is None):
         return []
     limit = f"trained (margin {policy.collapse_margin:g} bits/byte)"
     if not isinstance(train, dict):
@@ -719,13 +704,12 @@ def evaluate_gate(results: dict, policy: Policy, source: str = "results.json") -
 
 
 def load_results_file(path: str | Path) -> dict:
-    """Read and schema-check one results.json; anything unreadable -> GateError (one line)."""
-    path = Path(path)
-    text = _read_text(path, GateError, str(path), ": run `quantnorm evaluate` first")
+    """One results.json read by quantnorm.results.load and validated; anything unreadable or
+    malformed -> GateError (one line naming the file and the field)."""
     try:
-        results = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise GateError(f"{path} is not valid JSON ({exc}); re-run `quantnorm evaluate`") from None
+        results = results_file.load(path)
+    except results_file.ResultsError as exc:
+        raise GateError(str(exc)) from None
     validate_results(results, str(path))
     return results
 

@@ -46,7 +46,7 @@ from onnxruntime.capi import build_and_package_info as ort_build
 from .calibration import calibration_windows
 from .data import DataConfig, evaluation_windows, prepare_data
 from .errors import ConfigError, MeasureError, QuantnormError
-from .evaluate import ensure_trained, results_header
+from .evaluate import ensure_trained
 from .export import export_onnx
 from .fileio import write_json_atomic, write_text_atomic
 from .hardware import cpu_has_vnni, gpu_device_present
@@ -65,6 +65,7 @@ from .measure.sessions import (
 from .models import ModelConfig
 from .quantize import get_recipe, quantize
 from .quantize.fp16 import FP16_MAX, convert_fp16
+from .results import header as results_header
 from .runs import TRAIN_SUMMARY_FILE
 from .train import RunConfig, TrainConfig, default_warmup, load_model
 

@@ -38,7 +38,6 @@ from typing import IO
 from tqdm import tqdm
 
 from . import serial
-from .compare import write_comparison
 from .config import EvaluateConfig
 from .data import BUILTIN_PYDOC, DataConfig, prepare_data
 from .errors import ConfigError, RunDirError
@@ -46,7 +45,8 @@ from .fileio import write_json_atomic, write_text_atomic
 from .manifest import MANIFEST_FILE, MANIFEST_VERSION, read_manifest
 from .models import NORMS, PLACEMENTS, ModelConfig
 from .quantize import DEFAULT_RECIPES
-from .report import load_results
+from .report import write_comparison
+from .results import load as load_results
 from .runs import CONFIG_FILE, RESULTS_FILE, TRAIN_SUMMARY_FILE
 from .train import RunConfig, TrainConfig, default_warmup
 

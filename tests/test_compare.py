@@ -10,7 +10,13 @@ from pathlib import Path
 import pytest
 
 from quantnorm.cli import main
-from quantnorm.compare import (
+from quantnorm.report.comparison import (
+    write_comparison,
+)
+from quantnorm.report.findings import (
+    findings,
+)
+from quantnorm.report.stats import (
     DOES_NOT_HOLD,
     HOLDS,
     NOT_SIGNIFICANT,
@@ -18,18 +24,18 @@ from quantnorm.compare import (
     Estimate,
     combine,
     estimate,
-    findings,
     growth_fit,
-    load_sweep,
     matched_difference,
-    rank,
     spearman_interval,
     t_quantile,
     verdict_order,
     verdict_sign,
     verdict_within,
     welch_difference,
-    write_comparison,
+)
+from quantnorm.report.sweep import (
+    load_sweep,
+    rank,
 )
 
 T2 = 4.302652729911275   # t(0.975, df=2), from tables
@@ -242,7 +248,7 @@ def _literature_sweep(root: Path, agree: bool) -> Path:
 def test_findings_on_a_sweep_that_agrees_with_the_literature(tmp_path):
     sweep = load_sweep(_literature_sweep(tmp_path, agree=True))
     assert len(sweep.cells) == 36 and sum(c.diverged for c in sweep.cells) == 2
-    found = {f.number: f for f in findings(sweep)[0]}
+    found = {f.number: f for f in findings(sweep)}
     assert found[1].verdict == HOLDS          # post gains 1 bit/byte from warm-up, pre nothing
     assert found[2].verdict == HOLDS          # post's step-0 gradients grow toward the output
     assert found[3].verdict == NOT_TESTED and found[3].why
@@ -261,7 +267,7 @@ def test_findings_on_a_sweep_that_agrees_with_the_literature(tmp_path):
 
 def test_findings_on_a_sweep_that_contradicts_the_literature(tmp_path):
     sweep = load_sweep(_literature_sweep(tmp_path, agree=False))
-    found = {f.number: f for f in findings(sweep)[0]}
+    found = {f.number: f for f in findings(sweep)}
     assert found[1].verdict == DOES_NOT_HOLD      # post did better without warm-up
     assert found[4].verdict == DOES_NOT_HOLD      # RMS shrinks with depth
     assert found[11].verdict == DOES_NOT_HOLD     # bigger outliers, smaller PPL ratio

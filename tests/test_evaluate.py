@@ -43,7 +43,7 @@ def test_results_follow_the_contract(evaluated):
     for key in ("schema_version", "quantnorm_version", "command", "created", "hardware", "model", "data",
                 "train", "export", "recipes", "latency", "outliers", "sqnr"):
         assert key in results, key
-    assert results["schema_version"] == 1
+    assert results["schema_version"] == 2
     assert results["train"]["status"] in ("trained", "collapsed") and results["train"]["unigram_bits_per_byte"] > 0
     d = results["data"]
     assert d["calibration"][1] <= d["evaluation"][0] and d["bos"] is True and d["window"] == 32

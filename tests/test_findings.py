@@ -18,25 +18,29 @@ from pathlib import Path
 import pytest
 
 from quantnorm.cli import main
-from quantnorm.compare import (
-    DOES_NOT_HOLD,
+from quantnorm.report.findings import (
     FINDINGS_FILE,
-    HOLDS,
-    NOT_SIGNIFICANT,
-    NOT_TESTED,
-    CellResult,
-    Sweep,
-    _depth_shape,
     depth_exponent,
-    estimate,
+    depth_shape,
     findings,
     findings_section,
     held_out_best,
-    holm,
-    load_sweep,
     log_reference_exponent,
+)
+from quantnorm.report.stats import (
+    DOES_NOT_HOLD,
+    HOLDS,
+    NOT_SIGNIFICANT,
+    NOT_TESTED,
+    estimate,
+    holm,
     sign_test,
     within_test,
+)
+from quantnorm.report.sweep import (
+    CellResult,
+    Sweep,
+    load_sweep,
 )
 
 JITTER = (0.0, 0.01, -0.01)   # per seed: three seeds, mean unchanged, a small spread
@@ -80,7 +84,7 @@ def sweep(cells: list[CellResult], jobs: int | None = None) -> Sweep:
 
 
 def verdict(s: Sweep, number: int):
-    found = {f.number: f for f in findings(s)[0]}
+    found = {f.number: f for f in findings(s)}
     assert len(found) == 12
     return found[number]
 
@@ -277,12 +281,12 @@ def test_depth_exponent_and_its_words():
     ref = log_reference_exponent([2, 4, 8])
     assert 0.7 < ref < 0.9 and log_reference_exponent([1, 4]) is None
     assert depth_exponent({d: math.log(d) for d in (2, 4, 8)}) == pytest.approx(ref)
-    assert _depth_shape(estimate([0.99, 1.0, 1.01]), ref) == "about linear in depth, O(N)"
-    assert _depth_shape(estimate([ref - 0.01, ref, ref + 0.01]), ref) == "about logarithmic in depth, O(log N)"
-    assert _depth_shape(estimate([0.5, 1.0, 1.2]), ref) == "linear and logarithmic growth not told apart"
-    assert _depth_shape(estimate([1.5, 1.6, 1.7]), ref) == "grows faster than linearly"
-    assert _depth_shape(estimate([-0.5, -0.4, -0.3]), ref) == "shrinks with depth"
-    assert _depth_shape(estimate([1.0]), ref) == "one series: no interval"
+    assert depth_shape(estimate([0.99, 1.0, 1.01]), ref) == "about linear in depth, O(N)"
+    assert depth_shape(estimate([ref - 0.01, ref, ref + 0.01]), ref) == "about logarithmic in depth, O(log N)"
+    assert depth_shape(estimate([0.5, 1.0, 1.2]), ref) == "linear and logarithmic growth not told apart"
+    assert depth_shape(estimate([1.5, 1.6, 1.7]), ref) == "grows faster than linearly"
+    assert depth_shape(estimate([-0.5, -0.4, -0.3]), ref) == "shrinks with depth"
+    assert depth_shape(estimate([1.0]), ref) == "one series: no interval"
 
 
 # ------------------------------------------------------------------------ claim 4: residual growth
@@ -622,7 +626,7 @@ def test_findings_command_prints_and_writes_the_report_section(tmp_path, capsys)
     assert out.strip() == written.strip()
     assert out.startswith("## Findings")
     assert "### Claim 3:" in out and "### Claim 7:" in out
-    found = {f.number: f for f in findings(load_sweep(root))[0]}
+    found = {f.number: f for f in findings(load_sweep(root))}
     assert found[3].verdict == HOLDS and found[7].verdict == HOLDS
     assert (root / "plots" / "block_cosine.png").is_file()
     # the same section is in the sweep's report

@@ -529,6 +529,28 @@ def test_pretrained_checkpoint_has_no_training_status_check(tmp_path, capsys):
     assert code == 0 and "train status" not in out
 
 
+@pytest.mark.parametrize("source", [{"kind": "gguf", "file": "m.gguf"}, {"kind": "onnx", "path": "export"}])
+def test_gguf_and_onnx_sources_are_pretrained_without_saying_so(tmp_path, capsys, source):
+    data = {**results(), "schema_version": 2, "model": {"source": source}, "train": {"diverged": False}}
+    code, out, _ = gate([write(tmp_path / "r.json", data)], capsys)
+    assert code == 0 and "train status" not in out
+    data["model"]["source"] = "trained"                  # the same train section from a zoo run is judged
+    code, out, _ = gate([write(tmp_path / "r.json", data)], capsys)
+    assert code == 1 and "train status" in out
+
+
+@pytest.mark.parametrize("source", ["hub:gpt2", {"kind": "safetensors"}, {"path": "x"}, 7])
+def test_an_unknown_model_source_is_refused(tmp_path, capsys, source):
+    # it used to pass as a pretrained checkpoint, skipping the training-status check
+    data = {**results(), "model": {"source": source}}
+    path = write(tmp_path / "run" / "results.json", data)
+    code, out, err = gate([path], capsys)
+    assert code == 2 and out == ""
+    assert_one_line_error(err, str(path), "model.source", "is not a source this quantnorm knows")
+    with pytest.raises(ResultsError, match="^src: model.source"):
+        evaluate_gate(data, Policy(), source="src")
+
+
 def test_diverged_or_unknown_status_fails(tmp_path, capsys):
     diverged = _trained(None, diverged=True)
     assert gate([write(tmp_path / "d.json", diverged)], capsys)[0] == 1

@@ -83,7 +83,7 @@ def test_no_gpu_path_end_to_end(zoo, work, tmp_path, no_gpu):
     assert len(gpu_lines) == 6 and all(f"not measured: {NO_GPU}" in line for line in gpu_lines)
 
     results = json.loads((out / "results.json").read_text())
-    assert results["schema_version"] == 1 and results["hardware"]["gpu"] is None
+    assert results["schema_version"] == 2 and results["hardware"]["gpu"] is None
     # Five steps teach the tiny model nothing: the report says so instead of hiding it.
     assert results["model"]["train"]["status"] == "collapsed"
     for row in results["latency"]:

@@ -10,7 +10,7 @@ from matplotlib.image import imread
 from quantnorm.data import BOS
 from quantnorm.measure.outliers import heatmap_for_layer, probe
 from quantnorm.models import CausalLM, ModelConfig
-from quantnorm.plots import plot_activation_heatmap, plot_layer_outliers, plot_sqnr_vs_outlier
+from quantnorm.report.plots import plot_activation_heatmap, plot_layer_outliers, plot_sqnr_vs_outlier
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

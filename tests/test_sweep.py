@@ -21,7 +21,7 @@ from test_compare import make_results
 from quantnorm import sweep as sweep_mod
 from quantnorm.cli import main
 from quantnorm.config import EvaluateConfig
-from quantnorm.report import load_results
+from quantnorm.results import load as load_results
 from quantnorm.sweep import CELL_CONFIG_FILE, MANIFEST_FILE, Cell, SweepConfig, cell_status
 from quantnorm.train import RunConfig
 

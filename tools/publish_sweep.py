@@ -37,7 +37,7 @@ def main(sweep: str, dest: str) -> int:
             shutil.copytree(cell / "plots", target / "plots", dirs_exist_ok=True)
     # regenerate from the published cells: the committed report must be what `quantnorm compare` on
     # the committed directory writes (its name and its cells/ layout included)
-    from quantnorm.compare import write_comparison, write_findings
+    from quantnorm.report import write_comparison, write_findings
 
     write_comparison(out)
     write_findings(out)

@@ -18,8 +18,8 @@ the pipeline. A source supplies only what really differs between checkpoints:
   needs to know: the block count, causal or encoder attention, the token names;
 - ``extras(cfg, timed)``: sections only a torch module can give (the zoo's diagnostics, a
   checkpoint's FP16 check);
-- ``sections(detected)``: the ``model``, ``data`` and ``train`` sections of results.json;
-- ``write_report(results)``: the run report.
+- ``sections(detected)``: the ``model``, ``data`` and ``train`` sections of results.json (the run
+  report picks its sections from ``model.source``'s kind: ``quantnorm.report.run``).
 
 Adding a source is one new module with one class that has these members.
 """
@@ -78,7 +78,6 @@ class ModelSource(Protocol):
     def probe_options(self) -> dict: ...
     def extras(self, cfg, timed: Callable) -> dict: ...
     def sections(self, detected: dict) -> dict: ...
-    def write_report(self, results: dict) -> Path: ...
 
 
 class NoTransforms:

@@ -20,7 +20,6 @@ import numpy as np
 
 from ..data import BUILTIN_PYDOC
 from ..errors import ConfigError
-from ..hf.report import write_hf_report
 from ..portable import portable_path
 from ..runs import check_out_dir
 from .base import SearchScoring, SourceData
@@ -232,8 +231,6 @@ class HFSource:
             "attn_implementation": "eager",
         }
 
-    def write_report(self, results: dict) -> Path:
-        return write_hf_report(self.run_dir, results)
 
 
 def gguf_source(model_path: Path, *, out: Path | None, progress: bool, **options) -> HFSource:

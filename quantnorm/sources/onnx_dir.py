@@ -42,7 +42,6 @@ from ..errors import ConfigError, ExportError
 from ..export import count_norm_ops
 from ..fileio import atomic_path, external_data_file, save_onnx
 from ..hf.loader import DETECTED, NORM_FORMULAS, TOKENIZER_FILES, pooling_mode
-from ..hf.report import write_hf_report
 from ..portable import portable_path
 from ..runs import FP32_ONNX_FILE, check_out_dir
 from .base import NoTransforms, SearchScoring
@@ -370,5 +369,3 @@ class OnnxDirSource:
                 "train": {"pretrained": True, "diverged": False,
                           "note": "exported model: not trained by quantnorm"}}
 
-    def write_report(self, results: dict) -> Path:
-        return write_hf_report(self.run_dir, results)

@@ -16,7 +16,6 @@ from ..errors import QuantizeError
 from ..export import export_onnx
 from ..measure.accuracy import compare
 from ..measure.diagnostics import diagnostics
-from ..report import write_report
 from ..runs import TRAIN_SUMMARY_FILE, RunDir, check_out_dir
 from ..smoothquant import SmoothedModels
 from ..train import RunConfig, load_model, train
@@ -90,6 +89,4 @@ class ZooSource:
             "train": {**self.train_summary, "config": self.config.to_dict()["train"]},
         }
 
-    def write_report(self, results: dict) -> Path:
-        return write_report(self.run_dir, results)
 

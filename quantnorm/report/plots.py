@@ -12,16 +12,18 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
+from matplotlib.ticker import NullLocator
 
-from .fileio import atomic_path
-from .measure.outliers import MASSIVE_ABS, MASSIVE_RATIO
-from .measure.sqnr import spearman
+from ..fileio import atomic_path
+from ..measure.outliers import MASSIVE_ABS, MASSIVE_RATIO
+from ..measure.sqnr import spearman
 
 _DPI = 120
 _PNG_METADATA = {"Software": None}
 
 
-def _save(fig: Figure, out_png: Path) -> Path:
+def save(fig: Figure, out_png: Path) -> Path:
+    """Draw ``fig`` on the Agg canvas and write it to ``out_png`` atomically, byte-reproducibly."""
     out_png = Path(out_png)
     FigureCanvasAgg(fig)
     fig.tight_layout()
@@ -65,7 +67,7 @@ def plot_layer_outliers(residual_rows: list[dict], out_png: Path, title: str) ->
     handles = ax.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
     ax.legend(handles, [h.get_label() for h in handles], fontsize=8, loc="best")
     ax.set_title(title)
-    return _save(fig, out_png)
+    return save(fig, out_png)
 
 
 def plot_activation_heatmap(matrix: np.ndarray, out_png: Path, title: str) -> Path:
@@ -86,7 +88,7 @@ def plot_activation_heatmap(matrix: np.ndarray, out_png: Path, title: str) -> Pa
     ax.set_xlabel("channel")
     ax.set_ylabel("token position")
     ax.set_title(f"{title}\nmax |a| = {a[p, c]:.3g} at position {p}, channel {c}", fontsize=10)
-    return _save(fig, out_png)
+    return save(fig, out_png)
 
 
 def plot_sqnr_vs_outlier(rows: list[dict], out_png: Path, title: str) -> Path:
@@ -112,7 +114,7 @@ def plot_sqnr_vs_outlier(rows: list[dict], out_png: Path, title: str) -> Path:
     ax.set_ylabel("SQNR (dB)")
     ax.set_title(f"{title}\nSpearman rho = {rho_text}, {len(points)} tensors", fontsize=10)
     ax.grid(True, alpha=0.3)
-    return _save(fig, out_png)
+    return save(fig, out_png)
 
 
 def plot_recipe_tradeoff(recipes: list[dict], latency_rows: list[dict], out_png: Path, title: str) -> Path:
@@ -137,7 +139,7 @@ def plot_recipe_tradeoff(recipes: list[dict], latency_rows: list[dict], out_png:
     ax_lat.axvline(1.0, color="black", lw=0.8)
     ax_lat.set_xlabel(f"p50 latency vs FP32 (CPU, batch {batch})")
     fig.suptitle(title)
-    return _save(fig, out_png)
+    return save(fig, out_png)
 
 
 def plot_interval_series(labels: list[str], series: dict[str, list[tuple]], out_png: Path, title: str, ylabel: str,
@@ -170,7 +172,7 @@ def plot_interval_series(labels: list[str], series: dict[str, list[tuple]], out_
     ax.grid(True, axis="y", alpha=0.3)
     if len(series) > 1:
         ax.legend(fontsize=7, loc="best")
-    return _save(fig, out_png)
+    return save(fig, out_png)
 
 
 def plot_layer_series(series: dict[str, tuple[list[str], list[tuple]]], out_png: Path, title: str, ylabel: str,
@@ -206,4 +208,33 @@ def plot_layer_series(series: dict[str, tuple[list[str], list[tuple]]], out_png:
     ax.set_title(title, fontsize=10)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7, loc="best", ncol=2)
-    return _save(fig, out_png)
+    return save(fig, out_png)
+
+
+def plot_depth_series(series: dict[str, tuple[list[int], list[tuple]]], depths: list[int], out_png: Path,
+                      title: str, ylabel: str) -> Path | None:
+    """One line per setting over depth (log-log), ``(depths, [(mean, lo, hi), ...])`` each, with
+    error bars (none where the interval is missing). None, and no file, when no series has a point."""
+    fig = Figure(figsize=(7, 4.5))
+    ax = fig.add_subplot()
+    drawn = False
+    for label, (xs, points) in series.items():
+        if not xs:
+            continue
+        mean = [m for m, _, _ in points]
+        err_lo = [m - lo if lo is not None and hi is not None else 0.0 for m, lo, hi in points]
+        err_hi = [hi - m if lo is not None and hi is not None else 0.0 for m, lo, hi in points]
+        ax.errorbar(xs, mean, yerr=[err_lo, err_hi], marker="o", capsize=3, linewidth=1, markersize=3, label=label)
+        drawn = True
+    if not drawn:
+        return None
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xticks(depths, [str(d) for d in depths])
+    ax.set_xlabel("depth (blocks)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, loc="best", ncol=2)
+    return save(fig, out_png)

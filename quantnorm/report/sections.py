@@ -1,0 +1,280 @@
+"""Sections of a run report (report.md): those every run has, and those of a zoo model trained here.
+
+Each section is ``fn(results) -> list[str]`` (Markdown lines; [] when the run has nothing for
+it), so quantnorm.report.run can list them in a table per model source. The sections of a
+pretrained checkpoint (Hugging Face, GGUF, ONNX export) are in quantnorm.report.checkpoint.
+"""
+
+from __future__ import annotations
+
+from .. import results as results_file
+from ..errors import QuantnormError
+from ..train_status import TRAINED, status_from_results
+from .markdown import fmt, short_provider, table
+
+# ------------------------------------------------------------------------------ every run
+
+
+def reproduce(results: dict) -> list[str]:
+    """The command that wrote the run, and which quantnorm and schema."""
+    return [f"Reproduce: `{results['command']}`  ", f"Created {results['created']} by quantnorm "
+            f"{results['quantnorm_version']} (results.json schema {results['schema_version']}).", ""]
+
+
+def hardware(results: dict) -> list[str]:
+    hw = results["hardware"]
+    return ["## Hardware and versions", ""] + table(["what", "value"], [
+        ["CPU", hw.get("cpu")], ["ISA flags", ", ".join(hw.get("cpu_flags", []))], ["VNNI", hw.get("vnni")],
+        ["threads", hw.get("threads") or "ORT default"], ["GPU", hw.get("gpu") or "none"],
+        ["providers available", ", ".join(hw.get("providers_available", []))],
+        ["onnxruntime / torch / onnx", f"{hw.get('onnxruntime')} / {hw.get('torch')} / {hw.get('onnx')}"],
+    ])
+
+
+def warnings_for(results: dict) -> list[str]:
+    out: list[str] = []
+    hw = results_file.section(results, "hardware") or {}
+    if hw.get("vnni") is False:
+        out.append("This CPU has no VNNI: ONNX Runtime's u8s8 INT8 kernels can saturate (AVX2 path), so recipes "
+                   "use 7-bit weights (`reduce_range`) where set to auto; accuracy was measured under the same "
+                   "session options as deployment.")
+    for r in results_file.recipes(results):
+        if not r.ok:
+            out.append(f"Recipe `{r.name}` is **{r.status}**.")
+    rows = results_file.latency_rows(results)
+    for row in rows:
+        if row.row.get("simulated_int8"):
+            out.append(f"{short_provider(row.provider)} ran `{row.variant}` as simulated quantization "
+                       f"(QDQ nodes, float math): {row.row.get('note', '')}")
+    seen = set()
+    for row in rows:
+        if not row.measured and row.provider not in seen:
+            seen.add(row.provider)
+            out.append(f"{short_provider(row.provider)}: {row.status}.")
+    return out
+
+
+def session_and_latency(results: dict) -> list[str]:
+    """The ONNX Runtime session the recipes ran in, then the latency section."""
+    recipes = results_file.recipes(results)
+    session = recipes[0].entry.get("session", {}) if recipes else {}
+    return ["", f"Session: {session.get('provider')} with {session.get('graph_optimization_level')}.",
+            "", "## Latency", "", *latency_tables(results)]
+
+
+def latency_tables(results: dict) -> list[str]:
+    """One table per provider; a provider that was not measured says why and shows no number."""
+    L: list[str] = []
+    by_provider: dict[str, list[results_file.LatencyRow]] = {}
+    for row in results_file.latency_rows(results):
+        by_provider.setdefault(row.provider, []).append(row)
+    for provider, rows in by_provider.items():
+        L += [f"### {short_provider(provider)}", ""]
+        measured = [r for r in rows if r.measured]
+        if not measured:
+            L += [f"{rows[0].status}.", ""]
+            continue
+        fp32 = {r.batch: r for r in measured if r.variant == results_file.FP32_VARIANT}
+        lines = []
+        for r in rows:
+            if not r.measured:
+                lines.append([f"`{r.variant}`", r.batch, r.seq, r.status, "", "", "", "", ""])
+                continue
+            base = fp32.get(r.batch)
+            ratio = r.p50_ms / base.p50_ms if base else None
+            nodes = ", ".join(f"{short_provider(k)} {v}" for k, v in (r.row.get("node_providers") or {}).items())
+            lines.append([f"`{r.variant}`", r.batch, r.seq, fmt(r.p50_ms, ".2f"), fmt(r.row["p90_ms"], ".2f"),
+                          fmt(r.row["p99_ms"], ".2f"), fmt(r.row["tokens_per_s"], ",.0f"), fmt(ratio, ".2f", "x"),
+                          nodes + (" (simulated INT8)" if r.row.get("simulated_int8") else "")])
+        L += table(["variant", "batch", "seq", "p50 ms", "p90 ms", "p99 ms", "tokens/s", "p50 vs fp32",
+                    "nodes per provider"], lines)
+        L.append("")
+    return L
+
+
+def sqnr_tables(results: dict) -> list[str]:
+    """Per static recipe: the rank correlation of outlier figures with SQNR and the worst tensors."""
+    L: list[str] = []
+    for recipe, summary in (results_file.section(results, "sqnr_summary") or {}).items():
+        feeds = {r["tensor"]: ", ".join(r.get("modules", [])) for r in results.get("sqnr", {}).get(recipe, [])}
+        L += ["", f"### Per-tensor SQNR, `{recipe}`", "",
+              f"Spearman rank correlation with SQNR: ratio {fmt(summary.get('spearman_ratio_sqnr'), '.2f')}, "
+              f"kurtosis {fmt(summary.get('spearman_kurtosis_sqnr'), '.2f')} (negative: bigger outliers, lower SQNR).",
+              ""]
+        L += table(["worst tensor", "feeds", "SQNR dB", "max/median", "kurtosis", "inf-norm"], [
+            [f"`{w['tensor']}`", feeds.get(w["tensor"], ""), fmt(w.get("sqnr_db"), ".1f"), fmt(w.get("ratio"), ".1f"),
+             fmt(w.get("kurtosis"), ".1f"), fmt(w.get("inf_norm"), ".3g")] for w in summary.get("worst", [])])
+    return L
+
+
+def smoothquant(results: dict) -> list[str]:
+    sq = results_file.section(results, "smoothquant")
+    if sq is None:
+        return []
+    L = ["", f"## SmoothQuant (alpha {sq.get('alpha')})", "", sq.get("statement", ""), ""]
+    L += table(["MatMuls", "kind", "reads", "why", "max/median channel ratio before → after"], [
+        [", ".join(g["matmuls"]), g["kind"], g.get("source") or "–", g.get("reason", ""),
+         f"{fmt(g.get('channel_ratio_before'), '.1f')} → {fmt(g.get('channel_ratio_after'), '.1f')}"]
+        for g in sq.get("groups", [])])
+    ratio = sq.get("fp32_latency_ratio")
+    L += ["", f"Folded: {len(sq.get('folded', []))} MatMuls (no runtime cost); explicit per-channel scale: "
+              f"{len(sq.get('explicit_scale', []))} (a Mul each). Smoothed FP32 vs original FP32 p50 on the CPU: "
+              f"{fmt(ratio, '.3f', 'x')}. Max |Δlogit| of the smoothed ONNX model vs the original: "
+              f"{fmt(sq.get('onnx_vs_original_max_abs_logit_diff'), '.1e')}"
+              + (f" ({sq['parity_rule']})." if sq.get("parity_rule") else ".")]
+    return L
+
+
+def search(results: dict) -> list[str]:
+    found = results_file.section(results, "search")
+    if found is None:
+        return []
+    chosen = found.get("chosen")
+    verdict = (f"picked `{chosen['name']}` ({found['pick']})" if chosen else
+               "no recipe met the target; the best trial is reported")
+    L = ["", "## Accuracy-aware search", "",
+         f"Target PPL ratio{' over tokens' if found.get('level') == 'token' else ''} <= "
+         f"{found['target_max_ppl_ratio']} (tuner: {found.get('tuner')}; metric "
+         f"{found.get('metric')}; trials on {found['eval_windows']} evaluation windows; stopped by "
+         f"{found['stopped_by']}): {verdict}.", ""]
+    L += table(["#", "trial", "phase", "PPL ratio", "KL mean", "top-1", "p50 ms", "passed"], [
+        [t["index"], f"`{t['name']}`", t["phase"], fmt(t.get("ppl_ratio"), ".4f"), fmt(t.get("kld_mean"), ".2e"),
+         fmt(None if t.get("top1_agreement") is None else 100 * t["top1_agreement"], ".2f", "%"),
+         fmt(t.get("latency_p50_ms"), ".2f"), "yes" if t.get("passed") else "no"]
+        for t in found.get("trials", [])])
+    return L
+
+
+def closing(results: dict, warn: list[str], plots: dict[str, str]) -> list[str]:
+    """Warnings, plots and where the time went: the end of every run report."""
+    L: list[str] = []
+    if warn:
+        L += ["", "## Warnings", ""] + [f"- {w}" for w in warn]
+    if plots:
+        L += ["", "## Plots", ""] + [f"![{title}]({path})" for title, path in plots.items()]
+    if "stage_seconds" in results:
+        L += ["", "## Where the time went", "",
+              ", ".join(f"{k} {v:.1f} s" for k, v in results["stage_seconds"].items()) + "."]
+    return L
+
+
+# ------------------------------------------------------------------------------ a zoo model trained here
+
+
+def zoo_title(results: dict) -> str:
+    model = results["model"]
+    return f"{model['placement']}/{model['norm']}"
+
+
+def training_status(results: dict) -> list[str]:
+    """The first thing to know about a trained model: did it learn anything (quantnorm.train_status)?"""
+    train = results.get("train")
+    if not isinstance(train, dict) or train.get("pretrained") is True:
+        return []   # a pretrained checkpoint was not trained here
+    try:
+        st = status_from_results(train, results.get("data"))
+    except QuantnormError as exc:
+        return [f"**Training status: unknown** ({exc}).", ""]
+    if st.status == TRAINED:
+        return [f"**Training status: trained** ({st.eval_bits_per_byte:.3f} bits/byte, "
+                f"{st.unigram_bits_per_byte - st.eval_bits_per_byte:.2f} below the unigram baseline "
+                f"{st.unigram_bits_per_byte:.3f}; margin {st.collapse_margin:g}).", ""]
+    if st.unigram_bits_per_byte is None:
+        return ["**Training status: diverged**: there is no model to deploy.", ""]
+    return [f"**Training status: {st.status}** ({st.eval_bits_per_byte:.3f} bits/byte vs the unigram baseline "
+            f"{st.unigram_bits_per_byte:.3f}; a trained model is at least {st.collapse_margin:g} below it): the "
+            f"model learned little beyond byte frequencies, so the INT8 numbers below say nothing about INT8.", ""]
+
+
+def zoo_model_and_data(results: dict) -> list[str]:
+    model, data = results["model"], results["data"]
+    return ["", "## Model and data", ""] + table(["what", "value"], [
+        ["placement / norm", f"{model['placement']} / {model['norm']}"],
+        ["layers, d_model, heads, context",
+         f"{model['n_layers']}, {model['d_model']}, {model['n_heads']}, {model['context']}"],
+        ["parameters", f"{model['n_params']:,}"],
+        ["corpus", f"{data['corpus']} (sha256 {data['sha256'][:16]}…, {data.get('n_bytes', '?'):,} bytes)"],
+        ["train / calibration / evaluation bytes", f"{data['train']} / {data['calibration']} / {data['evaluation']}"],
+        ["protocol", f"BOS={data['bos']}, window {data['window']}, scored_from {data['scored_from']}, "
+                     f"{data.get('n_eval_windows', '?')} evaluation windows, {data.get('n_calib_windows', '?')} "
+                     f"calibration windows"],
+    ])
+
+
+def zoo_training(results: dict) -> list[str]:
+    train = results.get("train", {})
+    L = ["", "## Training", ""]
+    if train.get("diverged"):
+        L.append(f"Diverged at step {train.get('diverged_at')}.")
+        return L
+    return L + table(["steps", "final train loss (nats)", "eval bits/byte (PyTorch)", "gradient spikes", "tokens/s",
+                      "wall"], [[
+                          train.get("steps"), fmt(train.get("final_train_loss"), ".3f"),
+                          fmt(train.get("eval_bits_per_byte"), ".3f"), train.get("gradient_spikes"),
+                          fmt(train.get("tokens_per_s"), ",.0f"), fmt(train.get("wall_s"), ".0f", " s")]])
+
+
+def zoo_export(results: dict) -> list[str]:
+    ex = results["export"]
+    norm_ops = ", ".join(f"{k}: {v}" for k, v in ex.get("norm_ops", {}).items())
+    return ["", "## Export", "",
+            f"`{ex['path']}` at opset {ex['opset']}; parity vs PyTorch max |Δlogit| = {ex['max_abs_logit_diff']:.2e} "
+            f"(tolerance {ex.get('tolerance', '?')}); norm ops: {norm_ops}."]
+
+
+def zoo_recipes(results: dict) -> list[str]:
+    L = ["", "## INT8 recipes (accuracy on the evaluation range, vs the FP32 ONNX model, same session options)", ""]
+    rows = []
+    for r in results_file.recipes(results):
+        s, a = r.settings, r.accuracy
+        what = f"{s.get('format', '')} {s.get('calibration') or 'dynamic'}, " \
+               f"{'per-channel' if s.get('per_channel') else 'per-tensor'}, reduce_range={s.get('reduce_range')}"
+        if a is None:
+            rows.append([f"`{r.name}`", what, r.status, "–", "–", "–", "–", "–", "–"])
+        else:
+            rows.append([f"`{r.name}`", what, r.status, fmt(a["ppl_fp32"], ".4f"), fmt(a["ppl_int8"], ".4f"),
+                         fmt(a["ppl_ratio"], ".4f"), f"{a['kld_mean']:.2e} / {a['kld_p99']:.2e} / {a['kld_max']:.2e}",
+                         fmt(100 * a["top1_agreement"], ".2f", "%"),
+                         fmt(r.entry.get("size_bytes", 0) / 1e6, ".2f", " MB")])
+    return L + table(["recipe", "settings", "status", "PPL fp32", "PPL int8", "ratio", "KL mean / p99 / max (nats)",
+                      "top-1", "size"], rows)
+
+
+def zoo_outliers(results: dict) -> list[str]:
+    o = results_file.outliers(results)
+    if o is None:
+        return []
+    L = ["", "## Activations and outliers", "",
+         "Residual stream after the embedding and after each block, on evaluation windows. Ratio = max |a| / "
+         "median |a|; massive = |a| > 100 and >= 1000x the median (Sun et al. 2024); kurtosis and inf-norm "
+         "averaged over windows (Bondarenko et al. 2023).", ""]
+    rows = []
+    for r in o.get("residual", []):
+        top = r["top"][0] if r.get("top") else {}
+        rows.append([r["layer"], fmt(top.get("value"), ".3g"), f"({top.get('position')}, {top.get('channel')})",
+                     fmt(r.get("median_abs"), ".3g"), fmt(r.get("ratio"), ".1f"), fmt(r.get("kurtosis"), ".1f"),
+                     fmt(r.get("inf_norm"), ".3g"), fmt(r.get("rms"), ".3g")])
+    L += table(["layer", "max a", "(position, channel)", "median abs", "max/median", "kurtosis", "inf-norm", "RMS"],
+               rows)
+    massive = o.get("massive", [])
+    L += ["", f"Massive activations: {len(massive) if massive else 'none'}."]
+    if o.get("bos_attention"):
+        L.append("Mean attention on BOS per layer (queries after position 0): "
+                 + ", ".join(f"{v:.2f}" for v in o["bos_attention"]) + ".")
+    return L + sqnr_tables(results)
+
+
+def zoo_diagnostics(results: dict) -> list[str]:
+    d = results_file.section(results, "diagnostics")
+    if d is None:
+        return []
+    L = ["", "## Diagnostics", "",
+         "Perturbation sensitivity: Gaussian noise of the given size relative to each parameter's RMS, "
+         "added to every parameter; relative change of the logits on evaluation windows (Liu et al. 2020).", ""]
+    L += table(["relative noise", "relative logit change", "std"], [
+        [f"{r['relative_noise']:g}", fmt(r["relative_logit_change"], ".4g"), fmt(r["std"], ".2g")]
+        for r in d.get("perturbation", [])])
+    if d.get("block_cosine"):
+        L += ["", "Cosine similarity of each block's output with its input (per token, mean): "
+              + ", ".join(f"{v:.3f}" for v in d["block_cosine"]) + "."]
+    return L

@@ -1,0 +1,285 @@
+"""The results.json contract (shared RESULTS.md): its schema version, the header every run
+writes, the one loader, and read views.
+
+Every reader goes through this module: the run report and the sweep report (quantnorm.report),
+the gate, the sweep's resume check. A reader asks :func:`source_kind` what made a run, and
+reads recipes and latency rows through :func:`recipes` and :func:`latency_rows` instead of
+chains of ``.get(`` calls, so a change to the file's shape is made here once.
+
+Schema versions (:data:`READABLE_SCHEMAS`; :func:`load` refuses any other):
+
+- **1**: the core keys of RESULTS.md (hardware, model, data, train, export, recipes, latency) and
+  the later sections (outliers, sqnr, smoothquant, search, diagnostics). ``model.source`` is the
+  string ``"trained"`` (a zoo model trained here) or ``"hf:<path>"`` (a Hugging Face directory).
+- **2** (:data:`SCHEMA_VERSION`, what a run writes now) adds, with every version-1 key unchanged:
+  ``model.source`` may be an object ``{"kind": "gguf" | "onnx" | "hf" | "zoo", ...}`` (a GGUF file
+  with its package, hash and quant type; an ONNX export directory); ``model.architecture`` and
+  ``model.placement_detected`` (placement and norm read off the ONNX graph, with how and whether
+  they agree with the architecture table); ``train.status`` / ``unigram_bits_per_byte`` /
+  ``collapse_margin`` (or ``train.pretrained: true`` for a checkpoint not trained here); the
+  ``fp16`` section (does the model survive float16) and the ``rotation`` section (rotated
+  exports); per recipe ``softmax_inputs`` (whether the attention scores were quantized) and
+  ``damage`` (the accuracy block of a recipe marked broken); a recipe status
+  ``"not applicable: <reason>"``; ``search.target_max_kld`` (the KL target of the accuracy-aware
+  search beside its PPL ratio target). A version-1 file is read as it is: every key added in 2
+  is optional to a reader.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from . import __version__
+from .errors import RunDirError
+from .measure.sessions import hardware_info
+from .runs import RESULTS_FILE
+
+SCHEMA_VERSION = 2
+READABLE_SCHEMAS = (1, 2)
+
+CPU = "CPUExecutionProvider"
+FP32_VARIANT = "fp32"
+MEASURED = "measured"
+OK = "ok"
+
+# What made a run (model.source): see source_kind.
+TRAINED, HF, GGUF, ONNX = "trained", "hf", "gguf", "onnx"
+SOURCE_KINDS = (TRAINED, HF, GGUF, ONNX)
+PRETRAINED_KINDS = (HF, GGUF, ONNX)
+HF_PREFIX = "hf:"
+# What a pretrained checkpoint is (model.kind): a causal LM, or an encoder scored by embeddings.
+CAUSAL, ENCODER = "causal", "encoder"
+# RESULTS.md names a zoo run's source object {"kind": "zoo"}; it is the same thing as "trained"
+_KIND_NAMES = {"zoo": TRAINED, TRAINED: TRAINED, HF: HF, GGUF: GGUF, ONNX: ONNX}
+
+
+class ResultsError(RunDirError):
+    """A results.json is missing, unreadable, not a quantnorm results.json, of a schema_version
+    this quantnorm does not read, or names a model source it does not know."""
+
+
+def header(command: str, threads: int | None) -> dict:
+    """The keys every results.json starts with (RESULTS.md): schema, version, command, time, hardware."""
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "quantnorm_version": __version__,
+        "command": command,
+        "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "hardware": hardware_info(threads),
+    }
+
+
+def check_schema(results: Any, source: str = "results") -> None:
+    """ResultsError unless ``results`` is a results.json object of a readable schema_version."""
+    if not isinstance(results, dict) or "schema_version" not in results:
+        raise ResultsError(f"{source} is not a quantnorm results.json (no schema_version)")
+    version = results["schema_version"]
+    if isinstance(version, bool) or version not in READABLE_SCHEMAS:
+        known = " and ".join(str(v) for v in READABLE_SCHEMAS)
+        raise ResultsError(f"{source}: schema_version {version!r} is not one this quantnorm reads ({known}); "
+                           f"use the quantnorm version that wrote it")
+
+
+def load(path: str | Path) -> dict:
+    """A results.json (or the one inside a run directory), checked: readable UTF-8 JSON, an object,
+    a readable schema_version, a known model source. Anything else raises ResultsError with one
+    line naming the file (and the field)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / RESULTS_FILE
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise ResultsError(f"{path} not found: run `quantnorm evaluate` first") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = getattr(exc, "strerror", None) or str(exc).splitlines()[0]
+        raise ResultsError(f"{path} cannot be read ({reason})") from None
+    try:
+        results = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ResultsError(f"{path} is not valid JSON ({exc}); re-run `quantnorm evaluate`") from None
+    check_schema(results, str(path))
+    source_kind(results, str(path))
+    return results
+
+
+# ------------------------------------------------------------------------------------ the run
+
+
+def _model(results: dict) -> dict:
+    model = results.get("model")
+    return model if isinstance(model, dict) else {}
+
+
+def source_kind(results: dict, where: str = "results") -> str | None:
+    """What made the run: "trained" (a zoo model trained here, ``model.source == "trained"``),
+    "hf" (``"hf:<path>"`` or an object of kind hf), "gguf" or "onnx" (an object with that kind).
+    None when the file has no ``model.source`` (a hand-written or synthetic results.json); any
+    other value raises ResultsError naming ``where`` and the field."""
+    model = _model(results)
+    if "source" not in model:
+        return None
+    source = model["source"]
+    if isinstance(source, str):
+        if source == TRAINED:
+            return TRAINED
+        if source.startswith(HF_PREFIX):
+            return HF
+    elif isinstance(source, dict) and isinstance(source.get("kind"), str) and source["kind"] in _KIND_NAMES:
+        return _KIND_NAMES[source["kind"]]
+    raise ResultsError(f"{where}: model.source {source!r} is not a source this quantnorm knows "
+                       f"('trained', 'hf:<path>' or an object with kind {', '.join(('zoo', *PRETRAINED_KINDS))})")
+
+
+def is_pretrained(results: dict) -> bool:
+    """A checkpoint loaded from elsewhere (HF directory, GGUF file, ONNX export), not trained here:
+    it has no training status to judge."""
+    train = results.get("train")
+    return (isinstance(train, dict) and train.get("pretrained") is True) or source_kind(results) in PRETRAINED_KINDS
+
+
+def model_kind(results: dict) -> str | None:
+    """A pretrained checkpoint's kind of model: "causal" (scored by perplexity) or "encoder"
+    (embedding agreement); None for a zoo model (always causal, recorded without it)."""
+    return _model(results).get("kind")
+
+
+# ------------------------------------------------------------------------------------ recipes
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One entry of ``recipes``: ``accuracy`` is None for a recipe that could not run, ``damage``
+    the numbers of one that ran but is marked broken."""
+
+    name: str
+    status: str
+    accuracy: dict | None
+    settings: dict
+    damage: dict | None
+    entry: dict   # the whole entry, for the keys a section reads only once
+
+    @property
+    def ok(self) -> bool:
+        return self.status == OK
+
+    def metric(self, key: str) -> Any:
+        """``accuracy[key]``, or None when the recipe has no accuracy block or no such key."""
+        return (self.accuracy or {}).get(key)
+
+
+def _recipe(entry: dict) -> Recipe:
+    accuracy = entry.get("accuracy")
+    return Recipe(name=entry.get("name"), status=entry.get("status", OK),
+                  accuracy=accuracy if isinstance(accuracy, dict) else None,
+                  settings=entry.get("settings") or {}, damage=entry.get("damage"), entry=entry)
+
+
+def recipes(results: dict | None) -> list[Recipe]:
+    """The recipe entries, in the order the run evaluated them (the first is the primary recipe)."""
+    entries = (results or {}).get("recipes")
+    return [_recipe(e) for e in entries if isinstance(e, dict)] if isinstance(entries, list) else []
+
+
+def recipe(results: dict | None, name: str) -> Recipe | None:
+    return next((r for r in recipes(results) if r.name == name), None)
+
+
+# ------------------------------------------------------------------------------------ latency
+
+
+@dataclass(frozen=True)
+class LatencyRow:
+    """One ``latency`` row: a measured one has its timings, a ``not measured: <reason>`` one none."""
+
+    provider: str | None
+    variant: str | None
+    batch: int | None
+    seq: int | None
+    status: str | None
+    p50_ms: float | None
+    row: dict   # the whole row (percentiles, node placement, notes)
+
+    @property
+    def measured(self) -> bool:
+        return self.status == MEASURED
+
+
+def latency_rows(results: dict | None, *, provider: str | None = None, variant: str | None = None,
+                 measured: bool = False) -> list[LatencyRow]:
+    """The latency rows in file order, optionally of one provider / variant, or measured ones only."""
+    rows = (results or {}).get("latency")
+    out = []
+    for r in rows if isinstance(rows, list) else []:
+        if not isinstance(r, dict):
+            continue
+        view = LatencyRow(r.get("provider"), r.get("variant"), r.get("batch"), r.get("seq"), r.get("status"),
+                          r.get("p50_ms"), r)
+        if (provider is None or view.provider == provider) and (variant is None or view.variant == variant) \
+                and (not measured or view.measured):
+            out.append(view)
+    return out
+
+
+def p50_ratio(results: dict | None, variant: str, provider: str = CPU) -> tuple[float | None, int | None]:
+    """``variant``'s p50 / FP32's p50 on ``provider`` at the largest batch where both were measured
+    (None, None when there is none). A later row of the same batch replaces an earlier one."""
+    rows = latency_rows(results, provider=provider, measured=True)
+    fp32 = {r.batch: r.p50_ms for r in rows if r.variant == FP32_VARIANT}
+    other = {r.batch: r.p50_ms for r in rows if r.variant == variant}
+    both = sorted(set(fp32) & set(other))
+    if not both or not fp32[both[-1]]:
+        return None, None
+    return other[both[-1]] / fp32[both[-1]], both[-1]
+
+
+def fp32_p50(results: dict | None, provider: str = CPU) -> tuple[float | None, int | None]:
+    """The FP32 model's p50 on ``provider`` at its largest measured batch, and that batch."""
+    rows = latency_rows(results, provider=provider, variant=FP32_VARIANT, measured=True)
+    if not rows:
+        return None, None
+    row = max(rows, key=lambda r: r.batch)
+    return row.p50_ms, row.batch
+
+
+# ------------------------------------------------------------------------------------ activations
+
+
+def section(results: dict | None, name: str) -> dict | None:
+    """An optional object section (``hardware``, ``smoothquant``, ``search``, ``fp16``,
+    ``sqnr_summary``, ...): None when the run has none (or it is not an object)."""
+    found = (results or {}).get(name)
+    return found if isinstance(found, dict) else None
+
+
+def outliers(results: dict | None) -> dict | None:
+    """The ``outliers`` section (the probe's, from torch or the ONNX graph), None when not probed."""
+    return section(results, "outliers")
+
+
+def residual(results: dict | None) -> list[dict]:
+    """``outliers.residual``: the embedding output's row, then one per block ([] when not probed)."""
+    return (outliers(results) or {}).get("residual") or []
+
+
+def massive_count(results: dict | None) -> int | None:
+    """How many massive activations the probe found (None when there was no probe)."""
+    section = outliers(results)
+    return None if section is None else len(section.get("massive") or [])
+
+
+def diagnostics(results: dict | None) -> tuple[list[dict] | None, list[float] | None]:
+    """The zoo probe's ``diagnostics``: the weight-perturbation rows and the cosine of each block's
+    output with its input (each None when absent or empty)."""
+    d = section(results, "diagnostics")
+    if d is None:
+        return None, None
+    rows = d.get("perturbation")
+    rows = [r for r in rows if isinstance(r, dict)] if isinstance(rows, list) else None
+    cos = d.get("block_cosine")
+    cos = list(cos) if isinstance(cos, list) else None
+    return rows or None, cos or None

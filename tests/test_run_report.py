@@ -1,0 +1,106 @@
+"""The one run report (quantnorm.report.write_report): the committed run reports regenerate byte for
+byte from their results.json, and its sections are chosen by source kind (zoo, HF, GGUF, ONNX)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from quantnorm import results as results_file
+from quantnorm.cli import main
+from quantnorm.report import write_report
+from quantnorm.report.run import RUN_REPORTS
+
+REPORTS = Path(__file__).resolve().parents[1] / "reports"
+# GGUF (causal, with a search, rotation and fp16), GGUF (causal), Hugging Face encoder
+CHECKPOINT_RUNS = ["real-models/smollm2", "real-models/gemma3", "real-models/minilm"]
+# zoo cells: collapsed (status from its data ranges), deep deepnorm, a zoo sweep's cell
+ZOO_CELLS = ["reference/cells/post-layer-L4-w30-seed0", "reference/cells/deepnorm-layer-L8-w30-seed0",
+             "zoo/cells/peri-rms-L4-w30-seed0"]
+
+
+def _copy_run(src: Path, dest: Path) -> Path:
+    """results.json and the heat map (drawn by evaluate, which holds the model; the report links it)."""
+    (dest / "plots").mkdir(parents=True)
+    shutil.copy2(src / "results.json", dest / "results.json")
+    if (src / "plots" / "heatmap.png").is_file():
+        shutil.copy2(src / "plots" / "heatmap.png", dest / "plots" / "heatmap.png")
+    return dest
+
+
+@pytest.mark.parametrize("name", CHECKPOINT_RUNS)
+def test_committed_checkpoint_reports_regenerate_byte_for_byte(tmp_path, capsys, name):
+    src = REPORTS / name
+    run = _copy_run(src, tmp_path / "run")
+    assert main(["report", str(run)]) == 0
+    capsys.readouterr()
+    assert (run / "report.md").read_bytes() == (src / "report.md").read_bytes(), f"{name}/report.md differs"
+    assert sorted(p.name for p in (run / "plots").iterdir()) == sorted(p.name for p in (src / "plots").iterdir())
+    for png in (src / "plots").glob("*.png"):
+        assert (run / "plots" / png.name).read_bytes() == png.read_bytes(), f"{name}/plots/{png.name} differs"
+
+
+@pytest.mark.parametrize("name", ZOO_CELLS)
+def test_committed_zoo_reports_regenerate_byte_for_byte(tmp_path, name):
+    # the cells' PNGs were drawn before plots dropped matplotlib's version tag: only report.md is compared
+    src = REPORTS / name
+    run = _copy_run(src, tmp_path / "run")
+    write_report(run)
+    assert (run / "report.md").read_bytes() == (src / "report.md").read_bytes(), f"{name}/report.md differs"
+
+
+def test_every_source_kind_has_a_report():
+    assert set(RUN_REPORTS) == {None, *results_file.SOURCE_KINDS}
+
+
+def _as_onnx_source(results: dict) -> dict:
+    """A GGUF run's results as an ONNX export directory's would read: no PyTorch module behind it
+    (no loading, no placement check on block 0, no parity), placement from the graph."""
+    out = copy.deepcopy(results)
+    out["schema_version"] = 2
+    out["command"] = "quantnorm evaluate --model export"
+    model = out["model"]
+    model["source"] = {"kind": "onnx", "path": "export", "sha256": "ab" * 32}
+    for key in ("model_class", "rule", "norm_formula", "norm_roles", "final_norm", "qk_norm", "placement_check",
+                "weights", "n_params"):
+        model.pop(key)
+    out["export"] = {"path": "export/model.onnx", "opset": 17, "inputs": ["input_ids", "attention_mask"],
+                     "outputs": ["logits"], "norm_ops": {"LayerNormalization": 0, "RMSNormalization": 0,
+                                                         "decomposed": 61}}
+    out.pop("smoothquant")
+    return out
+
+
+def test_onnx_source_report_has_the_graph_sections(tmp_path):
+    committed = json.loads((REPORTS / "real-models" / "smollm2" / "results.json").read_text())
+    results = _as_onnx_source(committed)
+    report = write_report(tmp_path, results).read_text()
+    lines = report.splitlines()
+    assert lines[0] == "# quantnorm report: ONNX export export (llama, pre/rms)"
+    assert "## Model (ONNX export, detected on the graph)" in report
+    assert "| checkpoint | ONNX export directory `export` (a graph without its PyTorch module" in report
+    assert "| model.onnx SHA-256 | `" + "ab" * 32 + "` |" in report
+    assert "| placement from the ONNX graph | **pre / rms** (agrees with the table's pre)" in report
+    assert "| parameters, vocabulary | –, 49,152 |" in report   # the parameter count is unknown, not an error
+    assert "`export/model.onnx` as given (opset 17); inputs input_ids, attention_mask; outputs logits; no PyTorch" \
+        in report
+    assert "placement check" not in report and "parity vs PyTorch" not in report and "## SmoothQuant" not in report
+    # what the graph-based pipeline measures is shown as for any checkpoint
+    for heading in ("## Data (token-level protocol)", "## Massive activations and the quantized tensors that see them",
+                    "## FP16: does it survive float16?", "## INT8 recipes (token-level accuracy", "## Latency",
+                    "## Activations and outliers", "## Accuracy-aware search"):
+        assert heading in report, heading
+    assert "(results.json schema 2)" in report
+
+
+def test_report_of_a_schema_2_file_differs_only_in_the_schema_it_names(tmp_path):
+    src = REPORTS / "real-models" / "gemma3"
+    results = json.loads((src / "results.json").read_text())
+    results["schema_version"] = 2
+    run = _copy_run(src, tmp_path / "run")
+    report = write_report(run, results).read_text()
+    assert report == (src / "report.md").read_text().replace("(results.json schema 1)", "(results.json schema 2)")
