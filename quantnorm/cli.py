@@ -26,6 +26,7 @@ from .gate import Policy, append_summary, load_policy, run_gate, write_error_out
 from .measure.latency import bench_grid
 from .measure.sessions import PROVIDERS, resolve_providers
 from .models import NORMS, PLACEMENTS, ModelConfig
+from .portable import PKG_PREFIX, portable_args, resolve_arg
 from .quantize import DEFAULT_RECIPES, RECIPES
 from .report import write_comparison, write_findings, write_report
 from .results import load as load_results
@@ -232,8 +233,6 @@ def _command_line() -> str:
     absolute paths made portable: relative to the working directory, or ``pkg:<dist>==<version>/...``
     inside an installed package (quantnorm/portable.py). A recorded command names no machine."""
 
-    from .portable import portable_args
-
     args = sys.argv[1:] if _invocation is None else _invocation
     return "quantnorm " + " ".join(shlex.quote(a) for a in portable_args(args))
 
@@ -241,8 +240,6 @@ def _command_line() -> str:
 def _resolve_packaged(argv: list[str]) -> list[str]:
     """``pkg:<dist>==<version>/<path>`` arguments (as recorded commands write packaged files) ->
     the path on this machine, so a recorded command reruns as it stands."""
-    from .portable import PKG_PREFIX, resolve_arg
-
     out = []
     for arg in argv:
         flag, eq, value = arg.partition("=") if arg.startswith("--") and "=" in arg else ("", "", arg)

@@ -6,7 +6,7 @@ runs it on any model source.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import onnxruntime as ort
 
@@ -14,6 +14,7 @@ from . import serial
 from .errors import ConfigError
 from .measure.sessions import PROVIDERS, SessionSpec, resolve_providers
 from .quantize import DEFAULT_RECIPES, get_recipe, with_exclusions
+from .search import SearchConfig
 
 AUTO = "auto"  # --recipes auto: the accuracy-aware search (quantnorm.search)
 
@@ -76,15 +77,11 @@ class EvaluateConfig:
         return serial.from_dict(cls, data, what)
 
     def search_config(self):
-        from .search import SearchConfig
-
         return SearchConfig(max_ppl_ratio=self.max_ppl_ratio, min_top1=self.min_top1, max_kld=self.max_kld, pick=self.search_pick,
                             space=self.search_space, sq_alpha=self.sq_alpha, latency_iters=min(self.latency_iters, 10))
 
     def recipe(self, name: str):
         """The registry recipe, with --sq-alpha applied to SmoothQuant recipes."""
-        from dataclasses import replace
-
         recipe = get_recipe(name)
         if self.sq_alpha is not None and recipe.smoothquant_alpha is not None:
             recipe = replace(recipe, smoothquant_alpha=self.sq_alpha)

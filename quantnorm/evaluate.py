@@ -27,7 +27,7 @@ from .measure.graph_probe import graph_probe, weight_matmul_inputs
 from .measure.latency import bench_grid
 from .measure.outliers import largest_ratio_layer
 from .measure.placement import detect_placement
-from .measure.sessions import SessionSpec, make_session
+from .measure.sessions import CPU, SessionSpec, make_session
 from .measure.sqnr import sqnr_sections
 from .quantize import quantize
 from .quantize.sanity import softmax_input_report
@@ -35,6 +35,8 @@ from .report import write_report
 from .report.plots import plot_activation_heatmap
 from .results import header as results_header
 from .runs import FP32_ONNX_FILE, PLOTS_DIR, RESULTS_FILE, RunDir, int8_onnx_file
+from .search import keep_trial_model, search_recipes
+from .smoothquant import fp32_latency_cost
 from .sources.base import DETECTED, ModelSource, SearchScoring
 from .sources.zoo import ZooSource, ensure_trained
 
@@ -199,9 +201,6 @@ def smoothquant_section(run_dir: Path, cfg: EvaluateConfig, fp32_path: Path, smo
     """``results["smoothquant"]``: the plan (folded / explicit MatMuls, per-placement statement),
     the parity figures, and what the explicit Muls cost the FP32 model at batch 8 on the CPU.
     ``smoothed``: the run's ``SmoothedModels`` (zoo) or ``HFSmoothedModels`` (checkpoints)."""
-    from .measure.sessions import CPU
-    from .smoothquant import fp32_latency_cost
-
     export = next(iter(smoothed.exports.values()))  # one alpha per evaluate run
     section = export.to_dict(run_dir)
     cost = fp32_latency_cost(fp32_path, export.path,
@@ -220,8 +219,6 @@ def run_search(run_dir: Path, cfg: EvaluateConfig, fp32_path: Path, transforms, 
     recipe entry ``auto:<recipe>``, measured by ``measure(int8_path)`` (the run's own accuracy dict,
     on the whole evaluation range); return ``results["search"]``. ``scoring``: what trials are
     scored on (the source's: byte-level for the zoo, tokens for checkpoints and ONNX exports)."""
-    from .search import keep_trial_model, search_recipes
-
     work_dir = Path(run_dir) / "search"
     shutil.rmtree(work_dir, ignore_errors=True)
     try:

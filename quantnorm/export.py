@@ -34,6 +34,7 @@ import onnx
 import torch
 from onnx import numpy_helper
 
+from .data import BOS, VOCAB_SIZE
 from .errors import ConfigError, ExportError
 from .fileio import atomic_path, external_data_file, needs_external_data, save_onnx
 from .measure.accuracy import run_logits
@@ -397,8 +398,6 @@ def write_onnx_dir(fp32_onnx: Path, model_config, out_dir: Path, *, placement_no
     import json
     import shutil
     import tempfile
-
-    from .data import BOS, VOCAB_SIZE
 
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()):

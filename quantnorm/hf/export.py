@@ -49,6 +49,7 @@ from ..export import (
 )
 from ..fileio import atomic_path, needs_external_data
 from ..measure.sessions import SessionSpec, make_session
+from ..smoothquant import max_output_diff
 
 DEFAULT_OPSET = 18
 FALLBACK_OPSET = 17
@@ -252,8 +253,6 @@ def export_matching_original(transformed, original, out_path: Path, parity_input
     """Export ``transformed`` (a smoothed or rotated copy of ``original``) with the export's own parity
     gate, then prove the ONNX file computes the *original* outputs (relative to each output's
     scale). Returns (export result, that relative difference); a mismatch leaves no file."""
-    from ..smoothquant import max_output_diff
-
     out_path = Path(out_path)
     exported = export_hf_onnx(transformed, out_path, parity_inputs, outputs=outputs, max_positions=max_positions,
                               opset=opset)

@@ -35,6 +35,7 @@ from pathlib import Path
 from ..errors import ConfigError
 from ..fileio import atomic_path, write_json_atomic
 from ..portable import owning_distribution
+from .loader import dtype_kwarg, one_line, quiet_transformers, require_transformers
 
 GGUF_MAGIC = b"GGUF"
 PART_RE = re.compile(r"^(?P<stem>.+\.gguf)\.part(?P<index>\d+)$")
@@ -255,8 +256,6 @@ def gguf_checkpoint(gguf: GGUFFile, run_dir: Path, *, progress: bool = False) ->
                 return out
         except (OSError, json.JSONDecodeError):
             pass
-    from .loader import _dtype_kwarg, _one_line, _quiet_transformers, require_transformers
-
     transformers = require_transformers()
     import torch
     from safetensors.torch import save_file
@@ -267,18 +266,18 @@ def gguf_checkpoint(gguf: GGUFFile, run_dir: Path, *, progress: bool = False) ->
     except ImportError:
         raise ConfigError("GGUF files need the gguf extra: pip install 'quantnorm[gguf]'") from None
     folder, name = str(gguf.path.parent), gguf.path.name
-    quiet = _quiet_transformers(transformers)
+    quiet = quiet_transformers(transformers)
     try:
         with quiet:
             model = transformers.AutoModelForCausalLM.from_pretrained(
                 folder, gguf_file=name, local_files_only=True, trust_remote_code=False,
-                **_dtype_kwarg(transformers, torch.float32))
+                **dtype_kwarg(transformers, torch.float32))
             tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True,
                                                                    trust_remote_code=False)
     except ConfigError:
         raise
     except Exception as exc:  # noqa: BLE001 - transformers raises many types; one line for the user
-        raise ConfigError(f"--model {gguf.provenance.file}: transformers cannot read this GGUF: {_one_line(exc)}"
+        raise ConfigError(f"--model {gguf.provenance.file}: transformers cannot read this GGUF: {one_line(exc)}"
                           ) from None
     config = model.config
     # The loaded model is a plain float32 module; drop the GGUF quantization record so the

@@ -286,14 +286,14 @@ def load_checkpoint(path: str | Path, *, allow_pickle: bool = False) -> LoadedCh
         cls = transformers.AutoModelForMaskedLM
     else:
         cls = transformers.AutoModel
-    quiet = _quiet_transformers(transformers)
+    quiet = quiet_transformers(transformers)
     try:
         with quiet:
             model = cls.from_pretrained(str(files.path), attn_implementation="eager",
                                         use_safetensors=files.weights == "safetensors",
-                                        **_dtype_kwarg(transformers, torch.float32), **common)
+                                        **dtype_kwarg(transformers, torch.float32), **common)
     except Exception as exc:  # noqa: BLE001 - transformers raises many types; one line for the user
-        raise ConfigError(f"--model {files.path}: transformers cannot load the weights: {_one_line(exc)}") from None
+        raise ConfigError(f"--model {files.path}: transformers cannot load the weights: {one_line(exc)}") from None
     tokenizer = load_tokenizer(files.path)
     model.eval()
     _conv1d_to_linear(model)
@@ -315,11 +315,11 @@ def load_tokenizer(path: Path):
     """The directory's tokenizer, from local files, never running remote code."""
     transformers = require_transformers()
     try:
-        with _quiet_transformers(transformers):
+        with quiet_transformers(transformers):
             return transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True,
                                                               trust_remote_code=False)
     except Exception as exc:  # noqa: BLE001 - transformers raises many types; one line for the user
-        raise ConfigError(f"--model {path}: cannot load the tokenizer: {_one_line(exc)}") from None
+        raise ConfigError(f"--model {path}: cannot load the tokenizer: {one_line(exc)}") from None
 
 
 def _with_block_list(spec: ArchSpec, base, config) -> ArchSpec:
@@ -332,13 +332,13 @@ def _with_block_list(spec: ArchSpec, base, config) -> ArchSpec:
     raise ConfigError(f"{spec.model_type}: no block list (an nn.ModuleList of {n} blocks) in the base model")
 
 
-def _dtype_kwarg(transformers, dtype) -> dict:
+def dtype_kwarg(transformers, dtype) -> dict:
     """transformers 5 calls it ``dtype``; 4.x ``torch_dtype`` (a real checkpoint is often bf16 on disk)."""
     major = int(str(transformers.__version__).split(".")[0])
     return {"dtype": dtype} if major >= 5 else {"torch_dtype": dtype}
 
 
-class _quiet_transformers:
+class quiet_transformers:
     """Silence transformers' info/warning chatter (load reports, generation config notes)."""
 
     def __init__(self, transformers):
@@ -356,7 +356,7 @@ class _quiet_transformers:
             self.logging.enable_progress_bar()
 
 
-def _one_line(exc: Exception) -> str:
+def one_line(exc: Exception) -> str:
     text = " ".join(str(exc).split())
     return (text[:300] + "...") if len(text) > 300 else text or type(exc).__name__
 

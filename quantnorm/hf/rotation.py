@@ -36,6 +36,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..quantize.recipes import ONLINE_ROTATION_MARKER
+from .export import export_matching_original
 
 ROTATABLE_FAMILIES = ("llama", "mistral", "qwen2")
 PALEY_PRIMES = (11, 19, 23, 43, 47, 59, 67, 71, 79, 83)  # q = 3 mod 4: Hadamard order q + 1
@@ -299,8 +300,6 @@ class RotatedExport:
 
 def rotate_and_export(loaded, wrapper, parity_inputs: np.ndarray, out_path: Path, *, outputs, max_positions,
                       opset: int, tolerance: float = DEFAULT_PARITY_TOLERANCE, form: str = "hadamard") -> RotatedExport:
-    from .export import export_matching_original
-
     rotated, plan = rotate_wrapper(wrapper, loaded.spec) if form == "hadamard" else \
         rotate_linear_inputs(wrapper, loaded.spec)
     exported, diff = export_matching_original(rotated, wrapper, out_path, parity_inputs, what="rotated",

@@ -41,6 +41,8 @@ from ..smoothquant import (
     divide_norm_one_plus,
     smooth_module,
 )
+from .export import WRAPPER_ATTR, export_matching_original
+from .rotation import rotate_and_export
 
 ROTATED_ONNX_FILE = "model.fp32.rotated.onnx"
 
@@ -81,8 +83,6 @@ def smooth_and_export(loaded, wrapper, calib_inputs: np.ndarray, parity_inputs: 
                       tolerance: float = DEFAULT_PARITY_TOLERANCE) -> HFSmoothQuantExport:
     """Smooth ``wrapper`` (a deep copy; the original is untouched), export it and prove that the
     ONNX file computes the original outputs. A failure leaves no file."""
-    from .export import WRAPPER_ATTR, export_matching_original
-
     spec = loaded.spec
     if spec.placement == "detected":
         raise ConfigError(f"SmoothQuant: {spec.family} has no known fold rule (the loader table has none for it)")
@@ -114,8 +114,6 @@ class HFSmoothedModels(SmoothedModels):
         if form is None:
             return super().fp32_for(recipe, default)
         if form not in self.rotated:
-            from .rotation import rotate_and_export  # imports torch: only when a rotation recipe runs
-
             name = ROTATED_ONNX_FILE if form == "hadamard" else ROTATED_ONNX_FILE.replace("rotated", f"rotated-{form}")
             self.rotated[form] = rotate_and_export(self.loaded, self.model, self.parity_inputs, self.out_dir / name,
                                                    outputs=self.outputs, max_positions=self.max_positions,

@@ -206,7 +206,7 @@ def _probe(provider: str) -> str | None:
             if actual and actual[0] == provider:
                 sess.run(None, {"x": np.ones((1, 4), dtype=np.float32)})
         except Exception as exc:  # noqa: BLE001 -- any failure means "not usable"; the message says why
-            error = _one_line(exc)
+            error = one_line(exc)
     text = log[0] if log else ""
     if error is None and actual and actual[0] == provider:
         return None
@@ -284,7 +284,7 @@ def hardware_info(threads: int | None = None, *, probe_providers: bool = True) -
 _MODEL_ERRORS = ("InvalidProtobuf", "InvalidGraph", "InvalidArgument", "NoSuchFile", "NotImplemented")
 
 
-def _one_line(exc: BaseException) -> str:
+def one_line(exc: BaseException) -> str:
     """An exception's message on one line, without ORT's '[ONNXRuntimeError] : 7 : X :' prefix."""
     text = " ".join(str(exc).split())
     text = re.sub(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ", "", text)
@@ -319,10 +319,10 @@ def make_session(path: str | os.PathLike, spec: SessionSpec, *, profile: bool = 
         kind = type(exc).__name__
         if kind in _MODEL_ERRORS or spec.provider == CPU:
             raise MeasureError(
-                f"cannot load ONNX model {path}: {_one_line(exc)} (the file is truncated, corrupt or not an "
+                f"cannot load ONNX model {path}: {one_line(exc)} (the file is truncated, corrupt or not an "
                 f"ONNX model; re-run the export/quantize step)"
             ) from exc
-        raise ProviderUnavailable(f"{spec.provider} failed to create a session for {path}: {_one_line(exc)}") from exc
+        raise ProviderUnavailable(f"{spec.provider} failed to create a session for {path}: {one_line(exc)}") from exc
     actual = list(session.get_providers())
     if not actual or actual[0] != spec.provider:
         raise ProviderUnavailable(f"{spec.provider} was requested for {path} but ONNX Runtime loaded {actual}")

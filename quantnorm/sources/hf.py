@@ -20,6 +20,13 @@ import numpy as np
 
 from ..data import BUILTIN_PYDOC
 from ..errors import ConfigError
+from ..hf.data import mlm_windows, prepare_hf_data
+from ..hf.export import export_hf_onnx, make_wrapper, output_names
+from ..hf.fp16 import fp16_check
+from ..hf.gguf import gguf_checkpoint, resolve_gguf
+from ..hf.loader import DETECTED, load_checkpoint
+from ..hf.metrics import compare_tokens, encoder_compare, encoder_outputs
+from ..hf.smoothquant import HFSmoothedModels
 from ..portable import portable_path
 from ..runs import check_out_dir
 from .base import SearchScoring, SourceData
@@ -90,8 +97,6 @@ class TokenAccuracy:
         self.fp32_reference = None
 
     def __call__(self, int8_session) -> dict:
-        from ..hf.metrics import compare_tokens, encoder_compare, encoder_outputs
-
         if self.kind == "causal":
             return compare_tokens(self.fp32_session, int8_session, self.data.eval_inputs, self.data.eval_targets)
         if self.fp32_reference is None:
@@ -103,8 +108,6 @@ class TokenAccuracy:
 def token_scorer(fp32_session, int8_session, inputs, targets) -> SimpleNamespace:
     """The search's scorer over tokens: FORMULAS.md's PPL ratio, KL and top-1 (the fields the
     search reads). A negative target marks a position that is not scored (unmasked MLM positions)."""
-    from ..hf.metrics import compare_tokens
-
     targets = np.asarray(targets)
     scored = targets >= 0
     return SimpleNamespace(**compare_tokens(fp32_session, int8_session, inputs, np.where(scored, targets, 0),
@@ -135,10 +138,6 @@ class HFSource:
         self.run_dir = check_out_dir(opts.out_dir or default_out_dir(opts.path))
 
     def prepare(self, cfg) -> None:
-        from ..hf.data import mlm_windows, prepare_hf_data
-        from ..hf.export import make_wrapper, output_names
-        from ..hf.loader import load_checkpoint
-
         self.loaded = load_checkpoint(self.opts.path, allow_pickle=self.opts.allow_pickle)
         spec, config = self.loaded.spec, self.loaded.model.config
         self.kind, self.table_placement = spec.kind, spec.placement
@@ -157,15 +156,11 @@ class HFSource:
         self.run_dir.mkdir(parents=True, exist_ok=True)
 
     def export(self, fp32_path: Path, cfg) -> dict:
-        from ..hf.export import export_hf_onnx
-
         exported = export_hf_onnx(self.wrapper, fp32_path, self.data.eval_inputs[: cfg.parity_windows],
                                   outputs=self.outputs, max_positions=self.max_positions, opset=cfg.opset)
         return exported.to_dict(self.run_dir)
 
     def transforms(self, cfg):
-        from ..hf.smoothquant import HFSmoothedModels
-
         return HFSmoothedModels(self.loaded, self.wrapper, self.data.calib_inputs,
                                 self.data.eval_inputs[: cfg.parity_windows], self.run_dir, outputs=self.outputs,
                                 max_positions=self.max_positions, opset=cfg.opset)
@@ -184,15 +179,11 @@ class HFSource:
         """Causal LMs: the FP16 check (torch forwards in float16, clipped float16 and bfloat16)."""
         if self.kind != "causal":
             return {}
-        from ..hf.fp16 import fp16_check  # torch forwards in three dtypes: only when the probe runs
-
         n = min(FP16_CHECK_WINDOWS, len(self.data.eval_inputs))
         with timed("fp16_check"):
             return {"fp16": fp16_check(self.loaded, self.data.eval_inputs[:n], self.data.eval_targets[:n])}
 
     def sections(self, detected: dict) -> dict:
-        from ..hf.loader import DETECTED
-
         model = {**self.model_section(), "placement_detected": detected}
         if self.table_placement == DETECTED:  # outside the loader table: the graph's answer is the placement
             if detected.get("placement") is None:
@@ -235,8 +226,6 @@ class HFSource:
 
 def gguf_source(model_path: Path, *, out: Path | None, progress: bool, **options) -> HFSource:
     """A GGUF file: dequantized once into ``<run dir>/checkpoint``, then read as a checkpoint."""
-    from ..hf.gguf import gguf_checkpoint, resolve_gguf
-
     gguf = resolve_gguf(model_path, progress=progress)
     out = check_out_dir(out or Path("runs") / f"gguf-{gguf_run_name(gguf.provenance.file)}")
     checkpoint = gguf_checkpoint(gguf, out, progress=progress)

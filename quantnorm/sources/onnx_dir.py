@@ -41,7 +41,8 @@ from ..data import BUILTIN_PYDOC
 from ..errors import ConfigError, ExportError
 from ..export import count_norm_ops
 from ..fileio import atomic_path, external_data_file, save_onnx
-from ..hf.loader import DETECTED, NORM_FORMULAS, TOKENIZER_FILES, pooling_mode
+from ..hf.data import prepare_hf_data
+from ..hf.loader import DETECTED, NORM_FORMULAS, TOKENIZER_FILES, load_tokenizer, pooling_mode
 from ..portable import portable_path
 from ..runs import FP32_ONNX_FILE, check_out_dir
 from .base import NoTransforms, SearchScoring
@@ -220,9 +221,6 @@ class OnnxDirSource:
         self.table_placement = DETECTED  # no architecture table for a graph: what it shows is the answer
 
     def prepare(self, cfg) -> None:
-        from ..hf.data import prepare_hf_data
-        from ..hf.loader import load_tokenizer
-
         self.interface = read_interface(self.dir / ONNX_FILE)
         self.kind = self.interface.kind
         self.config = self._read_config()
