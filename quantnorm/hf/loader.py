@@ -156,6 +156,21 @@ class CheckpointFiles:
     pooling: str                   # encoders: sentence-transformers pooling mode (mean / cls / max)
 
 
+def read_config_json(path: Path, layout: str) -> dict:
+    """``path/config.json`` as a dict; a one-line ``ConfigError`` when it is missing (``layout``
+    says what the directory should hold), unreadable or not a JSON object."""
+    cfg_file = Path(path) / "config.json"
+    if not cfg_file.is_file():
+        raise ConfigError(f"--model {path}: no config.json ({layout})")
+    try:
+        config = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"--model {path}: config.json is not readable JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"--model {path}: config.json is not a JSON object")
+    return config
+
+
 def inspect_checkpoint(path: str | Path, *, allow_pickle: bool = False) -> CheckpointFiles:
     """Check a local checkpoint directory and detect its architecture (no transformers import).
 
@@ -166,16 +181,8 @@ def inspect_checkpoint(path: str | Path, *, allow_pickle: bool = False) -> Check
     path = Path(path)
     if not path.is_dir():
         raise ConfigError(f"--model {path}: not a directory (give a local Hugging Face checkpoint directory)")
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise ConfigError(f"--model {path}: no config.json (a Hugging Face checkpoint directory needs config.json, "
-                          f"safetensors weights and tokenizer files)")
-    try:
-        config = json.loads(cfg_file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"--model {path}: config.json is not readable JSON ({exc})") from None
-    if not isinstance(config, dict):
-        raise ConfigError(f"--model {path}: config.json is not a JSON object")
+    config = read_config_json(path, "a Hugging Face checkpoint directory needs config.json, safetensors weights "
+                                    "and tokenizer files")
     if config.get("auto_map"):
         # Custom code would be needed; we never run it (trust_remote_code stays False).
         raise ConfigError(f"--model {path}: config.json has auto_map (custom modeling code); quantnorm never sets "

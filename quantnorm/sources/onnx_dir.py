@@ -27,7 +27,6 @@ the graph alone (``quantnorm.measure.placement``).
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +41,7 @@ from ..errors import ConfigError, ExportError
 from ..export import count_norm_ops
 from ..fileio import atomic_path, external_data_file, save_onnx
 from ..hf.data import prepare_hf_data
-from ..hf.loader import DETECTED, NORM_FORMULAS, TOKENIZER_FILES, load_tokenizer, pooling_mode
+from ..hf.loader import DETECTED, NORM_FORMULAS, TOKENIZER_FILES, load_tokenizer, pooling_mode, read_config_json
 from ..portable import portable_path
 from ..runs import FP32_ONNX_FILE, check_out_dir
 from .base import NoTransforms, SearchScoring
@@ -223,7 +222,8 @@ class OnnxDirSource:
     def prepare(self, cfg) -> None:
         self.interface = read_interface(self.dir / ONNX_FILE)
         self.kind = self.interface.kind
-        self.config = self._read_config()
+        self.config = read_config_json(self.dir, "the layout Optimum's exporter writes: model.onnx, config.json and "
+                                                 "the tokenizer files")
         if not any((self.dir / n).is_file() for n in TOKENIZER_FILES):
             raise ConfigError(f"--model {self.dir}: no tokenizer files beside {ONNX_FILE} (expected one of "
                               f"{', '.join(TOKENIZER_FILES)}); data is tokenized with the model's own tokenizer")
@@ -241,19 +241,6 @@ class OnnxDirSource:
                                        max_positions=self.max_positions)
         self.data = hf_data(self.hf_data, None)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-
-    def _read_config(self) -> dict:
-        path = self.dir / "config.json"
-        if not path.is_file():
-            raise ConfigError(f"--model {self.dir}: no config.json beside {ONNX_FILE} (the layout Optimum's exporter "
-                              f"writes: model.onnx, config.json and the tokenizer files)")
-        try:
-            config = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"--model {self.dir}: config.json is not readable JSON ({exc})") from None
-        if not isinstance(config, dict):
-            raise ConfigError(f"--model {self.dir}: config.json is not a JSON object")
-        return config
 
     def export(self, fp32_path: Path, cfg) -> dict:
         import onnxruntime as ort
