@@ -58,19 +58,24 @@ def test_every_source_kind_has_a_report():
 
 
 def _as_onnx_source(results: dict) -> dict:
-    """A GGUF run's results as an ONNX export directory's would read: no PyTorch module behind it
-    (no loading, no placement check on block 0, no parity), placement from the graph."""
+    """A GGUF run's results as an ONNX export directory's would read (the keys
+    quantnorm.sources.onnx_dir writes): no PyTorch module behind it (no placement check on block 0,
+    no PyTorch parity), the optional inputs bound and checked against the original graph."""
     out = copy.deepcopy(results)
     out["schema_version"] = 2
     out["command"] = "quantnorm evaluate --model export"
     model = out["model"]
-    model["source"] = {"kind": "onnx", "path": "export", "sha256": "ab" * 32}
+    model["source"] = {"kind": "onnx", "path": "export", "file": "model.onnx", "sha256": "ab" * 32,
+                       "bytes": 538_000_000, "baseline": "the exported FP32 graph, inputs bound"}
     for key in ("model_class", "rule", "norm_formula", "norm_roles", "final_norm", "qk_norm", "placement_check",
                 "weights", "n_params"):
         model.pop(key)
-    out["export"] = {"path": "export/model.onnx", "opset": 17, "inputs": ["input_ids", "attention_mask"],
-                     "outputs": ["logits"], "norm_ops": {"LayerNormalization": 0, "RMSNormalization": 0,
-                                                         "decomposed": 61}}
+    out["export"] = {"path": "model.fp32.onnx", "opset": 17, "input": "input_ids",
+                     "bound_inputs": {"attention_mask": "1 everywhere (every window is full length)"},
+                     "dropped_outputs": [], "outputs": ["logits"], "max_abs_diff": {"logits": 0.0},
+                     "parity_reference": "the original model.onnx fed the bound values explicitly",
+                     "parity_shapes": [[4, 128]], "tolerance": 1e-4,
+                     "norm_ops": {"LayerNormalization": 0, "RMSNormalization": 0, "decomposed": 61}}
     out.pop("smoothquant")
     return out
 
@@ -82,12 +87,14 @@ def test_onnx_source_report_has_the_graph_sections(tmp_path):
     lines = report.splitlines()
     assert lines[0] == "# quantnorm report: ONNX export export (llama, pre/rms)"
     assert "## Model (ONNX export, detected on the graph)" in report
-    assert "| checkpoint | ONNX export directory `export` (a graph without its PyTorch module" in report
+    assert "| checkpoint | ONNX export directory `export` (model.onnx, 538,000,000 bytes; a graph without its " \
+        "PyTorch module" in report
     assert "| model.onnx SHA-256 | `" + "ab" * 32 + "` |" in report
     assert "| placement from the ONNX graph | **pre / rms** (agrees with the table's pre)" in report
     assert "| parameters, vocabulary | –, 49,152 |" in report   # the parameter count is unknown, not an error
-    assert "`export/model.onnx` as given (opset 17); inputs input_ids, attention_mask; outputs logits; no PyTorch" \
-        in report
+    assert "`model.fp32.onnx`: the user's `model.onnx` (opset 17) with its optional inputs bound (attention_mask = " \
+        "1 everywhere (every window is full length)); outputs logits; parity vs the original model.onnx fed the " \
+        "bound values explicitly: max |Δ| logits 0.00e+00" in report
     assert "placement check" not in report and "parity vs PyTorch" not in report and "## SmoothQuant" not in report
     # what the graph-based pipeline measures is shown as for any checkpoint
     for heading in ("## Data (token-level protocol)", "## Massive activations and the quantized tensors that see them",
