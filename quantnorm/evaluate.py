@@ -43,7 +43,6 @@ from .sources.zoo import ZooSource, ensure_trained
 __all__ = ["AUTO", "EvaluateConfig", "ensure_trained", "evaluate"]  # ensure_trained: the sweep's and the CLI's
 
 
-
 @contextmanager
 def timed(seconds: dict[str, float], stage: str) -> Iterator[None]:
     """Record a stage's wall time (results.json keeps them, so users see where the minutes go)."""
@@ -87,14 +86,15 @@ def evaluate(source: ModelSource | RunDir, cfg: EvaluateConfig, *, command: str)
         recipe = cfg.recipe(name)
         name = recipe.name  # with --exclude: the mixed-precision variant's own name
         bar.set_postfix_str(name)
+        started = time.perf_counter()
         try:
-            with stage(f"transform:{name}"):
-                quantized_from = transforms.fp32_for(recipe, fp32_path)
+            quantized_from = transforms.fp32_for(recipe, fp32_path)
         except ConfigError as exc:  # a recipe this model cannot take (rotation on a zoo model): say why, go on
             recipes_out.append({"name": name, "status": f"not applicable: {exc}", "settings": recipe.settings(vnni)})
             continue
-        if quantized_from != fp32_path:
+        if quantized_from != fp32_path:  # a smoothed or rotated export, made (or reused) just now
             fp32_sources[name] = quantized_from
+            stage_seconds[f"transform:{name}"] = round(time.perf_counter() - started, 2)
         with stage(f"quantize:{name}"):
             q = quantize(quantized_from, recipe, data.calib_inputs, run_dir / int8_onnx_file(name), vnni=vnni,
                          probe_inputs=data.eval_inputs[:2])
