@@ -134,3 +134,17 @@ def test_entropy_ranges_clip_what_minmax_keeps(tmp_path):
     distribution = collect_ranges(model, "distribution", x, op_types=["MatMul"])
     assert [float(np.ravel(v)[0]) for v in distribution["xf"].range_value] == [-20_000.0, 20_000.0]
     assert 3_899.0 <= high(entropy) <= 10_000.0, high(entropy)  # outlier clipped (7129 seen), bulk kept
+
+
+@pytest.mark.parametrize("method", ["minmax", "entropy", "percentile", "minmax-nosink"])
+def test_inputs_only_calibration_skips_the_outputs_and_keeps_every_input_range(tmp_path, method):
+    """Matmul-scope recipes keep MatMul outputs in float, so only the inputs are calibrated: the
+    logits are left out (the largest tensor of an LM) and each input's range is unchanged."""
+    model = tmp_path / "m.onnx"
+    _outlier_model(model)
+    x = np.round(np.random.default_rng(1).normal(0, 1000, size=(64, 8))).astype(np.int64)
+    both = collect_ranges(model, method, x, op_types=["MatMul"])
+    inputs = collect_ranges(model, method, x, op_types=["MatMul"], inputs_only=True)
+    assert set(both.data) == {"xf", "logits"} and set(inputs.data) == {"xf"}
+    assert [float(np.ravel(v)[0]) for v in inputs["xf"].range_value] == \
+        [float(np.ravel(v)[0]) for v in both["xf"].range_value]

@@ -11,11 +11,12 @@ from __future__ import annotations
 import contextlib
 import io
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import onnx
-from onnxruntime.quantization.calibrate import HistogramCollector, create_calibrator
+from onnxruntime.quantization.calibrate import CalibraterBase, HistogramCollector, create_calibrator
 from tqdm import tqdm
 
 from ..fileio import onnx_needs_external_data
@@ -56,19 +57,48 @@ def method_details(method: str, percentile: float = 99.999) -> dict:
     return {}
 
 
+@contextlib.contextmanager
+def _calibrating_inputs_only(enabled: bool) -> Iterator[None]:
+    """While active, ORT's calibrators pick only the *inputs* of the calibrated node types.
+
+    Why: a recipe that quantizes MatMul inputs and keeps MatMul outputs in float (the matmul-scope
+    recipes) never reads an output's range, yet ORT calibrates inputs and outputs alike. The
+    largest output is the LM head's, the logits (262,144 wide on Gemma 3: 134 MB a window), whose
+    histograms cost most of an entropy or percentile calibration's time and memory for nothing.
+    The ranges of the tensors that are quantized do not change: each is reduced on its own."""
+    if not enabled:
+        yield
+        return
+    original = CalibraterBase.select_tensors_to_calibrate
+
+    def inputs_only(self, model):
+        tensors, value_infos = original(self, model)
+        read = {i for n in model.graph.node
+                if not self.op_types_to_calibrate or n.op_type in self.op_types_to_calibrate for i in n.input}
+        return {t for t in tensors if t in read}, value_infos
+
+    CalibraterBase.select_tensors_to_calibrate = inputs_only
+    try:
+        yield
+    finally:
+        CalibraterBase.select_tensors_to_calibrate = original
+
+
 def collect_ranges(model_path: str | Path, method: str, inputs: np.ndarray, *, op_types: list[str] | None,
                    percentile: float = 99.999, batch_size: int = 4, progress: bool = False,
-                   buffer_bytes: int = CALIBRATION_BUFFER_BYTES):
+                   buffer_bytes: int = CALIBRATION_BUFFER_BYTES, inputs_only: bool = False):
     """Calibrate ``model_path`` on ``inputs`` [n, seq] and return ORT's ``TensorsData``.
 
     ``op_types``: the node types whose inputs/outputs are calibrated (None: ORT's default list).
+    ``inputs_only``: calibrate only their inputs (for recipes that keep those nodes' outputs in
+    float; see ``_calibrating_inputs_only``).
     Raises ORT's ``ValueError`` ("... range of [-inf, inf] is not finite") when a histogram
     method meets an infinite tensor; callers turn that into a broken recipe.
     """
     calibrate_method = get_calibration_method(method)
     if method == "minmax-nosink":
         return collect_ranges_without_positions(model_path, inputs, op_types=op_types, skip_positions=SINK_POSITIONS,
-                                                batch_size=batch_size, progress=progress)
+                                                batch_size=batch_size, progress=progress, inputs_only=inputs_only)
     extra: dict = {}
     if method == "entropy":
         extra = {"num_bins": ENTROPY_NUM_BINS, "num_quantized_bins": ENTROPY_QUANTIZED_BINS}
@@ -78,12 +108,13 @@ def collect_ranges(model_path: str | Path, method: str, inputs: np.ndarray, *, o
         extra = {"num_bins": HISTOGRAM_BINS}
     reader = WindowCalibrationReader(inputs, batch_size=batch_size)
     with tempfile.TemporaryDirectory(prefix="quantnorm-calib-") as tmp:
-        calibrator = create_calibrator(
-            Path(model_path), op_types, augmented_model_path=str(Path(tmp) / "augmented.onnx"),
-            calibrate_method=calibrate_method, extra_options=extra,
-            # the augmented copy is FP32-sized: past 2 GB it needs external data as the model does
-            use_external_data_format=onnx_needs_external_data(model_path),
-        )
+        with _calibrating_inputs_only(inputs_only):
+            calibrator = create_calibrator(
+                Path(model_path), op_types, augmented_model_path=str(Path(tmp) / "augmented.onnx"),
+                calibrate_method=calibrate_method, extra_options=extra,
+                # the augmented copy is FP32-sized: past 2 GB it needs external data as the model does
+                use_external_data_format=onnx_needs_external_data(model_path),
+            )
         if method == "entropy":
             calibrator.collector = fast_entropy_collector(calibrator)
         # Streamed: ORT's calibrators keep every batch's tensors (the logits too) until
@@ -97,7 +128,7 @@ def collect_ranges(model_path: str | Path, method: str, inputs: np.ndarray, *, o
             # which changes what entropy and percentile pick. A streamed MinMax pass first gives
             # every tensor its final range; histograms seeded with it only ever add counts.
             extremes = collect_ranges(model_path, "minmax", inputs, op_types=op_types, batch_size=batch_size,
-                                      progress=progress, buffer_bytes=buffer_bytes)
+                                      progress=progress, buffer_bytes=buffer_bytes, inputs_only=inputs_only)
             seed_histograms(calibrator, extremes)
         with contextlib.redirect_stdout(io.StringIO()):  # ORT prints progress lines
             for start in tqdm(starts, desc=f"calibrating ({method})", unit="chunk", disable=not progress, leave=False):
@@ -133,7 +164,8 @@ def seed_histograms(calibrator, extremes) -> None:
 
 
 def collect_ranges_without_positions(model_path: str | Path, inputs: np.ndarray, *, op_types: list[str] | None,
-                                     skip_positions=SINK_POSITIONS, batch_size: int = 4, progress: bool = False):
+                                     skip_positions=SINK_POSITIONS, batch_size: int = 4, progress: bool = False,
+                                     inputs_only: bool = False):
     """MinMax ranges with some token positions left out (a collector of our own: ORT's calibrators
     reduce whole tensors). The tensors are the ones ORT's MinMax calibrator would calibrate; a
     tensor with a token axis (axis 1 of [batch, seq, ...], seq = the window length) is reduced over
@@ -144,7 +176,8 @@ def collect_ranges_without_positions(model_path: str | Path, inputs: np.ndarray,
     with tempfile.TemporaryDirectory(prefix="quantnorm-calib-") as tmp:
         selector = MinMaxCalibrater(Path(model_path), op_types, augmented_model_path=str(Path(tmp) / "unused.onnx"))
         model = selector.model  # shape-inferred, as ORT's own calibrator sees it
-        tensors, value_infos = selector.select_tensors_to_calibrate(model)
+        with _calibrating_inputs_only(inputs_only):
+            tensors, value_infos = selector.select_tensors_to_calibrate(model)
         del selector
     tensors = sorted(tensors)
     existing = {o.name for o in model.graph.output}

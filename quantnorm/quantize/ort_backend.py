@@ -203,9 +203,11 @@ def _run_quantizer(pre_path: Path, q_path: Path, recipe: Recipe, settings: dict,
                 **method_details(recipe.calibration, recipe.percentile),
             }
             # Our calibration (see calibration/ranges.py), handed over through ORT's cache file.
+            # matmul scope keeps MatMul outputs in float: only their inputs need ranges
             ranges = collect_ranges(pre_path, recipe.calibration, calib_inputs,
                                     op_types=recipe.op_types(), percentile=recipe.percentile,
-                                    batch_size=calib_batch_size, progress=progress)
+                                    batch_size=calib_batch_size, progress=progress,
+                                    inputs_only=recipe.op_scope == "matmul")
             cache = q_path.with_suffix(".calibration.json")
             save_tensors_data(ranges, cache)
             quantize_static(
