@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from .config import AUTO, EvaluateConfig
 from .errors import ConfigError, QuantizeError
-from .fileio import write_json_atomic
+from .fileio import release_memory, write_json_atomic
 from .hardware import cpu_has_vnni
 from .measure.graph_probe import graph_probe, weight_matmul_inputs
 from .measure.latency import bench_grid
@@ -72,6 +72,7 @@ def evaluate(source: ModelSource | RunDir, cfg: EvaluateConfig, *, command: str)
     fp32_path = run_dir / FP32_ONNX_FILE
     with stage("export"):
         export_section = source.export(fp32_path, cfg)
+    release_memory()  # the exporter's graphs and copies of the weights are garbage now
     fp32_session = make_session(fp32_path, spec)
     accuracy = source.accuracy(fp32_session, cfg)
     # SmoothQuant and rotation recipes quantize a transformed FP32 export, made once on first use.
@@ -98,6 +99,7 @@ def evaluate(source: ModelSource | RunDir, cfg: EvaluateConfig, *, command: str)
         with stage(f"quantize:{name}"):
             q = quantize(quantized_from, recipe, data.calib_inputs, run_dir / int8_onnx_file(name), vnni=vnni,
                          probe_inputs=data.eval_inputs[:2])
+        release_memory()  # the quantizer's model copies and calibration buffers
         entry: dict = {"name": name, "status": q.status, "settings": q.settings, "session": spec.to_dict()}
         softmax = softmax_input_report(q.path) if q.path is not None and q.path.is_file() else None
         if softmax is not None:

@@ -95,3 +95,17 @@ def onnx_needs_external_data(path: str | os.PathLike) -> bool:
                  if entry.key == "location"}
     return needs_external_data(path.stat().st_size + sum((path.parent / loc).stat().st_size
                                                            for loc in locations if (path.parent / loc).is_file()))
+
+
+def release_memory() -> None:
+    """Give freed memory back to the OS after a stage that allocated gigabytes (an export, a
+    quantizer pass): glibc keeps freed arenas mapped, so the process' RSS would stay at the high
+    water of every earlier stage. No-op where ``malloc_trim`` does not exist."""
+    import ctypes  # stdlib; only here, where the C library is asked
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

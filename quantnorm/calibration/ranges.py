@@ -19,7 +19,7 @@ import onnx
 from onnxruntime.quantization.calibrate import CalibraterBase, HistogramCollector, create_calibrator
 from tqdm import tqdm
 
-from ..fileio import onnx_needs_external_data
+from ..fileio import onnx_needs_external_data, release_memory
 from . import WindowCalibrationReader, get_calibration_method
 from .entropy import ENTROPY_NUM_BINS, ENTROPY_QUANTIZED_BINS, fast_entropy_collector
 
@@ -108,15 +108,19 @@ def collect_ranges(model_path: str | Path, method: str, inputs: np.ndarray, *, o
         extra = {"num_bins": HISTOGRAM_BINS}
     reader = WindowCalibrationReader(inputs, batch_size=batch_size)
     with tempfile.TemporaryDirectory(prefix="quantnorm-calib-") as tmp:
-        with _calibrating_inputs_only(inputs_only):
-            calibrator = create_calibrator(
-                Path(model_path), op_types, augmented_model_path=str(Path(tmp) / "augmented.onnx"),
-                calibrate_method=calibrate_method, extra_options=extra,
-                # the augmented copy is FP32-sized: past 2 GB it needs external data as the model does
-                use_external_data_format=onnx_needs_external_data(model_path),
-            )
-        if method == "entropy":
-            calibrator.collector = fast_entropy_collector(calibrator)
+        def make_calibrator():
+            with _calibrating_inputs_only(inputs_only):
+                made = create_calibrator(
+                    Path(model_path), op_types, augmented_model_path=str(Path(tmp) / "augmented.onnx"),
+                    calibrate_method=calibrate_method, extra_options=extra,
+                    # the augmented copy is FP32-sized: past 2 GB it needs external data as the model does
+                    use_external_data_format=onnx_needs_external_data(model_path),
+                )
+            if method == "entropy":
+                made.collector = fast_entropy_collector(made)
+            return made
+
+        calibrator = make_calibrator()
         # Streamed: ORT's calibrators keep every batch's tensors (the logits too) until
         # ``collect_data`` returns, which peaked near 21 GB on SmolLM2 (PITFALLS.md 11). Each call
         # gets as many batches as fit in ``buffer_bytes`` and folds them into the running ranges /
@@ -127,8 +131,13 @@ def collect_ranges(model_path: str | Path, method: str, inputs: np.ndarray, *, o
             # Histograms merged chunk by chunk are re-binned when a later chunk widens the range,
             # which changes what entropy and percentile pick. A streamed MinMax pass first gives
             # every tensor its final range; histograms seeded with it only ever add counts.
+            # A calibrator holds the model, its augmented copy and a session on it (about 3x the
+            # FP32 weights): the pre-pass's own one must not live beside this one.
+            del calibrator
+            release_memory()
             extremes = collect_ranges(model_path, "minmax", inputs, op_types=op_types, batch_size=batch_size,
                                       progress=progress, buffer_bytes=buffer_bytes, inputs_only=inputs_only)
+            calibrator = make_calibrator()
             seed_histograms(calibrator, extremes)
         with contextlib.redirect_stdout(io.StringIO()):  # ORT prints progress lines
             for start in tqdm(starts, desc=f"calibrating ({method})", unit="chunk", disable=not progress, leave=False):

@@ -93,6 +93,7 @@ def quantize(fp32_path: Path, recipe: Recipe, calib_inputs: np.ndarray | None, o
                     "weight initializer is left" + (" after the exclusions" if excluded else "")
                 )
         settings["excluded_nodes_resolved"] = excluded
+        del graph  # FP32-sized: the quantizer loads its own copy
         if to_quantize:
             settings["quantized_nodes"] = to_quantize
 
