@@ -16,14 +16,13 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import onnx
 from tqdm import tqdm
 
 from .config import AUTO, EvaluateConfig
 from .errors import ConfigError, QuantizeError
 from .fileio import release_memory, write_json_atomic
 from .hardware import cpu_has_vnni
-from .measure.graph_probe import graph_probe, weight_matmul_inputs
+from .measure.graph_probe import graph_probe
 from .measure.latency import bench_grid
 from .measure.outliers import largest_ratio_layer
 from .measure.placement import detect_placement
@@ -169,7 +168,7 @@ def probe_sections(run_dir: Path, fp32_path: Path, int8_paths: dict[str, Path], 
     (attention probabilities are mostly exact zeros from the causal mask, so their max/median
     ratios are meaningless and would swamp the correlation)."""
     report, first_window = graph_probe(fp32_path, inputs, n_blocks=n_blocks, token=token, causal=causal)
-    matmul_inputs = weight_matmul_inputs(onnx.load(str(fp32_path), load_external_data=False))
+    matmul_inputs = {row["tensor"]: row["modules"] for row in report["matmul_inputs"]}  # the probe's own walk
     sqnr, summaries = sqnr_sections(fp32_path, int8_paths, inputs[:8], matmul_inputs, fp32_sources)
     layer = largest_ratio_layer(report["residual"]) if report["residual"] else None
     if layer in first_window:

@@ -13,6 +13,8 @@ import shutil
 import sys
 from pathlib import Path
 
+from quantnorm.report.markdown import pct, table
+
 KEEP = ("results.json", "report.md")
 ORDER = ("smollm2", "gemma3", "minilm")
 GOALS = {"ppl_ratio": 1.01, "kld_mean": 0.007, "top1_agreement": 0.95}
@@ -20,16 +22,6 @@ GOALS = {"ppl_ratio": 1.01, "kld_mean": 0.007, "top1_agreement": 0.95}
 
 def fmt(value, spec=".4f") -> str:
     return "–" if value is None else format(value, spec)
-
-
-def pct(value) -> str:
-    return "–" if value is None else f"{100 * value:.2f}%"
-
-
-def table(head: list[str], rows: list[list]) -> list[str]:
-    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return out
 
 
 def source_name(model: dict) -> str:

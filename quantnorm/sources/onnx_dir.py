@@ -43,7 +43,7 @@ from ..fileio import atomic_path, external_data_file, save_onnx
 from ..hf.data import prepare_hf_data
 from ..hf.loader import DETECTED, NORM_FORMULAS, TOKENIZER_FILES, load_tokenizer, pooling_mode, read_config_json
 from ..portable import portable_path
-from ..runs import FP32_ONNX_FILE, check_out_dir
+from ..runs import check_out_dir
 from .base import NoTransforms, SearchScoring
 from .hf import TokenAccuracy, default_out_dir, hf_data, token_namer, token_search_scoring
 
@@ -252,6 +252,7 @@ class OnnxDirSource:
             raise ConfigError(f"--model {self.dir}: cannot load {ONNX_FILE} with its weights: "
                               f"{' '.join(str(exc).split())[:200]}") from None
         bound, dropped = bind_inputs(original, self.interface, self.pooling or "mean")
+        self.n_params = int(sum(int(np.prod(i.dims)) for i in bound.graph.initializer if i.data_type == ORT_FP32))
         with atomic_path(fp32_path, suffix=".onnx") as tmp:
             save_onnx(bound, tmp, data_name=external_data_file(fp32_path).name)
         del original, bound
@@ -326,8 +327,6 @@ class OnnxDirSource:
                               f"residual adds it can walk from the token embedding")
         c = self.config
         source_file = self.dir / ONNX_FILE
-        initializers = onnx.load(str(self.run_dir / FP32_ONNX_FILE), load_external_data=False).graph.initializer
-        n_params = int(sum(int(np.prod(i.dims)) for i in initializers if i.data_type == ORT_FP32))
         model = {
             "source": {"kind": "onnx", "path": portable_path(self.dir.resolve(), self.run_dir), "file": ONNX_FILE,
                        "sha256": _file_sha256(source_file), "bytes": source_file.stat().st_size,
@@ -347,7 +346,7 @@ class OnnxDirSource:
             "n_layers": c.get("num_hidden_layers"), "d_model": c.get("hidden_size"),
             "n_heads": c.get("num_attention_heads"), "context": self.max_positions,
             "vocab_size": c.get("vocab_size") or len(self.tokenizer),
-            "n_params": n_params, "weights": "onnx", "mlm_head": False, "pooling": self.pooling,
+            "n_params": self.n_params, "weights": "onnx", "mlm_head": False, "pooling": self.pooling,
             "dtype": "float32",
         }
         return {"model": model, "data": self.data.describe,
