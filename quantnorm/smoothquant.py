@@ -556,7 +556,7 @@ class SmoothedModels:
     def fp32_for(self, recipe, default: Path) -> Path:
         """The FP32 model ``recipe`` quantizes: the smoothed export for a SmoothQuant recipe."""
         if getattr(recipe, "rotation", None) is not None:
-            raise ConfigError(f"recipe {recipe.name}: rotation is implemented for Pre-RMSNorm Hugging Face and GGUF "
-                              "checkpoints (quantnorm.hf.rotation), not for zoo models")
+            raise ConfigError(f"recipe {recipe.name}: this source makes no rotated export (rotation lives in the "
+                              "checkpoint and zoo sources' transforms, quantnorm.hf.rotation)")
         alpha = getattr(recipe, "smoothquant_alpha", None)
         return default if alpha is None else self.get(alpha).path

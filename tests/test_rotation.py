@@ -145,3 +145,49 @@ def test_online_rotation_is_exact_for_peri_ln_and_shrinks_per_token_error():
     assert (got - ref).abs().max() / ref.abs().max() < 1e-4
     assert plan.untied_head and "Linear" in plan.online
     assert per_token_input_error(rotated, ids) < 0.5 * per_token_input_error(wrapper, ids)
+
+
+# --- form (b) on the zoo (claim 13 on the zoo models) -----------------------------------------
+
+
+@pytest.mark.parametrize("placement", ["post", "pre", "peri", "deepnorm", "residual"])
+def test_zoo_online_rotation_is_exact_for_every_placement_and_keeps_the_hadamards_fp32(tmp_path, placement):
+    import onnx
+
+    from quantnorm.models import CausalLM, ModelConfig
+    from quantnorm.quantize import get_recipe, quantize
+    from quantnorm.sources.zoo import export_online_rotated
+
+    torch.manual_seed(0)
+    model = CausalLM(ModelConfig(placement=placement, norm="rms", n_layers=2, d_model=32, n_heads=2,
+                                 context=16)).eval()
+    ids = np.random.default_rng(0).integers(0, 256, size=(3, 16))
+    out = export_online_rotated(model, ids, tmp_path / "rot.onnx", opset=18)
+    assert out.onnx_vs_original_max_rel_diff < 1e-5 and out.path.is_file()
+    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert f"({linears} Linears" in out.plan.online and out.to_dict()["path"] == "rot.onnx"
+    q = quantize(out.path, get_recipe("online-rotated-pertoken-fused"), ids, tmp_path / "int8.onnx", vnni=True,
+                 probe_inputs=ids[:2])
+    assert q.status == "ok", q.problems
+    graph = onnx.load(str(q.path)).graph
+    quantized = [n for n in graph.node if n.op_type == "MatMulIntegerToFloat"]
+    online = [n for n in graph.node if n.op_type == "MatMul" and "online_hadamard" in n.name]
+    # every Linear is INT8; the Hadamards (shared where q, k, v read one tensor) stay FP32 MatMuls
+    assert len(quantized) == linears and online and not any("online_hadamard" in n.name for n in quantized)
+
+
+def test_zoo_online_rotation_shrinks_per_token_error_of_a_planted_outlier_channel():
+    from quantnorm.hf.rotation import rotate_every_linear_input
+    from quantnorm.models import CausalLM, ModelConfig
+
+    torch.manual_seed(0)
+    model = CausalLM(ModelConfig(placement="pre", norm="rms", n_layers=2, d_model=32, n_heads=2, context=16)).eval()
+    with torch.no_grad():
+        for block in model.blocks:
+            block.mlp.up.weight[5] *= 40.0  # one channel of every down-projection input stands out
+    ids = torch.randint(0, 256, (2, 16))
+    rotated = __import__("copy").deepcopy(model)
+    rotate_every_linear_input(rotated)
+    with torch.no_grad():
+        assert (rotated(ids) - model(ids)).abs().max() / model(ids).abs().max() < 1e-5
+    assert per_token_input_error(rotated, ids) < 0.5 * per_token_input_error(model, ids)

@@ -248,6 +248,31 @@ class RotatedInput(nn.Module):
         return self.linear(getattr(self, ONLINE_ROTATION_MARKER)(h))
 
 
+def rotate_every_linear_input(root: nn.Module) -> tuple[int, set[str]]:
+    """Form (b) in place on any module tree: each ``nn.Linear`` becomes a ``RotatedInput`` whose
+    weight absorbed a two-step Hadamard ``M`` of its input width, ``y = (x M)(W M)^T`` (exact; the
+    norms, the residual stream and the biases are untouched). Returns the count and the widths."""
+    count, widths = 0, set()
+    with torch.no_grad():
+        for module in list(root.modules()):
+            for child_name, child in list(module.named_children()):
+                if not isinstance(child, nn.Linear) or isinstance(module, RotatedInput):
+                    continue
+                a, b = split_for_online(child.in_features)
+                online = OnlineHadamard(a, b)
+                child.weight.data = (child.weight.detach().double() @ online.matrix()).float()
+                setattr(module, child_name, RotatedInput(online, child))
+                count += 1
+                widths.add(f"{child.in_features}={a}x{b}")
+    return count, widths
+
+
+def online_plan(d_model: int, count: int, widths: set[str], layers: int, untied: bool) -> RotationPlan:
+    return RotationPlan(d_model, "none (the residual stream is not rotated)",
+                        f"Hadamard before every Linear ({count} Linears; widths {', '.join(sorted(widths))})",
+                        layers, untied)
+
+
 def rotate_linear_inputs(wrapper, spec=None):
     """Form (b): every Linear's input rotated online, ``y = (x M)(W M)^T``, exact for any
     placement (nothing is folded, the residual stream is untouched). Each Linear of the model gets
@@ -262,23 +287,10 @@ def rotate_linear_inputs(wrapper, spec=None):
         head.weight = nn.Parameter(embed.weight.detach().clone())
         lm.config.tie_word_embeddings = False
         untied = True
-    count, widths = 0, set()
-    with torch.no_grad():
-        for module in list(lm.modules()):
-            for child_name, child in list(module.named_children()):
-                if not isinstance(child, nn.Linear) or isinstance(module, RotatedInput):
-                    continue
-                a, b = split_for_online(child.in_features)
-                online = OnlineHadamard(a, b)
-                child.weight.data = (child.weight.detach().double() @ online.matrix()).float()
-                setattr(module, child_name, RotatedInput(online, child))
-                count += 1
-                widths.add(f"{child.in_features}={a}x{b}")
+    count, widths = rotate_every_linear_input(lm)
     d = int(getattr(lm.config, "hidden_size", 0) or 0)
-    plan = RotationPlan(d, "none (the residual stream is not rotated)",
-                        f"Hadamard before every Linear ({count} Linears; widths {', '.join(sorted(widths))})",
-                        len(getattr(lm.base_model, spec.layers if spec else "layers", []) or []), untied)
-    return rotated.eval(), plan
+    layers = len(getattr(lm.base_model, spec.layers if spec else "layers", []) or [])
+    return rotated.eval(), online_plan(d, count, widths, layers, untied)
 
 
 # ---------------------------------------------------------------------------------------------
