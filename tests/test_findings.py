@@ -53,7 +53,7 @@ def cell(placement: str, norm: str = "rms", seed: int = 0, *, depth: int = 4, wa
          ppl_ratio: float = 1.01, rms: list[float] | None = None, ratio: float | None = 5.0, massive: int = 0,
          grad0: dict | None = None, perturbation: dict[float, float] | None = None,
          cosine: list[float] | None = None, status: str | None = None, grad_ffn: dict | None = None,
-         lr: float = 3e-3) -> CellResult:
+         lr: float = 3e-3, extra_recipes: list[dict] | None = None) -> CellResult:
     """A finished (or diverged) cell with just the numbers the findings read; ``ratio`` None means
     no outlier probe."""
     name = f"{placement}-{norm}-L{depth}-w{warmup}-seed{seed}"
@@ -62,7 +62,7 @@ def cell(placement: str, norm: str = "rms", seed: int = 0, *, depth: int = 4, wa
     results = None
     if not diverged:
         results = {
-            "recipes": [{"name": RECIPE, "accuracy": {"ppl_ratio": ppl_ratio}}],
+            "recipes": [{"name": RECIPE, "accuracy": {"ppl_ratio": ppl_ratio}}, *(extra_recipes or [])],
             "latency": [{"provider": "CPUExecutionProvider", "variant": v, "batch": 8, "status": "measured",
                          "p50_ms": fp32_ms} for v in ("fp32", RECIPE)],
         }
@@ -85,7 +85,7 @@ def sweep(cells: list[CellResult], jobs: int | None = None) -> Sweep:
 
 def verdict(s: Sweep, number: int):
     found = {f.number: f for f in findings(s)}
-    assert len(found) == 12
+    assert len(found) == 13
     return found[number]
 
 
@@ -574,7 +574,7 @@ def test_claim12_untested_when_every_post_cell_diverged():
 def test_findings_section_has_every_claim_and_a_verdict_table():
     text = "\n".join(findings_section(_perturbation_sweep("holds"), {"Perturbation sensitivity per depth": "plots/x.png"}))
     assert text.startswith("## Findings")
-    for n in range(1, 13):
+    for n in range(1, 14):
         assert f"### Claim {n}:" in text and f"claim {n}: " in text
     assert "| # | claim | verdict | why |" in text
     assert "| 3 | Post-LN amplifies" in text and "**holds here**" in text
@@ -649,6 +649,41 @@ def test_every_verdict_says_why(tmp_path):
     """The verdict table's "why" column is never empty, whatever the verdict."""
     text = "\n".join(findings_section(load_sweep(_write_sweep(tmp_path))))
     rows = [line for line in text.splitlines() if line.startswith("| ") and line[2:4].strip().isdigit()]
-    assert len(rows) == 12
+    assert len(rows) == 13
     assert "| 2 | At initialization" in text and "**not tested**" not in rows[1]  # claim 2 measured here
     assert all(not line.rstrip().endswith("|  |") for line in rows)
+
+
+# ----------------------------------------------------------------------------- claim 13
+
+
+def _rotation_cells(rot_kl: float, rot_ppl: float, collapsed_peri: bool = False) -> list[CellResult]:
+    out = []
+    for p in ("pre", "peri"):
+        for s in SEEDS:
+            extra = [{"name": "pertoken-fused", "accuracy": {"ppl_ratio": 1.02, "kld_mean": 0.02 * (1 + JITTER[s])}},
+                     {"name": "online-rotated-pertoken-fused",
+                      "accuracy": {"ppl_ratio": rot_ppl + JITTER[s] / 10, "kld_mean": rot_kl * (1 + JITTER[s])}}]
+            status = "collapsed" if collapsed_peri and p == "peri" else None
+            out.append(cell(p, seed=s, extra_recipes=extra, status=status))
+    return out
+
+
+def test_claim_13_holds_when_rotation_lowers_kl_and_is_near_lossless():
+    f = verdict(sweep(_rotation_cells(rot_kl=0.002, rot_ppl=1.002)), 13)
+    assert f.verdict == "holds here", f.lines
+    assert len(f.tests) == 4 and "Holm" in f.why and "online form" in f.lines[0]
+
+
+def test_claim_13_does_not_hold_when_rotation_hurts():
+    f = verdict(sweep(_rotation_cells(rot_kl=0.08, rot_ppl=1.05)), 13)
+    assert f.verdict == "does not hold here", f.lines
+
+
+def test_claim_13_leaves_a_collapsed_arm_out_and_needs_both_recipes():
+    f = verdict(sweep(_rotation_cells(rot_kl=0.002, rot_ppl=1.002, collapsed_peri=True)), 13)
+    peri = [t for t in f.tests if t.label.startswith("peri")]
+    assert peri and all(t.p is None and "collapsed" in t.why for t in peri)
+    assert all(t.p is not None for t in f.tests if t.label.startswith("pre"))
+    plain = verdict(sweep([cell(p, seed=s) for p in ("pre", "peri") for s in SEEDS]), 13)
+    assert plain.verdict == "not tested" and "--recipes pertoken-fused,online-rotated-pertoken-fused" in plain.why

@@ -669,6 +669,44 @@ def claim_post_best(sweep: Sweep, full: Sweep | None = None) -> Finding:
                             f"held-out seeds (leave one seed out), collapsed cells left out")
 
 
+PLAIN_PERTOKEN = "pertoken-fused"
+ROTATED_PERTOKEN = "online-rotated-pertoken-fused"
+NEAR_LOSSLESS = 0.01   # "near-lossless" W8A8: the PPL ratio within 1 +- 1%
+
+
+def claim_rotation(sweep: Sweep, full: Sweep | None = None) -> Finding:
+    full = full or sweep
+    f = Finding(13, "Rotating the residual stream (QuaRot, SpinQuant) removes outliers and makes W8A8 near-lossless",
+                "Ashkboos et al. 2024; Liu et al. 2024 (evaluated on Pre-LN Llama models)", NOT_TESTED)
+    if not {PLAIN_PERTOKEN, ROTATED_PERTOKEN} <= set(full.recipes()):
+        f.why = f"the sweep needs both per-token recipes: --recipes {PLAIN_PERTOKEN},{ROTATED_PERTOKEN}"
+        return f
+    if why := _missing_why(full, ("pre", "peri")):
+        f.why = why.replace("trained ", "")
+        return f
+    f.lines.append("a zoo model takes the rotation's online form (every Linear's input rotated by a Hadamard in the "
+                   "graph, exact for every placement); the stream rotation folds Pre-RMSNorm Llama weights and is "
+                   "measured on the real checkpoints (reports/real-models)")
+    kl = lambda name: (lambda c: _log(c.accuracy(name, "kld_mean")))  # noqa: E731
+    tests = []
+    for p, norm, depth, warmup, lr in strata(full.select(placement="pre") + full.select(placement="peri"),
+                                             "placement", "norm", "depth", "warmup", "lr"):
+        where = dict(placement=p, norm=norm, depth=depth, warmup=warmup, lr=lr)
+        label = full.axes_label(**where).strip()
+        cells = sweep.select(**where)
+        bad = _arm_why(full, p, **where)
+        missing = bad if "collapsed" in bad or "diverged" in bad else None
+        tests.append(sign_test(label, f"KL mean, `{PLAIN_PERTOKEN}` / `{ROTATED_PERTOKEN}` (> x1: rotation helps)",
+                               paired(by_seed(cells, kl(PLAIN_PERTOKEN)), by_seed(cells, kl(ROTATED_PERTOKEN))), +1,
+                               missing=missing, fmt=fmt_factor))
+        tests.append(within_test(label, f"`{ROTATED_PERTOKEN}` PPL ratio minus 1 (near-lossless: within "
+                                        f"+-{NEAR_LOSSLESS:g})",
+                                 by_seed(cells, lambda c: (c.accuracy(ROTATED_PERTOKEN, "ppl_ratio") or math.nan) - 1),
+                                 NEAR_LOSSLESS, missing=missing))
+    return decide(f, tests, f"rule: per-token W8A8's KL lower after the rotation (paired on the seed) and the rotated "
+                            f"model's PPL ratio within 1 +- {NEAR_LOSSLESS:g}, per placement, norm and setting")
+
+
 # The claims in CLAIMS.md's order: each takes (trained view, whole sweep) and returns its Finding.
 CLAIMS: tuple[Callable[[Sweep, Sweep], Finding], ...] = (
     claim_warmup,
@@ -683,6 +721,7 @@ CLAIMS: tuple[Callable[[Sweep, Sweep], Finding], ...] = (
     claim_layer_friendlier,
     claim_outliers_predict,
     claim_post_best,
+    claim_rotation,
 )
 
 
@@ -720,7 +759,7 @@ CLAIM_PLOTS = {3: ("Perturbation sensitivity per depth",), 4: ("Residual-stream 
 def findings_section(sweep: Sweep, plots: dict[str, str] | None = None,
                      found: list[Finding] | None = None) -> list[str]:
     """The Markdown lines of the findings section (``## Findings``): which cells are left out, one
-    subsection per claim, a summary line and the table of the twelve verdicts. ``plots`` (title ->
+    subsection per claim, a summary line and the table of the thirteen verdicts. ``plots`` (title ->
     path relative to the sweep directory, as quantnorm.report.comparison.make_plots returns them)
     adds the pictures to the claims they illustrate."""
     found = found if found is not None else findings(sweep)
