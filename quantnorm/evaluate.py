@@ -28,7 +28,7 @@ from .measure.outliers import largest_ratio_layer
 from .measure.placement import detect_placement
 from .measure.sessions import CPU, SessionSpec, make_session
 from .measure.sqnr import sqnr_sections
-from .quantize import quantize
+from .quantize import PreprocessCache, quantize
 from .quantize.sanity import softmax_input_report
 from .report import write_report
 from .report.plots import plot_activation_heatmap
@@ -77,6 +77,9 @@ def evaluate(source: ModelSource | RunDir, cfg: EvaluateConfig, *, command: str)
     # SmoothQuant and rotation recipes quantize a transformed FP32 export, made once on first use.
     transforms = source.transforms(cfg)
     fp32_sources: dict[str, Path] = {}  # recipe -> the FP32 model it quantized, when not fp32_path
+    # Each FP32 model is pre-processed for the quantizer once, for every recipe and search trial
+    # (closed after the search; on an exception its temporary directory goes with the object).
+    preprocessed = PreprocessCache()
 
     recipes_out: list[dict] = []
     int8_paths: dict[str, Path] = {}
@@ -97,7 +100,7 @@ def evaluate(source: ModelSource | RunDir, cfg: EvaluateConfig, *, command: str)
             stage_seconds[f"transform:{name}"] = round(time.perf_counter() - started, 2)
         with stage(f"quantize:{name}"):
             q = quantize(quantized_from, recipe, data.calib_inputs, run_dir / int8_onnx_file(name), vnni=vnni,
-                         probe_inputs=data.eval_inputs[:2])
+                         probe_inputs=data.eval_inputs[:2], preprocessed=preprocessed)
         release_memory()  # the quantizer's model copies and calibration buffers
         entry: dict = {"name": name, "status": q.status, "settings": q.settings, "session": spec.to_dict()}
         softmax = softmax_input_report(q.path) if q.path is not None and q.path.is_file() else None
@@ -127,7 +130,9 @@ def evaluate(source: ModelSource | RunDir, cfg: EvaluateConfig, *, command: str)
         with stage("search"):
             extra["search"] = run_search(run_dir, cfg, fp32_path, transforms, data.calib_inputs,
                                          source.search_scoring(cfg), spec, vnni, recipes_out, int8_paths, fp32_sources,
-                                         measure=lambda path: accuracy(make_session(path, spec)))
+                                         measure=lambda path: accuracy(make_session(path, spec)),
+                                         preprocessed=preprocessed)
+    preprocessed.close()
     if getattr(transforms, "rotated", None):
         extra["rotation"] = {form: r.to_dict(run_dir) for form, r in transforms.rotated.items()}
     if transforms.exports:
@@ -215,7 +220,8 @@ def smoothquant_section(run_dir: Path, cfg: EvaluateConfig, fp32_path: Path, smo
 
 def run_search(run_dir: Path, cfg: EvaluateConfig, fp32_path: Path, transforms, calib_inputs,
                scoring: SearchScoring, spec: SessionSpec, vnni: bool, recipes_out: list[dict],
-               int8_paths: dict[str, Path], fp32_sources: dict[str, Path], *, measure: Callable[[Path], dict]) -> dict:
+               int8_paths: dict[str, Path], fp32_sources: dict[str, Path], *, measure: Callable[[Path], dict],
+               preprocessed: PreprocessCache | None = None) -> dict:
     """``--recipes auto``: search, keep the chosen model (or, when none passes, the best one) as the
     recipe entry ``auto:<recipe>``, measured by ``measure(int8_path)`` (the run's own accuracy dict,
     on the whole evaluation range); return ``results["search"]``. ``scoring``: what trials are
@@ -225,7 +231,8 @@ def run_search(run_dir: Path, cfg: EvaluateConfig, fp32_path: Path, transforms, 
     try:
         result = search_recipes(fp32_path, work_dir, calib_inputs, scoring.inputs, scoring.targets,
                                 cfg=cfg.search_config(), spec=spec, vnni=vnni, scorer=scoring.scorer,
-                                level=scoring.level, fp32_for=lambda recipe: transforms.fp32_for(recipe, fp32_path))
+                                level=scoring.level, fp32_for=lambda recipe: transforms.fp32_for(recipe, fp32_path),
+                                preprocessed=preprocessed)
         keep = result.chosen or result.best
         if keep is not None:
             name = f"{AUTO}:{keep.name}"

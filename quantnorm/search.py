@@ -270,8 +270,8 @@ class _Runner:
     """Quantize, measure and record one trial."""
 
     def __init__(self, fp32_path, work_dir, calib_inputs, eval_inputs, eval_targets, cfg, spec, vnni,
-                 fp32_for, latency_fn, scorer):
-        self.scorer = scorer
+                 fp32_for, latency_fn, scorer, preprocessed=None):
+        self.scorer, self.preprocessed = scorer, preprocessed
         self.fp32_path, self.work_dir, self.cfg, self.spec, self.vnni = fp32_path, work_dir, cfg, spec, vnni
         self.calib_inputs, self.eval_inputs, self.eval_targets = calib_inputs, eval_inputs, eval_targets
         self.fp32_for, self.latency_fn = fp32_for, latency_fn
@@ -284,7 +284,7 @@ class _Runner:
         try:
             source = self.fp32_for(recipe)
             q = quantize(source, recipe, self.calib_inputs, self.work_dir / f"trial{index:02d}.{recipe.name}.onnx",
-                         vnni=self.vnni, probe_inputs=self.eval_inputs[:2])
+                         vnni=self.vnni, probe_inputs=self.eval_inputs[:2], preprocessed=self.preprocessed)
             if not q.ok or q.path is None:
                 trial = Trial(**common, status=q.status, settings=q.settings)
             else:
@@ -320,7 +320,7 @@ def search_recipes(fp32_path: Path, work_dir: Path, calib_inputs: np.ndarray, ev
                    eval_targets: np.ndarray, *, cfg: SearchConfig, spec, vnni: bool,
                    fp32_for: Callable[[Recipe], Path] | None = None,
                    latency_fn: Callable[[Path, str], float | None] | None = None,
-                   scorer: Callable | None = None, level: str = "byte") -> SearchResult:
+                   scorer: Callable | None = None, level: str = "byte", preprocessed=None) -> SearchResult:
     """Search the recipe space for a model with ``ppl_ratio <= cfg.max_ppl_ratio`` (module doc).
 
     ``fp32_for(recipe)``: the FP32 model a recipe quantizes (the smoothed export for SmoothQuant
@@ -328,6 +328,7 @@ def search_recipes(fp32_path: Path, work_dir: Path, calib_inputs: np.ndarray, ev
     ``fp32_path``, the original model. Trial models are written to ``work_dir`` and left there
     (``Trial.path``); the caller keeps the one it wants. ``latency_fn(path, name)`` -> p50 ms
     (default: ``bench_model`` at ``cfg.latency_batch``); tests inject a fake one.
+    ``preprocessed``: the run's ``quantize.PreprocessCache`` (each FP32 model pre-processed once).
     ``scorer(fp32_session, int8_session, inputs, targets)`` -> an object with ``ppl_ratio``,
     ``kld_mean`` and ``top1_agreement`` (default: the zoo's byte-level ``measure.accuracy.compare``;
     ``--model`` passes a token-level one and ``level="token"``).
@@ -351,7 +352,8 @@ def search_recipes(fp32_path: Path, work_dir: Path, calib_inputs: np.ndarray, ev
         latency_fn = _bench_latency(spec, int(inputs.shape[1]), cfg)
     if scorer is None:
         scorer = compare
-    runner = _Runner(fp32_path, work_dir, calib_inputs, inputs, targets, cfg, spec, vnni, fp32_for, latency_fn, scorer)
+    runner = _Runner(fp32_path, work_dir, calib_inputs, inputs, targets, cfg, spec, vnni, fp32_for, latency_fn, scorer,
+                     preprocessed)
     budget = cfg.max_trials if cfg.max_trials is not None else 10**6
 
     with _quiet_inc():

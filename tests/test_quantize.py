@@ -303,3 +303,30 @@ def test_static_minmax_matmul_keeps_top1_on_a_trained_model(tmp_path):
     ref, q = onnx_logits(fp32, eval_x), onnx_logits(result.path, eval_x)
     agreement = float((ref.argmax(-1) == q.argmax(-1)).mean())
     assert agreement > 0.9, agreement  # 0.988 seen (train loss 2.79)
+
+
+def test_a_shared_preprocess_cache_prepares_each_fp32_model_once_and_changes_nothing(tmp_path_factory, tmp_path,
+                                                                                       monkeypatch):
+    from quantnorm.quantize import PreprocessCache, ort_backend
+
+    fp32 = tmp_path / "model.fp32.onnx"
+    fp32.write_bytes(zoo_onnx(tmp_path_factory, "pre", "rms", 2, 18).read_bytes())
+    calls = []
+    real = ort_backend._preprocess
+    monkeypatch.setattr(ort_backend, "_preprocess", lambda src, dst: calls.append(src) or real(src, dst))
+    names = ("static-minmax-matmul", "dynamic", "pertoken")
+    alone = {n: quantize(fp32, get_recipe(n), CALIB, tmp_path / f"a.{n}.onnx", vnni=True, probe_inputs=PROBE)
+             for n in names}
+    assert len(calls) == 3          # without a cache: once per call
+    with PreprocessCache() as cache:
+        shared = {n: quantize(fp32, get_recipe(n), CALIB, tmp_path / f"s.{n}.onnx", vnni=True, probe_inputs=PROBE,
+                              preprocessed=cache) for n in names}
+        assert len(calls) == 4      # one more, for all three recipes
+        kept = cache.get(fp32)
+        assert kept.is_file()
+        fp32.write_bytes(zoo_onnx(tmp_path_factory, "pre", "layer", 2, 18).read_bytes())   # the file changed
+        assert cache.get(fp32) != kept and len(calls) == 5
+    assert not kept.exists()        # the cache's directory is gone with it
+    for n in names:
+        assert alone[n].status == shared[n].status == "ok"
+        assert (tmp_path / f"a.{n}.onnx").read_bytes() == (tmp_path / f"s.{n}.onnx").read_bytes(), n

@@ -1,7 +1,8 @@
 """ONNX Runtime backend: turn a ``Recipe`` into an INT8 model file, then check it.
 
-Steps: ``quant_pre_process`` (ORT's shape inference + graph optimization, as ORT recommends) into
-a temporary directory; pick the nodes to quantize from that graph; ``quantize_static`` (QDQ) or
+Steps: the pre-processing ORT recommends (its basic graph optimization, then ONNX shape inference;
+``_preprocess``) into a temporary directory, once per FP32 model when a ``PreprocessCache`` is
+shared by the recipes of one run; pick the nodes to quantize from that graph; ``quantize_static`` (QDQ) or
 ``quantize_dynamic``; ``sanity_check``; copy the model to ``out_path`` atomically.
 
 A model that quantizes but fails the sanity check is still written (so the damage can be
@@ -61,14 +62,45 @@ class QuantizeResult:
                 "status": self.status, "problems": list(self.problems)}
 
 
+class PreprocessCache:
+    """The pre-processed copy of each FP32 model, made once and shared by every recipe that
+    quantizes it (the pre-processing of a 1 GB graph costs tens of seconds and a few GB of memory
+    each time). The copies live in a temporary directory removed by ``close()`` (or the ``with``
+    block). A model file changed since its copy was made (size or mtime) is pre-processed again."""
+
+    def __init__(self):
+        self._tmp = tempfile.TemporaryDirectory(prefix="quantnorm-pre-")
+        self._made: dict[tuple, Path] = {}
+
+    def get(self, src: Path) -> Path:
+        st = Path(src).stat()
+        key = (str(Path(src).resolve()), st.st_size, st.st_mtime_ns)
+        if key not in self._made:
+            work = Path(self._tmp.name) / f"m{len(self._made)}"
+            work.mkdir()
+            self._made[key] = _preprocess(Path(src), work / "preprocessed.onnx")
+        return self._made[key]
+
+    def close(self) -> None:
+        self._made.clear()
+        self._tmp.cleanup()
+
+    def __enter__(self) -> PreprocessCache:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def quantize(fp32_path: Path, recipe: Recipe, calib_inputs: np.ndarray | None, out_path: Path, *,
              vnni: bool, probe_inputs: np.ndarray, calib_batch_size: int = DEFAULT_CALIB_BATCH,
-             progress: bool = False) -> QuantizeResult:
+             progress: bool = False, preprocessed: PreprocessCache | None = None) -> QuantizeResult:
     """Quantize the FP32 model at ``fp32_path`` with ``recipe`` into ``out_path``.
 
     ``calib_inputs``: int64 windows [n, seq] from the calibration split (static recipes only;
     see ``calibration.calibration_windows``). ``vnni`` resolves ``reduce_range="auto"``.
     ``probe_inputs``: windows the sanity check runs (any split; only finiteness is checked).
+    ``preprocessed``: a cache shared by the recipes of one run (None: pre-process for this call).
     """
     fp32_path, out_path = Path(fp32_path), Path(out_path)
     if not fp32_path.is_file():
@@ -77,10 +109,12 @@ def quantize(fp32_path: Path, recipe: Recipe, calib_inputs: np.ndarray | None, o
         raise ConfigError(f"recipe {recipe.name} is static and needs calibration windows (got none)")
     settings = recipe.settings(vnni)
 
-    with tempfile.TemporaryDirectory(prefix="quantnorm-quant-") as tmp_dir:
+    with tempfile.TemporaryDirectory(prefix="quantnorm-quant-") as tmp_dir, \
+            contextlib.ExitStack() as own:
         tmp = Path(tmp_dir)
-        pre_path = tmp / "preprocessed.onnx"
-        settings["preprocess"] = _preprocess(fp32_path, pre_path)
+        cache = preprocessed if preprocessed is not None else own.enter_context(PreprocessCache())
+        pre_path = cache.get(fp32_path)
+        settings["preprocess"] = PREPROCESS_STEPS
         graph = onnx.load(str(pre_path)).graph
 
         excluded = resolve_exclusions(graph, recipe.excluded)
@@ -160,24 +194,38 @@ def resolve_exclusions(graph: onnx.GraphProto, patterns: tuple[str, ...]) -> lis
     return [name for name in names if name in set(matched)]
 
 
-def _preprocess(src: Path, dst: Path) -> str:
-    """ORT's quant_pre_process without its symbolic shape inference; returns what it did.
+PREPROCESS_STEPS = "ORT basic optimization + onnx shape inference (symbolic shape inference skipped)"
 
-    Symbolic shape inference fails on the dynamo exporter's graphs ("Incomplete symbolic shape
-    inference", ORT 1.31) and, when it fails, saves ``sym_shape_infer_temp.onnx`` plus a
-    uuid-named ``.data`` file into the current directory. ONNX's own shape inference and ORT's
-    optimizer are enough for these graphs (every weight MatMul gets its shapes), so we skip it.
-    """
-    from onnxruntime.quantization.shape_inference import quant_pre_process
 
+def _preprocess(src: Path, dst: Path) -> Path:
+    """What ORT's ``quant_pre_process(skip_symbolic_shape=True)`` does, file to file: ORT's basic
+    graph optimization, then ONNX's shape inference (``infer_shapes_path``, the form for graphs
+    past 2 GB). Written here because ``quant_pre_process`` first loads the whole model into Python
+    and keeps it alive while ORT loads and optimizes its own copy: one FP32-sized copy more at the
+    memory peak of every recipe (1 GB for Gemma 3 270M). Symbolic shape inference is skipped: it
+    fails on the dynamo exporter's graphs ("Incomplete symbolic shape inference", ORT 1.31), and
+    ONNX's shape inference gives every weight MatMul its shapes. An FP32 graph past 2 GB stays in
+    external data (``<dst dir>/optimized.onnx.data``, beside ``dst``). Returns ``dst``."""
+    import onnxruntime as ort
+
+    optimized = dst.with_name("optimized.onnx")
     with _quiet():
         try:
-            # an FP32 graph past 2 GB stays in external data through the copy (the INT8 result fits inline)
-            quant_pre_process(str(src), str(dst), skip_symbolic_shape=True,
-                              save_as_external_data=onnx_needs_external_data(src), all_tensors_to_one_file=True)
+            options = ort.SessionOptions()
+            options.optimized_model_filepath = str(optimized)
+            options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+            if onnx_needs_external_data(src):
+                options.add_session_config_entry("session.optimized_model_external_initializers_file_name",
+                                                 "optimized.onnx.data")
+            session = ort.InferenceSession(str(src), options, providers=["CPUExecutionProvider"])
+            del session
+            onnx.shape_inference.infer_shapes_path(str(optimized), str(dst))
         except Exception as exc:
-            raise QuantizeError(f"ONNX Runtime's quant_pre_process failed on {src.name}: {exc}") from exc
-    return "onnx shape inference + ORT basic optimization (symbolic shape inference skipped)"
+            raise QuantizeError(f"pre-processing {src.name} for quantization failed (ORT's optimizer or ONNX "
+                                f"shape inference): {exc}") from exc
+    if optimized.stat().st_size and not onnx_needs_external_data(src):
+        optimized.unlink()   # inline: dst holds everything; external: dst reads optimized.onnx.data
+    return dst
 
 
 def _run_quantizer(pre_path: Path, q_path: Path, recipe: Recipe, settings: dict, calib_inputs,
