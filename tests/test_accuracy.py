@@ -262,3 +262,24 @@ def test_onnx_fp32_vs_int8(tiny):
     assert r.kld_max > 0.0  # INT8 really differs
     assert 0.0 <= r.kld_p99 <= r.kld_max and 0.0 <= r.kld_mean <= r.kld_max
     assert 0.5 < r.ppl_ratio < 2.0
+
+
+@pytest.mark.parametrize("rows, vocab, scale", [(1, 5, 1.0), (37, 300, 4.0), (40, 4096, 30.0)])
+def test_pair_stats_in_row_blocks_equal_the_whole_array_formulas(rows, vocab, scale):
+    """The row-block math (several blocks when rows > ROWS_PER_BLOCK) against log_softmax written out."""
+    from quantnorm.measure.accuracy import ROWS_PER_BLOCK, log_softmax, nll_rows, pair_stats, target_nll
+
+    rng = np.random.default_rng(rows)
+    lp = (scale * rng.standard_normal((rows, vocab))).astype(np.float32)
+    lq = (lp + 0.3 * rng.standard_normal((rows, vocab))).astype(np.float32)
+    tgt = rng.integers(0, vocab, rows)
+    logp, logq = log_softmax(lp), log_softmax(lq)
+    nll_p, nll_q, kl, agree = pair_stats(lp, lq, tgt)
+    assert rows <= ROWS_PER_BLOCK or rows > 2 * ROWS_PER_BLOCK   # one block and several (a partial last)
+    np.testing.assert_allclose(nll_p, target_nll(logp, tgt), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(nll_q, target_nll(logq, tgt), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(kl, np.maximum((np.exp(logp) * (logp - logq)).sum(-1), 0), rtol=1e-9, atol=1e-14)
+    assert (agree == (lp.argmax(-1) == lq.argmax(-1))).all()
+    np.testing.assert_allclose(nll_rows(lp, tgt), target_nll(logp, tgt), rtol=1e-12, atol=1e-12)
+    same = pair_stats(lp, lp, tgt)[2]
+    assert (same >= 0).all() and same.max() < 1e-12

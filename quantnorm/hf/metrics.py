@@ -2,7 +2,7 @@
 
 Causal LMs: FORMULAS.md's perplexity, KL(p_fp32 || p_int8) ladder and top-1 agreement, with
 tokens where the zoo has bytes (``level: "token"``, bits per *token*). The math is
-``quantnorm.measure.accuracy``'s (``log_softmax``, the NLL of the target, the PPL result); only
+``quantnorm.measure.accuracy``'s (``pair_stats``: NLL of the target, KL and agreement per position; the PPL result); only
 the windows differ: a real vocabulary has a token 256, which the zoo's byte-level checks would
 take for its BOS.
 
@@ -20,7 +20,7 @@ import math
 import numpy as np
 
 from ..errors import MeasureError
-from ..measure.accuracy import log_softmax, ppl_result, target_nll
+from ..measure.accuracy import pair_stats, ppl_result
 
 LOGIT_BUDGET_BYTES = 256 * 1024 * 1024  # float64 log-probs of one batch, both models
 
@@ -73,12 +73,11 @@ def compare_tokens(fp32_session, int8_session, inputs: np.ndarray, targets: np.n
         tgt = targets[lo:hi][mask]
         if tgt.size and tgt.max() >= lp.shape[-1]:
             raise MeasureError(f"a target id {int(tgt.max())} is outside the model's vocabulary of {lp.shape[-1]}")
-        logp = log_softmax(lp[mask])
-        logq = log_softmax(lq[mask])
-        nll_p += float(target_nll(logp, tgt).sum())
-        nll_q += float(target_nll(logq, tgt).sum())
-        klds.append(np.maximum((np.exp(logp) * (logp - logq)).sum(axis=-1), 0.0))
-        agree += int((logp.argmax(-1) == logq.argmax(-1)).sum())
+        np_, nq, kl, same = pair_stats(lp[mask], lq[mask], tgt)
+        nll_p += float(np_.sum())
+        nll_q += float(nq.sum())
+        klds.append(kl)
+        agree += int(same.sum())
     kld = np.concatenate(klds)
     n = int(kld.size)
     if n == 0:

@@ -122,6 +122,63 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
 
 
+# Rows of logits processed together by the row-block math below: 16 rows of a 262,144-token
+# vocabulary are 32 MB of float64 per temporary. Whole-batch float64 temporaries (a batch of 256
+# rows is 0.5 GB each, about ten of them) made the same math 10x slower, memory-bound.
+ROWS_PER_BLOCK = 16
+
+
+def _row_blocks(logits: np.ndarray, targets: np.ndarray):
+    x = np.asarray(logits)
+    x = x.reshape(-1, x.shape[-1])
+    t = np.asarray(targets, dtype=np.int64).reshape(-1)
+    for lo in range(0, x.shape[0], ROWS_PER_BLOCK):
+        yield lo, x[lo:lo + ROWS_PER_BLOCK], t[lo:lo + ROWS_PER_BLOCK]
+
+
+def _shifted(block: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``a = x - max x`` in float64 and ``log sum exp a`` per row."""
+    a = block.astype(np.float64)
+    a -= a.max(axis=-1, keepdims=True)
+    return a, np.log(np.exp(a).sum(axis=-1))
+
+
+def nll_rows(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """-log softmax(logits)[target] per position (float64), ``logits`` [..., vocab] -> [...]:
+    ``target_nll(log_softmax(logits), targets)`` computed in row blocks."""
+    out = np.empty(np.shape(targets), dtype=np.float64).reshape(-1)
+    for lo, block, tgt in _row_blocks(logits, targets):
+        a, lse = _shifted(block)
+        out[lo:lo + len(block)] = lse - a[np.arange(len(block)), tgt]
+    return out.reshape(np.shape(targets))
+
+
+def pair_stats(logits_p: np.ndarray, logits_q: np.ndarray,
+               targets: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per position of two models' logits [..., vocab] on the same inputs: -log p(target),
+    -log q(target), KL(p || q) (clipped at 0: float64 rounding leaves -1e-17 for identical
+    distributions) and whether the argmaxes agree. Float64, in row blocks. With ``a``, ``b`` the
+    max-shifted logits, ``log p - log q = (a - b) - (lse_a - lse_b)``, so
+    ``KL = sum p (a - b) - (lse_a - lse_b)``: one exp per model instead of a third for ``p``."""
+    shape = np.shape(targets)
+    nll_p, nll_q, kld = (np.empty(int(np.prod(shape)), dtype=np.float64) for _ in range(3))
+    for lo, block_p, tgt in _row_blocks(logits_p, targets):
+        block_q = np.asarray(logits_q).reshape(-1, block_p.shape[-1])[lo:lo + len(block_p)]
+        rows, hi = np.arange(len(block_p)), lo + len(block_p)
+        a = block_p.astype(np.float64)
+        a -= a.max(axis=-1, keepdims=True)
+        ea = np.exp(a)
+        sa = ea.sum(axis=-1)
+        lse_a = np.log(sa)
+        b, lse_b = _shifted(block_q)
+        nll_p[lo:hi] = lse_a - a[rows, tgt]
+        nll_q[lo:hi] = lse_b - b[rows, tgt]
+        np.subtract(a, b, out=b)
+        kld[lo:hi] = np.maximum(np.einsum("ij,ij->i", ea, b) / sa - lse_a + lse_b, 0.0)
+    agree = np.asarray(logits_p).argmax(-1) == np.asarray(logits_q).argmax(-1)
+    return nll_p.reshape(shape), nll_q.reshape(shape), kld.reshape(shape), agree.reshape(shape)
+
+
 def target_nll(logp: np.ndarray, targets: np.ndarray) -> np.ndarray:
     """-log p(target) per position: ``logp`` [..., vocab], ``targets`` [...] -> [...]."""
     return -np.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
@@ -160,7 +217,7 @@ def perplexity(session: _Session, inputs: np.ndarray, targets: np.ndarray, *, sc
         hi = lo + logits.shape[0]
         tgt = targets[lo:hi, scored_from:]
         _check_vocab(tgt, logits.shape[-1])
-        nll = target_nll(log_softmax(logits[:, scored_from:]), tgt)
+        nll = nll_rows(logits[:, scored_from:], tgt)
         nll_sum += float(nll.sum())
         count += nll.size
         lo = hi
@@ -186,14 +243,11 @@ def compare(fp32_session: _Session, int8_session: _Session, inputs: np.ndarray, 
         hi = lo + logits_p.shape[0]
         tgt = targets[lo:hi, scored_from:]
         _check_vocab(tgt, logits_p.shape[-1])
-        logp = log_softmax(logits_p[:, scored_from:])
-        logq = log_softmax(logits_q[:, scored_from:])
-        nll_p += float(target_nll(logp, tgt).sum())
-        nll_q += float(target_nll(logq, tgt).sum())
-        kl = (np.exp(logp) * (logp - logq)).sum(axis=-1)
-        # KL >= 0 exactly; float64 rounding can leave -1e-17 for identical distributions.
-        klds.append(np.maximum(kl, 0.0).ravel())
-        agree += int((logits_p[:, scored_from:].argmax(-1) == logits_q[:, scored_from:].argmax(-1)).sum())
+        np_, nq, kl, same = pair_stats(logits_p[:, scored_from:], logits_q[:, scored_from:], tgt)
+        nll_p += float(np_.sum())
+        nll_q += float(nq.sum())
+        klds.append(kl.ravel())
+        agree += int(same.sum())
         lo = hi
     kld = np.concatenate(klds)
     n = kld.size
