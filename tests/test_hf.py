@@ -550,3 +550,20 @@ def test_search_on_an_mlm_encoder_scores_the_masked_positions(tiny, tmp_path, mo
     entry = results["recipes"][-1]
     assert entry["name"].startswith("auto:") and entry["search_passed"] is False
     assert entry["accuracy"]["mlm"] and "cosine_mean" in entry["accuracy"]
+
+
+def test_the_source_lets_go_of_the_torch_weights_after_the_export_and_reloads_them(tiny, tmp_path):
+    """The recipes read the ONNX graph: after the export the torch weights are on the meta device
+    (their memory is freed) until a transform or the FP16 check asks for them again."""
+    source = HFSource(HFOptions(path=tiny["llama"], out_dir=tmp_path / "run"))
+    cfg = _cfg(["static-minmax-matmul"])
+    source.prepare(cfg)
+    ids = source.data.eval_inputs[:2]
+    before = torch_outputs(source.wrapper, ids)[0]
+    source.export(tmp_path / "run" / "model.fp32.onnx", cfg)
+    assert source.wrapper is None and all(p.is_meta for p in source.loaded.model.parameters())
+    assert source.model_section()["n_params"] > 0          # recorded before the weights went
+    loaded, wrapper = source.weights()
+    assert not any(p.is_meta for p in loaded.model.parameters())
+    assert np.array_equal(torch_outputs(wrapper, ids)[0], before)
+    assert source.weights()[1] is wrapper                  # reloaded once, then kept

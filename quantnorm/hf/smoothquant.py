@@ -101,11 +101,27 @@ class HFSmoothedModels(SmoothedModels):
     """``SmoothedModels`` for a checkpoint: one smoothed export per alpha, made on first use, shared by
     the recipe loop and the search."""
 
-    def __init__(self, loaded, wrapper, calib_inputs, parity_inputs, out_dir: Path, *, outputs: tuple[str, ...],
+    def __init__(self, weights, calib_inputs, parity_inputs, out_dir: Path, *, outputs: tuple[str, ...],
                  max_positions: int | None, opset: int):
-        super().__init__(wrapper, calib_inputs, parity_inputs, out_dir, opset=opset)
-        self.loaded, self.outputs, self.max_positions = loaded, outputs, max_positions
+        """``weights()`` -> (the LoadedCheckpoint, its export wrapper), called on first use: the
+        source may have let go of the torch weights after the export and reloads them then."""
+        super().__init__(None, calib_inputs, parity_inputs, out_dir, opset=opset)
+        self._weights = weights
+        self.outputs, self.max_positions = outputs, max_positions
         self.rotated: dict = {}  # rotation form -> its rotated FP32 export (quantnorm.hf.rotation), on first use
+
+    @property
+    def loaded(self):
+        return self._weights()[0]
+
+    @property
+    def model(self):
+        return self._weights()[1]
+
+    @model.setter
+    def model(self, value) -> None:   # the base class stores its model; here the weights come from the source
+        if value is not None:
+            raise AttributeError("HFSmoothedModels reads its model from the source's weights()")
 
     def fp32_for(self, recipe, default: Path) -> Path:
         """The FP32 model ``recipe`` quantizes: the rotated export for a rotation recipe, the

@@ -152,16 +152,34 @@ class HFSource:
                     if self.loaded.files.mlm_head and special.mask is not None else None)
         self.data = hf_data(self.hf_data, self.mlm)
         self.wrapper = make_wrapper(self.loaded)
+        self.n_params = int(self.loaded.n_params())
         self.outputs = output_names(spec.kind, self.loaded.files.mlm_head)
         self.run_dir.mkdir(parents=True, exist_ok=True)
 
     def export(self, fp32_path: Path, cfg) -> dict:
         exported = export_hf_onnx(self.wrapper, fp32_path, self.data.eval_inputs[: cfg.parity_windows],
                                   outputs=self.outputs, max_positions=self.max_positions, opset=cfg.opset)
+        # The recipes, the probe and the measurements read the ONNX graph: the torch weights (1 GB
+        # for Gemma 3 270M) are let go until a transform or the FP16 check needs them again.
+        self.release_weights()
         return exported.to_dict(self.run_dir)
 
+    def release_weights(self) -> None:
+        """Move the torch weights to the meta device (their memory is freed); ``weights()`` reloads."""
+        if self.wrapper is not None:
+            self.loaded.model.to("meta")
+            self.wrapper = None
+
+    def weights(self):
+        """(LoadedCheckpoint, export wrapper) with real weights: reloaded from the checkpoint
+        directory when ``release_weights`` let them go."""
+        if self.wrapper is None:
+            self.loaded = load_checkpoint(self.opts.path, allow_pickle=self.opts.allow_pickle)
+            self.wrapper = make_wrapper(self.loaded)
+        return self.loaded, self.wrapper
+
     def transforms(self, cfg):
-        return HFSmoothedModels(self.loaded, self.wrapper, self.data.calib_inputs,
+        return HFSmoothedModels(self.weights, self.data.calib_inputs,
                                 self.data.eval_inputs[: cfg.parity_windows], self.run_dir, outputs=self.outputs,
                                 max_positions=self.max_positions, opset=cfg.opset)
 
@@ -181,7 +199,8 @@ class HFSource:
             return {}
         n = min(FP16_CHECK_WINDOWS, len(self.data.eval_inputs))
         with timed("fp16_check"):
-            return {"fp16": fp16_check(self.loaded, self.data.eval_inputs[:n], self.data.eval_targets[:n])}
+            loaded, _ = self.weights()
+            return {"fp16": fp16_check(loaded, self.data.eval_inputs[:n], self.data.eval_targets[:n])}
 
     def sections(self, detected: dict) -> dict:
         model = {**self.model_section(), "placement_detected": detected}
@@ -214,7 +233,7 @@ class HFSource:
             "n_heads": getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None),
             "context": self.max_positions,
             "vocab_size": getattr(config, "vocab_size", None),
-            "n_params": int(self.loaded.n_params()),
+            "n_params": self.n_params,
             "weights": files.weights,
             "mlm_head": files.mlm_head,
             "pooling": files.pooling if spec.kind == "encoder" else None,
