@@ -99,3 +99,50 @@ def test_fp16_check_passes_a_model_without_large_values():
     report = fp16_check(loaded, windows, np.roll(windows, -1, axis=1))
     assert report["fp32_overflow"] == [] and report["verdict"].startswith("survives float16")
     assert report["forwards"]["float16"]["status"] == "ok" and report["forwards"]["float16"]["kld_mean"] < 1e-3
+
+
+def test_fp16_check_fp32_residual_fix_survives_a_stream_that_only_the_sum_overflows():
+    """Blocks 1 and 2 each add about 40,000 to one channel on BOS: every sublayer output fits float16,
+    their sum (the residual stream, ~80,000) does not. Pure float16 overflows; float16 compute with a
+    float32 residual stream stays finite and close to FP32."""
+    from quantnorm.hf.fp16 import FP32_RESIDUAL, fp16_check
+
+    model = planted_llama()
+    layers = model.model.layers
+    rng = np.random.default_rng(0)
+    windows = rng.integers(2, 64, size=(2, 10))
+    windows[:, 0] = BOS
+    ids = torch.from_numpy(windows)
+
+    def norm_input_rms_and_down(block):
+        seen = {}
+        # (a hook that returns a value replaces the output: these return None)
+        h1 = layers[block].post_attention_layernorm.register_forward_hook(
+            lambda m, a, o: seen.__setitem__("rms", float(a[0][0, 0].pow(2).mean().sqrt())))
+        h2 = layers[block].mlp.down_proj.register_forward_hook(
+            lambda m, a, o: seen.__setitem__("down", float(o[0, 0, CH_OUT])))
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=False)
+        h1.remove(), h2.remove()
+        return seen
+
+    with torch.no_grad():
+        for layer in layers:   # nothing writes CH_IN: it stays the embedding's (1 on BOS, 0 elsewhere)
+            layer.self_attn.o_proj.weight[CH_IN] = 0.0
+            layer.mlp.down_proj.weight[CH_IN] = 0.0
+        first = norm_input_rms_and_down(1)
+        layers[1].mlp.down_proj.weight[CH_OUT, HIDDEN_UNIT] *= 40000.0 / first["down"]
+        second_mlp = layers[2].mlp
+        second_mlp.load_state_dict(layers[1].mlp.state_dict())
+        rms2 = norm_input_rms_and_down(2)["rms"]
+        # block 2's norm sees CH_IN scaled down by the 40,000 in the stream: its weight gives it back
+        layers[2].post_attention_layernorm.weight[CH_IN] = rms2 / first["rms"]
+    added = norm_input_rms_and_down(2)["down"]
+    assert 30000 < added < 60000
+    loaded = SimpleNamespace(model=model, spec=ARCHITECTURES["llama"], layers=list(layers))
+    report = fp16_check(loaded, windows, np.roll(windows, -1, axis=1))
+    over = {e["tensor"]: e for e in report["fp32_overflow"]}
+    assert "block 2 output (residual stream)" in over and "model.layers.2.mlp.down_proj" not in over
+    assert report["forwards"]["float16"]["status"].startswith("overflows")
+    fixed = report["forwards"][FP32_RESIDUAL]
+    assert fixed["status"] == "ok" and fixed["top1_agreement"] > 0.9, fixed

@@ -9,8 +9,11 @@ check is decided from what really overflows:
 2. a torch float16 forward of the same model on the same windows (outputs rounded to float16, so
    a value past 65,504 becomes inf and spreads): its logits against the FP32 logits;
 3. the fixes people ship, each measured the same way: the residual stream clipped to +-32,752
-   after every block (what the community ONNX export of Gemma 3 270M does on its residual Adds)
-   and a bfloat16 forward (float32's range, 8 bits of mantissa).
+   after every block (what the community ONNX export of Gemma 3 270M does on its residual Adds);
+   float16 compute with the residual stream kept in float32 (torch's autocast: every Linear,
+   attention product and sublayer output in float16, the residual additions between blocks in
+   float32, as mixed-precision deployments keep the stream); and a bfloat16 forward (float32's
+   range, 8 bits of mantissa).
 
 Accuracy figures are next-token PPL ratio, mean KL and top-1 agreement against the FP32 model on
 the check's windows; a forward with a non-finite logit is "overflows" with the share of them.
@@ -26,6 +29,7 @@ import numpy as np
 FP16_MAX = 65504.0
 CLIP_VALUE = 32752.0  # the community Gemma 3 270M ONNX export's residual clip
 MAX_LISTED = 12
+FP32_RESIDUAL = "float16 compute, float32 residual stream"
 
 
 def _first(out):
@@ -76,7 +80,12 @@ def fp32_overflow_scan(model, layers, inputs) -> list[dict]:
     return out
 
 
-def _logits(model, inputs, dtype, clip: float | None = None, layers=None):
+def _logits(model, inputs, dtype, clip: float | None = None, layers=None, autocast=None):
+    """Logits of ``model`` (already cast to its dtype) on ``inputs``; ``clip``: the residual
+    stream clamped after every block of ``layers``; ``autocast``: run under torch's CPU autocast
+    to that dtype (an FP32 model: sublayers compute in it, the residual stream stays float32)."""
+    import contextlib
+
     import torch
 
     handles = []
@@ -86,8 +95,9 @@ def _logits(model, inputs, dtype, clip: float | None = None, layers=None):
                 return (out[0].clamp(-clip, clip), *out[1:])
             return out.clamp(-clip, clip)
         handles = [b.register_forward_hook(clamp) for b in layers]
+    mixed = torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), mixed:
             parts = [model(input_ids=torch.from_numpy(np.asarray(inputs[lo:lo + 4], dtype=np.int64)),
                            use_cache=False).logits.float().numpy() for lo in range(0, len(inputs), 4)]
     finally:
@@ -131,11 +141,12 @@ def fp16_check(loaded, inputs: np.ndarray, targets: np.ndarray) -> dict:
     variants: dict[str, dict] = {}
     for name, dtype, clip in (("float16", torch.float16, None), (f"float16 + residual clip +-{CLIP_VALUE:g}",
                                                                  torch.float16, CLIP_VALUE),
-                              ("bfloat16", torch.bfloat16, None)):
-        low = copy.deepcopy(model).to(dtype)
+                              (FP32_RESIDUAL, None, None), ("bfloat16", torch.bfloat16, None)):
+        low = copy.deepcopy(model).to(dtype) if dtype is not None else model
         low_layers = list(low.base_model.get_submodule(loaded.spec.layers))
         try:
-            got = _logits(low, inputs, dtype, clip=clip, layers=low_layers)
+            got = _logits(low, inputs, dtype, clip=clip, layers=low_layers,
+                          autocast=torch.float16 if dtype is None else None)
             variants[name] = _compare(ref, got, targets)
         except RuntimeError as exc:  # an op without a CPU kernel for this dtype
             variants[name] = {"status": f"not measured: {' '.join(str(exc).split())[:160]}"}
