@@ -55,8 +55,12 @@ def test_graph_matches_the_numpy_reference(tmp_path, planted):
     expected = fake_quantize_rows(x) @ (w_q.astype(np.float32) * s_w)
     got = run(tmp_path / "pt.onnx", x)[0]
     assert np.allclose(got, expected, rtol=1e-4, atol=1e-3 * np.abs(expected).max())
-    ops = {n.op_type for n in onnx.load(str(tmp_path / "pt.onnx")).graph.node}
-    assert "MatMulInteger" in ops and "MatMul" not in ops and not ops & {"DynamicQuantizeLinear", "QuantizeLinear"}
+    nodes = onnx.load(str(tmp_path / "pt.onnx")).graph.node
+    ops = {n.op_type for n in nodes}
+    assert "MatMulInteger" in ops and "MatMul" not in ops and "DynamicQuantizeLinear" not in ops
+    # the one QuantizeLinear is per row (axis 0 of the flattened [tokens, K]), never per tensor
+    (ql,) = [n for n in nodes if n.op_type == "QuantizeLinear"]
+    assert [a.i for a in ql.attribute if a.name == "axis"] == [0] and ql.input[1].endswith("x_scale_rows")
 
 
 def test_a_massive_token_breaks_per_tensor_scales_not_per_token(tmp_path, planted):

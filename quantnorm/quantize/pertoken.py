@@ -9,7 +9,7 @@ ZeroQuant's token-wise activation quantization) confines the damage to the row t
 Each MatMul ``Y = X @ W`` whose ``W`` is a weight initializer ([K, N]) becomes
 
     s_x  = max(ReduceMax(|X|, axis=-1, keepdims), eps) / 127            [..., 1]   per token
-    X_q  = Cast<uint8>(Clip(Round(X / s_x) + 128, 0, 255))                          zero point 128
+    X_q  = QuantizeLinear(X, s_x, 128) = saturate_uint8(round(X / s_x) + 128)       zero point 128
     W_q  = round(W / s_w), s_w = max|W[:, n]| / q_max                    [K, N] int8 per output channel
     Y    = Cast<float>(MatMulInteger(X_q, W_q, 128)) * s_x * s_w
 
@@ -62,9 +62,10 @@ def quantize_per_token(src: Path, dst: Path, nodes: list[str], *, reduce_range: 
     wanted = set(nodes)
     shared = _shared_constants(graph)
     new_nodes: list[onnx.NodeProto] = []
-    new_inits: list[onnx.TensorProto] = [shared["eps"], shared["qmax"], shared["zp_f"], shared["lo"], shared["hi"],
-                                         shared["zp_u8"], shared["axes"]]
+    new_inits: list[onnx.TensorProto] = [shared["eps"], shared["qmax"], shared["zp_u8"], shared["axes"],
+                                         shared["flat"]]
     replaced: list[str] = []
+    row_shapes: dict[str, onnx.TensorProto] = {}   # [-1, K] per input width K: the rows QuantizeLinear reads
     quantized_inputs: dict[str, tuple[str, str]] = {}  # activation -> (its uint8 tensor, its row scales)
     for node in graph.node:
         if not (node.op_type == "MatMul" and node.name in wanted and node.input[1] in initializers):
@@ -83,17 +84,28 @@ def quantize_per_token(src: Path, dst: Path, nodes: list[str], *, reduce_range: 
         if x not in quantized_inputs:
             # One quantization per activation: q/k/v (and gate/up) read the same normed tensor.
             quantized_inputs[x] = (t + "x_quantized", t + "x_scale")
+            if f"pertoken_rows_{weight.shape[0]}" not in row_shapes:
+                row_shapes[f"pertoken_rows_{weight.shape[0]}"] = numpy_helper.from_array(
+                    np.asarray([-1, weight.shape[0]], dtype=np.int64), f"pertoken_rows_{weight.shape[0]}")
             new_nodes += [
                 helper.make_node("Abs", [x], [t + "abs"], name=t + "Abs"),
                 reduce_max(t + "abs", t + "amax", t + "ReduceMax"),
                 helper.make_node("Max", [t + "amax", "pertoken_eps"], [t + "amax_safe"], name=t + "Max"),
                 helper.make_node("Div", [t + "amax_safe", "pertoken_qmax"], [t + "x_scale"], name=t + "ScaleDiv"),
-                helper.make_node("Div", [x, t + "x_scale"], [t + "x_div"], name=t + "Div"),
-                helper.make_node("Round", [t + "x_div"], [t + "x_round"], name=t + "Round"),
-                helper.make_node("Add", [t + "x_round", "pertoken_zp_f"], [t + "x_shift"], name=t + "Shift"),
-                helper.make_node("Clip", [t + "x_shift", "pertoken_lo", "pertoken_hi"], [t + "x_clip"],
-                                 name=t + "Clip"),
-                helper.make_node("Cast", [t + "x_clip"], [t + "x_quantized"], name=t + "Cast", to=TensorProto.UINT8),
+                # QuantizeLinear with a per-axis scale does Div, Round (half to even), +128, the
+                # saturating clip and the cast in one pass; its scale must be 1-D along one axis,
+                # so the rows are flattened to [tokens, K] and back. Same codes as the five-op
+                # chain (test), 2-4x faster on SmolLM2's widths (576, 1536).
+                helper.make_node("Shape", [x], [t + "x_shape"], name=t + "Shape"),
+                helper.make_node("Reshape", [x, f"pertoken_rows_{weight.shape[0]}"], [t + "x_rows"], name=t + "Rows"),
+                helper.make_node("Reshape", [t + "x_scale", "pertoken_flat"], [t + "x_scale_rows"],
+                                 name=t + "ScaleRows"),
+                helper.make_node("Shape", [t + "x_scale_rows"], [t + "n_rows"], name=t + "RowCount"),
+                helper.make_node("Expand", ["pertoken_zp_u8", t + "n_rows"], [t + "zp_rows"], name=t + "ZeroPoints"),
+                helper.make_node("QuantizeLinear", [t + "x_rows", t + "x_scale_rows", t + "zp_rows"],
+                                 [t + "x_quantized_rows"], name=t + "QuantizeLinear", axis=0),
+                helper.make_node("Reshape", [t + "x_quantized_rows", t + "x_shape"], [t + "x_quantized"],
+                                 name=t + "Unrows"),
             ]
         x_q, x_scale = quantized_inputs[x]
         if fused:
@@ -119,7 +131,7 @@ def quantize_per_token(src: Path, dst: Path, nodes: list[str], *, reduce_range: 
     del graph.node[:]
     graph.node.extend(new_nodes)
     del graph.initializer[:]
-    graph.initializer.extend(kept + new_inits)
+    graph.initializer.extend(kept + new_inits + list(row_shapes.values()))
     if opset < 18:  # the axes initializer is read by no node
         kept_inits = [i for i in graph.initializer if i.name != "pertoken_axes"]
         del graph.initializer[:]
@@ -139,11 +151,12 @@ def _shared_constants(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
     def f(name, value):
         return numpy_helper.from_array(np.asarray(value, dtype=np.float32), name)
 
+    def i64(name, value):
+        return numpy_helper.from_array(np.asarray(value, dtype=np.int64), name)
+
     return {"eps": f("pertoken_eps", EPS), "qmax": f("pertoken_qmax", ACT_QMAX),
-            "zp_f": f("pertoken_zp_f", float(ACT_ZERO_POINT)), "lo": f("pertoken_lo", 0.0),
-            "hi": f("pertoken_hi", 255.0),
             "zp_u8": numpy_helper.from_array(np.asarray(ACT_ZERO_POINT, dtype=np.uint8), "pertoken_zp_u8"),
-            "axes": numpy_helper.from_array(np.asarray([-1], dtype=np.int64), "pertoken_axes")}
+            "axes": i64("pertoken_axes", [-1]), "flat": i64("pertoken_flat", [-1])}
 
 
 def _default_opset(model: onnx.ModelProto) -> int:
