@@ -14,6 +14,7 @@ from . import serial
 from .errors import ConfigError
 from .measure.sessions import PROVIDERS, SessionSpec, resolve_providers
 from .quantize import DEFAULT_RECIPES, get_recipe, with_exclusions
+from .quantize.recipes import ALPHA_SEPARATOR
 from .search import SearchConfig
 
 AUTO = "auto"  # --recipes auto: the accuracy-aware search (quantnorm.search)
@@ -83,7 +84,8 @@ class EvaluateConfig:
     def recipe(self, name: str):
         """The registry recipe, with --sq-alpha applied to SmoothQuant recipes."""
         recipe = get_recipe(name)
-        if self.sq_alpha is not None and recipe.smoothquant_alpha is not None:
+        # an explicit NAME@ALPHA keeps its own alpha; --sq-alpha sets the others
+        if self.sq_alpha is not None and recipe.smoothquant_alpha is not None and ALPHA_SEPARATOR not in name:
             recipe = replace(recipe, smoothquant_alpha=self.sq_alpha)
         if self.exclude:  # mixed precision: the variant gets its own name (<recipe>-mixed-<hash>)
             recipe = with_exclusions(recipe, self.exclude)

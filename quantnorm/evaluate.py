@@ -206,9 +206,13 @@ def measure_latency(cfg: EvaluateConfig, models: dict[str, Path], seq: int) -> l
 def smoothquant_section(run_dir: Path, cfg: EvaluateConfig, fp32_path: Path, smoothed, seq: int) -> dict:
     """``results["smoothquant"]``: the plan (folded / explicit MatMuls, per-placement statement),
     the parity figures, and what the explicit Muls cost the FP32 model at batch 8 on the CPU.
-    ``smoothed``: the run's ``SmoothedModels`` (zoo) or ``HFSmoothedModels`` (checkpoints)."""
-    export = next(iter(smoothed.exports.values()))  # one alpha per evaluate run
+    ``smoothed``: the run's ``SmoothedModels`` (zoo) or ``HFSmoothedModels`` (checkpoints). With
+    several alphas (``smoothquant@ALPHA`` recipes or search trials) the first one's plan is the
+    section and ``per_alpha`` lists each export; the Muls' cost is the same for every alpha (the
+    same explicit MatMuls get one), so it is timed on the first."""
+    export = next(iter(smoothed.exports.values()))
     section = export.to_dict(run_dir)
+    section["per_alpha"] = [{"alpha": alpha, **e.to_dict(run_dir)} for alpha, e in smoothed.exports.items()]
     cost = fp32_latency_cost(fp32_path, export.path,
                              SessionSpec(provider=CPU, graph_optimization_level=cfg.graph_optimization_level,
                                          threads=cfg.threads),

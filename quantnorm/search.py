@@ -54,6 +54,7 @@ from .measure.latency import bench_model
 from .measure.sessions import make_session
 from .measure.sqnr import activation_sqnr
 from .quantize import RECIPES, Recipe, get_recipe, quantize, with_exclusions
+from .quantize.recipes import ALPHA_SEPARATOR
 
 PICKS = ("fastest", "first")
 FRAMEWORK = "quantnorm_onnxruntime"   # our name in INC's config registry
@@ -181,7 +182,8 @@ class SearchConfig:
 
     def resolve(self, name: str) -> Recipe:
         recipe = get_recipe(name)
-        if self.sq_alpha is not None and recipe.smoothquant_alpha is not None:
+        # an explicit NAME@ALPHA keeps its own alpha; --sq-alpha sets the others
+        if self.sq_alpha is not None and recipe.smoothquant_alpha is not None and ALPHA_SEPARATOR not in name:
             recipe = replace(recipe, smoothquant_alpha=self.sq_alpha)
         return recipe
 

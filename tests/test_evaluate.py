@@ -133,3 +133,26 @@ def test_exclude_keeps_matching_nodes_in_fp32(scratch):
     assert all(producers.get(i) != "DequantizeLinear" for i in head.input)  # the head stays FP32
     assert main(["evaluate", "--checkpoint", str(scratch), *FAST, "--recipes", "dynamic", "--providers", "cpu",
                  "--no-outliers", "--exclude", "no-such-node*"]) == 2
+
+
+def test_smoothquant_at_several_alphas_side_by_side(scratch):
+    """smoothquant@ALPHA: one smoothed export per alpha, each recipe at its own alpha (an explicit
+    @ALPHA keeps it under --sq-alpha), a per-alpha table in the report."""
+    assert main(["evaluate", "--checkpoint", str(scratch), *FAST, "--recipes", "smoothquant@0.3,smoothquant@0.8,"
+                 "smoothquant", "--sq-alpha", "0.6", "--providers", "cpu", "--no-outliers"]) == 0
+    results = json.loads((scratch / "results.json").read_text())
+    got = {r["name"]: r["settings"]["smoothquant_alpha"] for r in results["recipes"]}
+    assert got == {"smoothquant@0.3": 0.3, "smoothquant@0.8": 0.8, "smoothquant": 0.6}
+    assert all(r["status"] == "ok" and r["accuracy"]["ppl_ratio"] > 0 for r in results["recipes"])
+    assert [e["alpha"] for e in results["smoothquant"]["per_alpha"]] == [0.3, 0.8, 0.6]
+    assert len({e["path"] for e in results["smoothquant"]["per_alpha"]}) == 3
+    report = (scratch / "report.md").read_text()
+    assert "Per alpha" in report and "| 0.8 | `smoothquant@0.8` |" in report
+
+
+@pytest.mark.parametrize("name, message", [("dynamic@0.5", "only SmoothQuant recipes take @ALPHA"),
+                                           ("smoothquant@x", "is not a number"),
+                                           ("smoothquant@1.5", "must be in [0, 1]")])
+def test_a_bad_alpha_is_one_line(scratch, capsys, name, message):
+    assert main(["evaluate", "--checkpoint", str(scratch), *FAST, "--recipes", name, "--no-outliers"]) == 2
+    assert message in capsys.readouterr().err

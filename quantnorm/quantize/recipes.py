@@ -221,11 +221,29 @@ DEFAULT_RECIPES: tuple[str, ...] = (
 # [-max|x|, max|x|], a MinMax variant), static-minmax-matmul-symact (within noise of the baseline).
 
 
+ALPHA_SEPARATOR = "@"   # smoothquant@0.7: a SmoothQuant recipe at another migration strength
+
+
 def get_recipe(name: str) -> Recipe:
+    """The registry's recipe; ``<smoothquant recipe>@ALPHA`` is that recipe at migration strength
+    ALPHA in [0, 1] (so a search space or a recipe list can hold several alphas side by side)."""
+    base, sep, alpha = name.partition(ALPHA_SEPARATOR)
     try:
-        return RECIPES[name]
+        recipe = RECIPES[base]
     except KeyError:
-        raise ConfigError(f"unknown recipe {name!r}: choose one of {', '.join(RECIPES)}") from None
+        raise ConfigError(f"unknown recipe {name!r}: choose one of {', '.join(RECIPES)} (SmoothQuant recipes also "
+                          f"as NAME{ALPHA_SEPARATOR}ALPHA, e.g. smoothquant{ALPHA_SEPARATOR}0.7)") from None
+    if not sep:
+        return recipe
+    if recipe.smoothquant_alpha is None:
+        raise ConfigError(f"recipe {name!r}: only SmoothQuant recipes take {ALPHA_SEPARATOR}ALPHA ({base} is not one)")
+    try:
+        value = float(alpha)
+    except ValueError:
+        raise ConfigError(f"recipe {name!r}: {alpha!r} is not a number (give e.g. {base}{ALPHA_SEPARATOR}0.7)") from None
+    if not 0.0 <= value <= 1.0:
+        raise ConfigError(f"recipe {name!r}: the SmoothQuant alpha must be in [0, 1], got {value:g}")
+    return replace(recipe, name=f"{base}{ALPHA_SEPARATOR}{value:g}", smoothquant_alpha=value)
 
 
 def with_exclusions(recipe: Recipe, patterns, name: str | None = None) -> Recipe:

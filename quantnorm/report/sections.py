@@ -122,6 +122,24 @@ def smoothquant(results: dict) -> list[str]:
               f"{fmt(ratio, '.3f', 'x')}. Max |Δlogit| of the smoothed ONNX model vs the original: "
               f"{fmt(sq.get('onnx_vs_original_max_abs_logit_diff'), '.1e')}"
               + (f" ({sq['parity_rule']})." if sq.get("parity_rule") else ".")]
+    per_alpha = sq.get("per_alpha") or []
+    if len(per_alpha) > 1:   # several migration strengths: what each one bought
+        by_alpha = {}
+        for r in results.get("recipes", []):
+            alpha = (r.get("settings") or {}).get("smoothquant_alpha")
+            if alpha is not None and r.get("accuracy"):
+                by_alpha.setdefault(float(alpha), []).append(r)
+        L += ["", "Per alpha (the largest explicit-scale channel ratio after smoothing; the recipes run on each):", ""]
+        rows = []
+        for e in per_alpha:
+            after = max((g.get("channel_ratio_after") or 0 for g in e.get("groups", [])), default=None)
+            for r in by_alpha.get(float(e["alpha"]), [None]):
+                acc = (r or {}).get("accuracy") or {}
+                rows.append([f"{e['alpha']:g}", f"`{r['name']}`" if r else "–", fmt(after, ".1f"),
+                             fmt(acc.get("ppl_ratio"), ".4f"), fmt(acc.get("kld_mean"), ".3g"),
+                             fmt(None if acc.get("top1_agreement") is None else 100 * acc["top1_agreement"], ".1f",
+                                 "%")])
+        L += table(["alpha", "recipe", "max channel ratio after", "PPL ratio", "KL mean", "top-1"], rows)
     return L
 
 
