@@ -146,3 +146,37 @@ def test_fp16_check_fp32_residual_fix_survives_a_stream_that_only_the_sum_overfl
     assert report["forwards"]["float16"]["status"].startswith("overflows")
     fixed = report["forwards"][FP32_RESIDUAL]
     assert fixed["status"] == "ok" and fixed["top1_agreement"] > 0.9, fixed
+
+
+def test_carrier_recipes_keep_or_per_token_the_matmuls_the_probe_finds(tmp_path):
+    """static-minmax-matmul-carriers-*: the probe (on calibration windows) finds block 1's
+    down-projection input carrying the planted value; -fp32 leaves that MatMul in FP32, -pertoken
+    quantizes it per token, every other weight MatMul is static QDQ in both."""
+    import onnx
+
+    from quantnorm.quantize import get_recipe, quantize
+
+    model = planted_llama()
+    loaded = SimpleNamespace(model=model, spec=ARCHITECTURES["llama"],
+                             files=SimpleNamespace(pooling="mean", mlm_head=False))
+    path = tmp_path / "planted.onnx"
+    export_hf_onnx(make_wrapper(loaded), path, np.full((2, 12), 3), outputs=("logits",), max_positions=64)
+    calib = np.random.default_rng(1).integers(2, 64, size=(8, 12))
+    calib[:, 0] = BOS
+    results = {}
+    for name in ("static-minmax-matmul-carriers-fp32", "static-minmax-matmul-carriers-pertoken"):
+        q = quantize(path, get_recipe(name), calib, tmp_path / f"{name}.onnx", vnni=True, probe_inputs=calib[:2])
+        assert q.status == "ok", q.problems
+        found = q.settings["carriers_found"]
+        assert any("layers.1.mlp.down_proj" in n for n in found["nodes"]), found
+        assert all(abs(i["max_abs"]) > 100 and i["position"] == 0 for i in found["inputs"])
+        results[name] = (q, onnx.load(str(q.path)).graph)
+    _, fp32_graph = results["static-minmax-matmul-carriers-fp32"]
+    producers = {o: n.op_type for n in fp32_graph.node for o in n.output}
+    down = next(n for n in fp32_graph.node if n.op_type == "MatMul" and "layers.1.mlp.down_proj" in n.name)
+    assert all(producers.get(i) != "DequantizeLinear" for i in down.input)   # FP32 inputs and weight
+    q_proj = next(n for n in fp32_graph.node if n.op_type == "MatMul" and "layers.1.self_attn.q_proj" in n.name)
+    assert any(producers.get(i) == "DequantizeLinear" for i in q_proj.input)  # the rest: static QDQ
+    q, pt_graph = results["static-minmax-matmul-carriers-pertoken"]
+    fused = [n.name for n in pt_graph.node if n.op_type == "MatMulIntegerToFloat"]
+    assert fused and all("down_proj" in n for n in fused) and q.settings["carriers_pertoken"]["pertoken_matmuls"]

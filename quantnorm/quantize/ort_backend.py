@@ -31,6 +31,7 @@ from ..calibration import get_calibration_method
 from ..calibration.ranges import collect_ranges, method_details
 from ..errors import ConfigError, QuantizeError
 from ..fileio import atomic_path, onnx_needs_external_data
+from ..measure.graph_probe import graph_probe
 from .pertoken import quantize_per_token
 from .recipes import ONLINE_ROTATION_MARKER, Recipe
 from .sanity import sanity_check
@@ -118,6 +119,13 @@ def quantize(fp32_path: Path, recipe: Recipe, calib_inputs: np.ndarray | None, o
         graph = onnx.load(str(pre_path)).graph
 
         excluded = resolve_exclusions(graph, recipe.excluded)
+        carriers: list[str] = []
+        if recipe.carriers is not None:
+            del graph   # the probe loads the graph itself
+            carriers, settings["carriers_found"] = find_carriers(pre_path, calib_inputs)
+            graph = onnx.load(str(pre_path)).graph
+            if recipe.carriers == "fp32":
+                excluded += [n for n in carriers if n not in excluded]
         to_quantize = weight_matmuls(graph) if recipe.op_scope == "matmul" else []
         if recipe.op_scope == "matmul":
             to_quantize = [n for n in to_quantize if n not in set(excluded)]
@@ -145,8 +153,16 @@ def quantize(fp32_path: Path, recipe: Recipe, calib_inputs: np.ndarray | None, o
             status = "ok" if not problems else f"broken: {problems[0]}"
             return QuantizeResult(recipe.name, out_path, settings, status, problems)
         try:
-            problems += _run_quantizer(pre_path, q_path, recipe, settings, calib_inputs, to_quantize, excluded,
+            static_nodes = [n for n in to_quantize if n not in carriers] if recipe.carriers == "pertoken" else to_quantize
+            problems += _run_quantizer(pre_path, q_path, recipe, settings, calib_inputs, static_nodes,
+                                       excluded + (carriers if recipe.carriers == "pertoken" else []),
                                        calib_batch_size, progress)
+            if recipe.carriers == "pertoken" and carriers:
+                # the carriers are still FP32 MatMuls with their weights in the QDQ graph: per token now
+                per_token = tmp / "carriers-pertoken.onnx"
+                settings["carriers_pertoken"] = quantize_per_token(q_path, per_token, carriers,
+                                                                   reduce_range=settings["reduce_range"], fused=True)
+                per_token.replace(q_path)
         except ValueError as exc:
             if not _is_non_finite_range(exc):
                 raise QuantizeError(f"ONNX Runtime failed to quantize with recipe {recipe.name}: {exc}") from exc
@@ -163,6 +179,25 @@ def quantize(fp32_path: Path, recipe: Recipe, calib_inputs: np.ndarray | None, o
             shutil.copyfile(q_path, final_tmp)
     status = "ok" if not problems else f"broken: {problems[0]}"
     return QuantizeResult(recipe.name, out_path, settings, status, problems)
+
+
+CARRIER_PROBE_WINDOWS = 8
+
+
+def find_carriers(fp32_path: Path, calib_inputs: np.ndarray) -> tuple[list[str], dict]:
+    """The weight MatMuls whose input carries a massive activation (Sun et al.: |a| > 100 and
+    >= 1000x the median of its tensor, at a position where the residual stream has one), found by
+    the graph probe on the first calibration windows: a calibration-time choice, never the
+    evaluation text. Returns (node names, what was found for ``settings``)."""
+    windows = np.asarray(calib_inputs)[:CARRIER_PROBE_WINDOWS]
+    report, _ = graph_probe(fp32_path, windows)
+    rows = [r for r in report["matmul_inputs"] if r.get("carries_massive")]
+    nodes = [n for r in rows for n in r["modules"]]
+    return nodes, {"rule": "weight-MatMul inputs whose largest |a| is a massive activation of the residual stream's "
+                           f"positions (graph probe on {len(windows)} calibration windows)",
+                   "nodes": nodes,
+                   "inputs": [{"tensor": r["tensor"], "max_abs": r["top"][0]["value"] if r.get("top") else None,
+                               "position": r["top"][0]["position"] if r.get("top") else None} for r in rows]}
 
 
 def weight_matmuls(graph: onnx.GraphProto) -> list[str]:

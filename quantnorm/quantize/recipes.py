@@ -27,6 +27,7 @@ ONLINE_ROTATION_MARKER = "online_hadamard"
 # Linear's input rotated in the graph (exact for any placement; quantnorm.hf.rotation).
 ROTATIONS = (None, "hadamard", "online")
 PERTOKEN_KERNELS = ("standard", "ort-fused")
+CARRIER_MODES = (None, "fp32", "pertoken")
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,10 @@ class Recipe:
     # pertoken only: "standard" ONNX ops (MatMulInteger + Muls, any runtime) or ORT's fused
     # com.microsoft.MatMulIntegerToFloat ("ort-fused").
     pertoken_kernel: str = "standard"
+    # Static recipes only: the weight MatMuls whose inputs carry a massive activation, found by the
+    # graph probe on calibration windows, kept in FP32 ("fp32") or quantized per token ("pertoken",
+    # ORT's fused kernel) while the rest stay static. None: every weight MatMul as the recipe says.
+    carriers: str | None = None
 
     def __post_init__(self) -> None:
         # The name goes into file names (model.int8.<name>.onnx) and results.json.
@@ -76,6 +81,10 @@ class Recipe:
             raise ConfigError(f"recipe {self.name}: reduce_range must be 'auto', True or False, got {self.reduce_range!r}")
         if not 0.0 < self.percentile <= 100.0:
             raise ConfigError(f"recipe {self.name}: percentile must be in (0, 100], got {self.percentile}")
+        if self.carriers not in CARRIER_MODES:
+            raise ConfigError(f"recipe {self.name}: carriers must be one of {CARRIER_MODES}, got {self.carriers!r}")
+        if self.carriers is not None and (self.mode != "static" or self.op_scope != "matmul"):
+            raise ConfigError(f"recipe {self.name}: carriers apply to static weight-MatMul recipes only")
         if isinstance(self.excluded, str) or not all(isinstance(p, str) and p for p in self.excluded):
             raise ConfigError(f"recipe {self.name}: excluded must be a tuple of non-empty node names or patterns")
         if self.pertoken_kernel not in PERTOKEN_KERNELS:
@@ -130,6 +139,8 @@ class Recipe:
             out["rotation"] = self.rotation
         if self.mode == "pertoken":
             out["pertoken_kernel"] = self.pertoken_kernel
+        if self.carriers is not None:
+            out["carriers"] = self.carriers
         return out
 
     def describe(self) -> str:
@@ -159,6 +170,10 @@ class Recipe:
             parts.append("on the Hadamard-rotated model (residual stream; Pre-RMSNorm checkpoints)")
         elif self.rotation == "online":
             parts.append("every Linear's input Hadamard-rotated online (any placement)")
+        if self.carriers == "fp32":
+            parts.append("the MatMuls whose inputs carry a massive activation (probe) kept in FP32")
+        elif self.carriers == "pertoken":
+            parts.append("the MatMuls whose inputs carry a massive activation (probe) quantized per token")
         if self.excluded:
             parts.append(f"{len(self.excluded)} node pattern(s) kept in FP32")
         return ", ".join(parts)
@@ -181,6 +196,10 @@ _RECIPE_LIST = [
     # MinMax over every token but the sink (position 0): the massive first-token values are
     # clipped, every other token gets a fine step (sink-aware calibration, PrefixQuant's question).
     _static("static-minmax-matmul-nosink", "minmax-nosink"),
+    # The same with the MatMuls whose inputs carry a massive activation (found by the graph probe
+    # on calibration windows) kept in FP32, or quantized per token: the probe chooses the exceptions.
+    _static("static-minmax-matmul-carriers-fp32", "minmax", carriers="fp32"),
+    _static("static-minmax-matmul-carriers-pertoken", "minmax", carriers="pertoken"),
     # ORT's default op list: also Add/Mul/Where/Softmax/Gather... (where -inf masks bite).
     _static("static-minmax-all", "minmax", op_scope="all"),
     # Signed symmetric activations (zero point 0), as TensorRT-style INT8 wants.
