@@ -32,6 +32,7 @@ from ..calibration.ranges import collect_ranges, method_details
 from ..errors import ConfigError, QuantizeError
 from ..fileio import atomic_path, onnx_needs_external_data
 from ..measure.graph_probe import graph_probe
+from .gptq import collect_hessians, matmul_inputs
 from .pertoken import quantize_per_token
 from .recipes import ONLINE_ROTATION_MARKER, Recipe
 from .sanity import sanity_check
@@ -142,9 +143,17 @@ def quantize(fp32_path: Path, recipe: Recipe, calib_inputs: np.ndarray | None, o
         q_path = tmp / "quantized.onnx"
         problems: list[str] = []
         if recipe.mode == "pertoken":
+            hessians = None
+            if recipe.weight_rounding == "gptq":
+                if calib_inputs is None or len(calib_inputs) == 0:
+                    raise ConfigError(f"recipe {recipe.name}: GPTQ rounding needs calibration windows (got none)")
+                tensors = sorted(set(matmul_inputs(pre_path, to_quantize).values()))
+                hessians, rows = collect_hessians(pre_path, tensors, calib_inputs)
+                settings["gptq_calibration_positions"] = rows
             try:
                 settings.update(quantize_per_token(pre_path, q_path, to_quantize, reduce_range=settings["reduce_range"],
-                                                   fused=recipe.pertoken_kernel == "ort-fused"))
+                                                   fused=recipe.pertoken_kernel == "ort-fused", hessians=hessians))
+                del hessians
             except ValueError as exc:  # a graph the rewrite cannot take (too old an opset)
                 raise QuantizeError(f"recipe {recipe.name} cannot quantize {fp32_path.name}: {exc}") from exc
             problems = sanity_check(q_path, probe_inputs)

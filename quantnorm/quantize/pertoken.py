@@ -29,6 +29,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from ..measure.fake_quant import ACT_QMAX, ACT_ZERO_POINT, EPS, fake_quantize_rows
+from .gptq import BLOCK, DAMP, gptq_quantize, output_error
 
 __all__ = ["ACT_QMAX", "ACT_ZERO_POINT", "EPS", "fake_quantize_rows", "quantize_per_token", "weight_scales"]
 
@@ -42,11 +43,14 @@ def weight_scales(weight: np.ndarray, qmax: int) -> tuple[np.ndarray, np.ndarray
     return q, scale
 
 
-def quantize_per_token(src: Path, dst: Path, nodes: list[str], *, reduce_range: bool, fused: bool = False) -> dict:
+def quantize_per_token(src: Path, dst: Path, nodes: list[str], *, reduce_range: bool, fused: bool = False,
+                       hessians: dict[str, np.ndarray] | None = None) -> dict:
     """Rewrite the MatMuls named in ``nodes`` of the model at ``src`` into per-token INT8; save to
     ``dst``. Returns what was done (for ``recipes[].settings``). ``fused``: ONNX Runtime's
     ``com.microsoft.MatMulIntegerToFloat`` instead of ``MatMulInteger`` + Cast + two Muls (same
-    arithmetic; runs on ONNX Runtime only)."""
+    arithmetic; runs on ONNX Runtime only). ``hessians``: activation tensor -> ``X^T X`` of the
+    calibration windows; the weights that read one get GPTQ codes (``quantize.gptq``) instead of
+    round-to-nearest, on the same grid."""
     model = onnx.load(str(src))
     graph = model.graph
     opset = _default_opset(model)
@@ -65,6 +69,7 @@ def quantize_per_token(src: Path, dst: Path, nodes: list[str], *, reduce_range: 
     new_inits: list[onnx.TensorProto] = [shared["eps"], shared["qmax"], shared["zp_u8"], shared["axes"],
                                          shared["flat"]]
     replaced: list[str] = []
+    error_ratios: list[float] = []   # GPTQ: its X-weighted weight error / round-to-nearest's, per MatMul
     row_shapes: dict[str, onnx.TensorProto] = {}   # [-1, K] per input width K: the rows QuantizeLinear reads
     quantized_inputs: dict[str, tuple[str, str]] = {}  # activation -> (its uint8 tensor, its row scales)
     for node in graph.node:
@@ -77,7 +82,13 @@ def quantize_per_token(src: Path, dst: Path, nodes: list[str], *, reduce_range: 
             new_nodes.append(node)
             continue
         p = node.name or f"matmul_{len(replaced)}"
-        w_q, s_w = weight_scales(weight, qmax)
+        if hessians is not None and x in hessians:
+            w_q, s_w = gptq_quantize(weight, hessians[x], qmax)
+            nearest = weight_scales(weight, qmax)
+            error_ratios.append(output_error(weight, w_q, s_w, hessians[x]) /
+                                max(output_error(weight, *nearest, hessians[x]), 1e-30))
+        else:
+            w_q, s_w = weight_scales(weight, qmax)
         new_inits += [numpy_helper.from_array(w_q, f"{p}/pertoken/W_quantized"),
                       numpy_helper.from_array(s_w, f"{p}/pertoken/W_scale")]
         t = f"{p}/pertoken/"
@@ -140,7 +151,12 @@ def quantize_per_token(src: Path, dst: Path, nodes: list[str], *, reduce_range: 
         model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     onnx.checker.check_model(model)
     onnx.save(model, str(dst))
-    return {"pertoken_matmuls": replaced, "weight_qmax": qmax, "activation_zero_point": ACT_ZERO_POINT,
+    gptq = {} if not error_ratios else {"gptq": {
+        "matmuls": len(error_ratios), "damp": DAMP, "block": BLOCK,
+        "output_error_vs_nearest_median": float(np.median(error_ratios)),
+        "output_error_vs_nearest_max": float(np.max(error_ratios)),
+        "rule": "trace(dW^T H dW) with H = X^T X of the calibration activations, GPTQ over round-to-nearest"}}
+    return {**gptq, "pertoken_matmuls": replaced, "weight_qmax": qmax, "activation_zero_point": ACT_ZERO_POINT,
             "activation_scale": "per row: max|x| / 127 (computed at run time)",
             "kernel": ("com.microsoft.MatMulIntegerToFloat (u8 x s8, rescaled in the kernel; ONNX Runtime only)"
                        if fused else "MatMulInteger (u8 activations x s8 weights, int32 accumulate) + float rescale "

@@ -28,6 +28,7 @@ ONLINE_ROTATION_MARKER = "online_hadamard"
 ROTATIONS = (None, "hadamard", "online")
 PERTOKEN_KERNELS = ("standard", "ort-fused")
 CARRIER_MODES = (None, "fp32", "pertoken")
+WEIGHT_ROUNDINGS = ("nearest", "gptq")
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,10 @@ class Recipe:
     # graph probe on calibration windows, kept in FP32 ("fp32") or quantized per token ("pertoken",
     # ORT's fused kernel) while the rest stay static. None: every weight MatMul as the recipe says.
     carriers: str | None = None
+    # pertoken only: how the INT8 weight codes are chosen on the per-channel grid. "nearest":
+    # round to nearest; "gptq": GPTQ's error-compensating rounding against the calibration
+    # activations (quantize/gptq.py).
+    weight_rounding: str = "nearest"
 
     def __post_init__(self) -> None:
         # The name goes into file names (model.int8.<name>.onnx) and results.json.
@@ -81,6 +86,11 @@ class Recipe:
             raise ConfigError(f"recipe {self.name}: reduce_range must be 'auto', True or False, got {self.reduce_range!r}")
         if not 0.0 < self.percentile <= 100.0:
             raise ConfigError(f"recipe {self.name}: percentile must be in (0, 100], got {self.percentile}")
+        if self.weight_rounding not in WEIGHT_ROUNDINGS:
+            raise ConfigError(f"recipe {self.name}: weight_rounding must be one of {WEIGHT_ROUNDINGS}, "
+                              f"got {self.weight_rounding!r}")
+        if self.weight_rounding == "gptq" and self.mode != "pertoken":
+            raise ConfigError(f"recipe {self.name}: GPTQ rounding is built for the per-token recipes only")
         if self.carriers not in CARRIER_MODES:
             raise ConfigError(f"recipe {self.name}: carriers must be one of {CARRIER_MODES}, got {self.carriers!r}")
         if self.carriers is not None and (self.mode != "static" or self.op_scope != "matmul"):
@@ -141,6 +151,8 @@ class Recipe:
             out["pertoken_kernel"] = self.pertoken_kernel
         if self.carriers is not None:
             out["carriers"] = self.carriers
+        if self.mode == "pertoken":
+            out["weight_rounding"] = self.weight_rounding
         return out
 
     def describe(self) -> str:
@@ -170,6 +182,8 @@ class Recipe:
             parts.append("on the Hadamard-rotated model (residual stream; Pre-RMSNorm checkpoints)")
         elif self.rotation == "online":
             parts.append("every Linear's input Hadamard-rotated online (any placement)")
+        if self.weight_rounding == "gptq":
+            parts.append("GPTQ rounding of the INT8 weights (calibrated)")
         if self.carriers == "fp32":
             parts.append("the MatMuls whose inputs carry a massive activation (probe) kept in FP32")
         elif self.carriers == "pertoken":
@@ -218,6 +232,13 @@ _RECIPE_LIST = [
     # Every Linear's input rotated online (exact for any placement, Peri-LN included).
     Recipe("online-rotated-pertoken-fused", "pertoken", None, True, "matmul", False, "auto", rotation="online",
            pertoken_kernel="ort-fused"),
+    # The per-token recipes with GPTQ rounding of the weights instead of round-to-nearest.
+    Recipe("pertoken-fused-gptq", "pertoken", None, True, "matmul", False, "auto", pertoken_kernel="ort-fused",
+           weight_rounding="gptq"),
+    Recipe("rotated-pertoken-fused-gptq", "pertoken", None, True, "matmul", False, "auto", rotation="hadamard",
+           pertoken_kernel="ort-fused", weight_rounding="gptq"),
+    Recipe("online-rotated-pertoken-fused-gptq", "pertoken", None, True, "matmul", False, "auto", rotation="online",
+           pertoken_kernel="ort-fused", weight_rounding="gptq"),
     # The baseline on the SmoothQuant-smoothed FP32 model (outliers moved into the weights).
     _static("smoothquant", "minmax", smoothquant_alpha=0.5),
 ]

@@ -1,0 +1,103 @@
+"""GPTQ-style rounding of INT8 weights (Frantar et al. 2023), for the per-token recipes.
+
+Round-to-nearest gives every weight its own rounding error; GPTQ rounds the input rows of a
+weight ``W`` [K, N] one at a time and pushes each row's error onto the rows not yet rounded, in
+the direction the layer's inputs make cheapest: it minimizes ``||X W - X W_q||^2`` over the
+calibration activations ``X`` through ``H = X^T X`` (K x K), instead of ``||W - W_q||^2``.
+
+The grid is the one the recipes already use: symmetric per output channel,
+``s_n = max_k |W[k, n]| / q_max``, codes in ``[-q_max, q_max]``; only which code each weight gets
+changes. The rows are taken in order with lazy block updates (128 rows), ``H`` is damped by
+1% of its mean diagonal (GPTQ's default) and inputs that never fire (a zero diagonal) are dropped.
+
+``collect_hessians`` runs the FP32 graph on calibration windows with the MatMul inputs exposed
+and accumulates ``X^T X`` per input tensor (q, k and v read one tensor: one Hessian); float32
+accumulators (GPTQ's own choice): 0.4-0.8 GB for SmolLM2 or Gemma 3 270M.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from ..measure.sqnr import expose_tensors
+
+DAMP = 0.01
+BLOCK = 128
+HESSIAN_BATCH = 2   # calibration windows per run of the exposed graph
+
+
+def collect_hessians(model_path: Path, tensors: list[str], windows: np.ndarray) -> tuple[dict[str, np.ndarray], int]:
+    """``X^T X`` (float32, [K, K]) of each tensor in ``tensors`` over every position of
+    ``windows`` [n, seq] (int64 token ids), and the number of rows (positions) summed."""
+    windows = np.asarray(windows, dtype=np.int64)
+    with tempfile.TemporaryDirectory(prefix="quantnorm-gptq-") as tmp:
+        exposed = Path(tmp) / "exposed.onnx"
+        expose_tensors(model_path, tensors, exposed)
+        session = ort.InferenceSession(str(exposed), providers=["CPUExecutionProvider"])
+        input_name = session.get_inputs()[0].name
+        hessians: dict[str, np.ndarray] = {}
+        rows = 0
+        for lo in range(0, len(windows), HESSIAN_BATCH):
+            batch = np.ascontiguousarray(windows[lo:lo + HESSIAN_BATCH])
+            outputs = session.run(tensors, {input_name: batch})
+            for name, x in zip(tensors, outputs, strict=True):
+                x = np.asarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
+                h = hessians.get(name)
+                if h is None:
+                    hessians[name] = x.T @ x
+                else:
+                    h += x.T @ x
+            rows += batch.shape[0] * batch.shape[1]
+        del session
+    return hessians, rows
+
+
+def gptq_quantize(weight: np.ndarray, hessian: np.ndarray, qmax: int, *, damp: float = DAMP,
+                  block: int = BLOCK) -> tuple[np.ndarray, np.ndarray]:
+    """GPTQ codes of ``weight`` [K, N] (``y = x @ W``) on the per-output-channel grid
+    ``s = max|W[:, n]| / qmax``: (codes int8 [K, N], scales float32 [N])."""
+    w = np.asarray(weight, dtype=np.float64).copy()
+    k_dim = w.shape[0]
+    amax = np.abs(w).max(axis=0)
+    scale = np.where(amax > 0, amax / qmax, 1.0)
+    h = np.asarray(hessian, dtype=np.float64).copy()
+    dead = np.diag(h) == 0
+    h[dead, dead] = 1.0
+    w[dead, :] = 0.0
+    h[np.diag_indices(k_dim)] += damp * float(np.mean(np.diag(h)))
+    # The upper Cholesky factor of H^-1: row i's update of the rows after it, as in GPTQ.
+    h_inv = np.linalg.inv(h)
+    h_inv = (h_inv + h_inv.T) / 2
+    u = np.linalg.cholesky(h_inv).T
+    codes = np.empty(w.shape, dtype=np.int8)
+    for b0 in range(0, k_dim, block):
+        b1 = min(b0 + block, k_dim)
+        w1 = w[b0:b1]                      # a view: updated in place
+        errors = np.empty_like(w1)
+        u1 = u[b0:b1, b0:b1]
+        for i in range(b1 - b0):
+            q = np.clip(np.rint(w1[i] / scale), -qmax, qmax)
+            codes[b0 + i] = q
+            err = (w1[i] - q * scale) / u1[i, i]
+            w1[i:] -= np.outer(u1[i, i:], err)
+            errors[i] = err
+        w[b1:] -= u[b0:b1, b1:].T @ errors
+    return codes, scale.astype(np.float32)
+
+
+def output_error(weight: np.ndarray, codes: np.ndarray, scale: np.ndarray, hessian: np.ndarray) -> float:
+    """``trace(dW^T H dW)``: the summed squared error of ``X W`` over the calibration rows."""
+    delta = np.asarray(weight, dtype=np.float64) - codes.astype(np.float64) * scale.astype(np.float64)
+    return float(((np.asarray(hessian, dtype=np.float64) @ delta) * delta).sum())
+
+
+def matmul_inputs(model_path: Path, nodes: list[str]) -> dict[str, str]:
+    """node name -> the activation tensor it reads (its first input)."""
+    graph = onnx.load(str(model_path), load_external_data=False).graph
+    wanted = set(nodes)
+    return {n.name: n.input[0] for n in graph.node if n.name in wanted}
