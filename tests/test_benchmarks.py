@@ -1,0 +1,29 @@
+"""benchmarks/evaluate_budget.py: one tiny evaluate run measured per stage against a budget."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "evaluate_budget.py"
+TINY = ["--placement", "pre", "--norm", "rms", "--layers", "1", "--d-model", "32", "--heads", "2", "--context", "32",
+        "--batch-size", "8", "--steps", "20", "--batches", "1", "--iters", "2", "--calib-samples", "8",
+        "--recipes", "dynamic", "--no-outliers", "--providers", "cpu", "--quiet"]
+
+
+def test_evaluate_budget_reports_stages_and_a_missed_budget(tmp_path):
+    run = subprocess.run([sys.executable, str(SCRIPT), "--budget-min", "0.0001", "--budget-gb", "1000",
+                          "--interval", "0.1", "--", *TINY, "--out", str(tmp_path / "run")],
+                         capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert run.returncode == 1, run.stderr[-2000:]     # the wall-time budget of 6 ms is missed
+    out = run.stdout
+    assert "| stage | seconds | peak RSS (GB) |" in out and "| export |" in out and "| quantize:dynamic |" in out
+    assert "| wall time (min) |" in out and "| missed |" in out and "| peak RSS (GB) |" in out
+    peak_row = next(line for line in out.splitlines() if line.startswith("| peak RSS (GB) |"))
+    assert peak_row.endswith("| met |") and float(peak_row.split("|")[2]) > 0.05
+
+
+def test_evaluate_budget_needs_the_evaluate_arguments_after_a_separator():
+    run = subprocess.run([sys.executable, str(SCRIPT), "--budget-min", "1"], capture_output=True, text=True,
+                         cwd=ROOT, timeout=60)
+    assert run.returncode == 2 and "after `--`" in run.stderr
