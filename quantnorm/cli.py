@@ -157,9 +157,11 @@ def evaluate_options(func):
     options = [
         click.option("--recipes", default=None,
                      help="Comma-separated INT8 recipes (see `quantnorm recipes`), or `auto` for the accuracy-aware "
-                          "search (may be combined with names). [default: the default set]"),
+                          "search (may be combined with names). A SmoothQuant recipe takes an alpha as "
+                          "NAME@ALPHA (smoothquant@0.7), several side by side. [default: the default set]"),
         click.option("--sq-alpha", type=float, default=None,
-                     help="SmoothQuant migration strength alpha in [0, 1] for the smoothquant recipe. [default: 0.5]"),
+                     help="SmoothQuant migration strength alpha in [0, 1] for the smoothquant recipe (not for "
+                          "smoothquant@ALPHA names, which keep theirs). [default: 0.5]"),
         click.option("--max-ppl-ratio", type=float, default=1.01, show_default=True,
                      help="--recipes auto: the target INT8/FP32 perplexity ratio the search must reach."),
         click.option("--min-top1", type=float, default=None,
