@@ -26,6 +26,8 @@ import math
 
 import numpy as np
 
+from ..measure.accuracy import pair_stats
+
 FP16_MAX = 65504.0
 CLIP_VALUE = 32752.0  # the community Gemma 3 270M ONNX export's residual clip
 MAX_LISTED = 12
@@ -115,18 +117,9 @@ def _compare(ref: np.ndarray, got: np.ndarray, targets: np.ndarray) -> dict:
         out["status"] = f"overflows: {100 * share_bad:.1f}% of positions have a non-finite logit"
         return out
 
-    def log_softmax(x):
-        x = x.astype(np.float64)
-        x = x - x.max(axis=-1, keepdims=True)
-        return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
-
-    lp, lq = log_softmax(ref), log_softmax(got)
-    idx = targets[..., None]
-    nll_p = -np.take_along_axis(lp, idx, axis=-1).mean()
-    nll_q = -np.take_along_axis(lq, idx, axis=-1).mean()
-    kld = (np.exp(lp) * (lp - lq)).sum(axis=-1)
-    out.update(status="ok", ppl_ratio=float(math.exp(nll_q - nll_p)), kld_mean=float(np.maximum(kld, 0).mean()),
-               top1_agreement=float((lp.argmax(-1) == lq.argmax(-1)).mean()))
+    nll_p, nll_q, kld, agree = pair_stats(ref, got, targets)
+    out.update(status="ok", ppl_ratio=float(math.exp(nll_q.mean() - nll_p.mean())), kld_mean=float(kld.mean()),
+               top1_agreement=float(agree.mean()))
     return out
 
 
