@@ -18,9 +18,9 @@ from quantnorm.report.run import RUN_REPORTS
 REPORTS = Path(__file__).resolve().parents[1] / "reports"
 # GGUF (causal, with a search, rotation and fp16), GGUF (causal), Hugging Face encoder
 CHECKPOINT_RUNS = ["real-models/smollm2", "real-models/gemma3", "real-models/minilm"]
-# zoo cells: collapsed (status from its data ranges), deep deepnorm, a zoo sweep's cell
-ZOO_CELLS = ["reference/cells/post-layer-L4-w30-seed0", "reference/cells/deepnorm-layer-L8-w30-seed0",
-             "zoo/cells/peri-rms-L4-w30-seed0"]
+# zoo cells: collapsed (recorded status), deep deepnorm, collapsed (status from its data ranges), a trained one
+ZOO_CELLS = ["reference/cells/post-layer-L4-w30-lr0.003-seed0", "reference/cells/deepnorm-layer-L8-w30-lr0.003-seed0",
+             "zoo/cells/post-layer-L4-w30-seed0", "zoo/cells/peri-rms-L4-w30-seed0"]
 
 
 def _copy_run(src: Path, dest: Path) -> Path:

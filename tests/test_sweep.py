@@ -484,19 +484,22 @@ def test_a_manifest_of_a_newer_version_is_refused(tmp_path, small_corpus, capsys
 
 
 @pytest.mark.parametrize("name", ["reference", "zoo"])
-def test_a_committed_version_1_sweep_is_compatible_with_its_recorded_commands(name, monkeypatch):
-    """reports/<name>/sweep.json (version 1) would resume with each command that grew it."""
+def test_a_committed_sweep_is_compatible_with_its_recorded_commands(name, monkeypatch):
+    """reports/<name>/sweep.json (zoo: version 1, reference: version 2) would resume with each
+    command that grew it."""
     import shlex
 
     from quantnorm import cli
 
     root = Path(__file__).resolve().parents[1] / "reports" / name
     manifest = json.loads((root / MANIFEST_FILE).read_text())
-    assert manifest["sweep_version"] == 1
+    assert manifest["sweep_version"] == {"zoo": 1, "reference": 2}[name]
     built = []
     monkeypatch.setattr(cli, "run_sweep", lambda cfg, out, **kw: built.append(cfg) or
                         sweep_mod.SweepOutcome(Path(out), [], None))
     for command in manifest.get("commands") or [manifest["command"]]:
         assert main(shlex.split(command)[1:]) == 0
         sweep_mod.check_compatible(manifest, built[-1], root)     # raises ConfigError on any difference
-    assert built[-1].evaluate.recipes == tuple(manifest["settings"]["recipes"])
+    settings = manifest["settings"]
+    recorded = settings["recipes"] if manifest["sweep_version"] == 1 else settings["evaluate"]["recipes"]
+    assert built[-1].evaluate.recipes == tuple(recorded)
