@@ -162,8 +162,9 @@ def pair_stats(logits_p: np.ndarray, logits_q: np.ndarray,
     ``KL = sum p (a - b) - (lse_a - lse_b)``: one exp per model instead of a third for ``p``."""
     shape = np.shape(targets)
     nll_p, nll_q, kld = (np.empty(int(np.prod(shape)), dtype=np.float64) for _ in range(3))
+    rows_q = np.asarray(logits_q).reshape(-1, np.shape(logits_q)[-1])
     for lo, block_p, tgt in _row_blocks(logits_p, targets):
-        block_q = np.asarray(logits_q).reshape(-1, block_p.shape[-1])[lo:lo + len(block_p)]
+        block_q = rows_q[lo:lo + len(block_p)]
         rows, hi = np.arange(len(block_p)), lo + len(block_p)
         a = block_p.astype(np.float64)
         a -= a.max(axis=-1, keepdims=True)

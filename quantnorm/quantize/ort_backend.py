@@ -117,16 +117,14 @@ def quantize(fp32_path: Path, recipe: Recipe, calib_inputs: np.ndarray | None, o
         cache = preprocessed if preprocessed is not None else own.enter_context(PreprocessCache())
         pre_path = cache.get(fp32_path)
         settings["preprocess"] = PREPROCESS_STEPS
+        carriers: list[str] = []
+        if recipe.carriers is not None:   # before our copy of the graph: the probe loads its own
+            carriers, settings["carriers_found"] = find_carriers(pre_path, calib_inputs)
         graph = onnx.load(str(pre_path)).graph
 
         excluded = resolve_exclusions(graph, recipe.excluded)
-        carriers: list[str] = []
-        if recipe.carriers is not None:
-            del graph   # the probe loads the graph itself
-            carriers, settings["carriers_found"] = find_carriers(pre_path, calib_inputs)
-            graph = onnx.load(str(pre_path)).graph
-            if recipe.carriers == "fp32":
-                excluded += [n for n in carriers if n not in excluded]
+        if recipe.carriers == "fp32":
+            excluded += [n for n in carriers if n not in excluded]
         to_quantize = weight_matmuls(graph) if recipe.op_scope == "matmul" else []
         if recipe.op_scope == "matmul":
             to_quantize = [n for n in to_quantize if n not in set(excluded)]
