@@ -263,7 +263,8 @@ def _resolve_packaged(argv: list[str]) -> list[str]:
                    "then the window in tokens and --corpus the text.")
 @click.option("--eval-tokens", type=click.IntRange(min=2), default=None,
               help="With --model: the evaluation budget in tokens (whole windows of --context tokens from the "
-                   "evaluation range). [default: 128 windows]")
+                   "evaluation range). [default: 128 windows, fewer where the vocabulary is large (windows x tokens x "
+                   "vocabulary within 2^31 logits): 64 windows, 8,192 tokens, for Gemma 3's 262k vocabulary]")
 @click.option("--allow-pickle", is_flag=True,
               help="With --model: allow loading pickled pytorch_model.bin weights (unpickling can run code).")
 @click.option("--out", type=click.Path(path_type=Path), default=None,

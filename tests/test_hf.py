@@ -261,6 +261,26 @@ def test_data_splits_are_disjoint_and_recorded(tiny):
     assert list(data.eval_targets[0]) == expected  # recomputable from the recorded byte range
 
 
+def test_default_eval_windows_shrink_with_the_vocabulary(tiny, monkeypatch):
+    from quantnorm.hf import data as hf_data_module
+    from quantnorm.hf.data import AUTO_EVAL_WINDOWS, default_eval_windows
+    # 128 windows up to a 131k vocabulary; Gemma 3's 262k gets 64 (8,192 tokens); never below 16
+    assert default_eval_windows(128, 49_152) == 128 and default_eval_windows(128, 262_144) == 64
+    assert default_eval_windows(128, 10**9) == 16
+    loaded = load_checkpoint(tiny["llama"])
+    vocab = loaded.model.config.vocab_size
+    # a budget that fits 3 windows of 16 tokens at this vocabulary: the default follows it
+    monkeypatch.setattr(hf_data_module, "EVAL_LOGIT_BUDGET", 3 * 16 * vocab)
+    monkeypatch.setattr(hf_data_module, "MIN_DEFAULT_EVAL_WINDOWS", 2)
+    data = prepare_hf_data(loaded.tokenizer, loaded.model.config, "causal", window=16, calib_samples=5,
+                           max_eval_windows=AUTO_EVAL_WINDOWS, model_path=tiny["llama"])
+    assert data.eval_inputs.shape == (3, 16)
+    assert "default" in data.describe()["eval_windows_rule"] and "(here 3)" in data.describe()["eval_windows_rule"]
+    explicit = prepare_hf_data(loaded.tokenizer, loaded.model.config, "causal", window=16, calib_samples=5,
+                               max_eval_windows=5, model_path=tiny["llama"])
+    assert explicit.eval_inputs.shape == (5, 16) and explicit.describe()["eval_windows_rule"].startswith("--eval-tokens")
+
+
 class _FakeSession:
     def __init__(self, logits):
         self.logits = logits

@@ -152,6 +152,7 @@ class HFData:
     available_windows: dict[str, int]
     tokenizer_info: dict = field(default_factory=dict)
     calib_requested: int = 0
+    eval_rule: str = ""   # how the number of evaluation windows was chosen
 
     @property
     def kind(self) -> str:
@@ -182,6 +183,7 @@ class HFData:
             "available_windows": dict(self.available_windows),
             "n_eval_windows": int(len(self.eval_inputs)),
             "eval_windows": f"the first {len(self.eval_inputs)} of the evaluation range's windows",
+            "eval_windows_rule": self.eval_rule,
             "n_calib_windows": int(len(self.calib_inputs)),
             "calib_windows_requested": self.calib_requested,
             "calib_selection": "evenly spaced: window floor(i * available / n), i = 0..n-1",
@@ -195,8 +197,26 @@ def tokenizer_info(tokenizer, path: Path | None = None) -> dict:
     return info
 
 
+# The default evaluation set (--eval-tokens not given): 128 windows, fewer where the vocabulary
+# makes each window's logits large. Scoring a position reads both models' full distributions
+# (FORMULAS.md's KL), so the evaluation's cost per recipe grows with positions x vocabulary; the
+# budget keeps 128 windows up to a 131k vocabulary and gives Gemma 3's 262k one 64 windows
+# (8,192 tokens), which holds its default evaluate inside issue 14's 25 minutes on 2 cores.
+DEFAULT_EVAL_WINDOWS = 128
+MIN_DEFAULT_EVAL_WINDOWS = 16
+EVAL_LOGIT_BUDGET = 1 << 31   # scored positions x vocabulary of the default evaluation set
+AUTO_EVAL_WINDOWS = "auto"
+
+
+def default_eval_windows(window: int, vocab: int) -> int:
+    """Windows of the default evaluation set: ``DEFAULT_EVAL_WINDOWS`` within ``EVAL_LOGIT_BUDGET``
+    positions x vocabulary, never fewer than ``MIN_DEFAULT_EVAL_WINDOWS``."""
+    fit = EVAL_LOGIT_BUDGET // max(1, int(window) * int(vocab))
+    return int(max(MIN_DEFAULT_EVAL_WINDOWS, min(DEFAULT_EVAL_WINDOWS, fit)))
+
+
 def prepare_hf_data(tokenizer, config, kind: str, *, corpus: str | None = BUILTIN_PYDOC, window: int = 128,
-                    calib_samples: int = 64, max_eval_windows: int | None = None, model_path: Path | None = None,
+                    calib_samples: int = 64, max_eval_windows: int | str | None = None, model_path: Path | None = None,
                     max_positions: int | None = None, calibration_fraction: float = 0.1,
                     evaluation_fraction: float = 0.1) -> HFData:
     """Load and split the corpus, tokenize its calibration and evaluation ranges, build windows."""
@@ -219,9 +239,16 @@ def prepare_hf_data(tokenizer, config, kind: str, *, corpus: str | None = BUILTI
     n_calib = min(int(calib_samples), available["calibration"])
     chosen = (np.arange(n_calib, dtype=np.int64) * available["calibration"]) // n_calib
     calib_inputs, _ = make_windows(calib_tokens, window, special, chosen)
+    vocab = int(getattr(config, "vocab_size", 0) or 0)
+    eval_rule = "all windows of the evaluation range"
+    if max_eval_windows == AUTO_EVAL_WINDOWS:
+        max_eval_windows = default_eval_windows(window, vocab or len(tokenizer))
+        eval_rule = (f"default: {DEFAULT_EVAL_WINDOWS} windows within {EVAL_LOGIT_BUDGET:,} positions x vocabulary "
+                     f"(here {max_eval_windows}); --eval-tokens sets it")
+    elif max_eval_windows is not None:
+        eval_rule = f"--eval-tokens: {max_eval_windows} windows"
     n_eval = available["evaluation"] if max_eval_windows is None else min(max_eval_windows, available["evaluation"])
     eval_inputs, eval_targets = make_windows(eval_tokens, window, special, np.arange(n_eval))
-    vocab = int(getattr(config, "vocab_size", 0) or 0)
     if vocab and max(int(calib_inputs.max()), int(eval_inputs.max())) >= vocab:
         raise DataError(f"the tokenizer produced ids >= the model's vocabulary of {vocab}: tokenizer and "
                         f"weights do not match")
@@ -230,5 +257,5 @@ def prepare_hf_data(tokenizer, config, kind: str, *, corpus: str | None = BUILTI
         eval_inputs=eval_inputs, eval_targets=eval_targets,
         n_tokens={"calibration": int(len(calib_tokens)), "evaluation": int(len(eval_tokens))},
         available_windows=available, tokenizer_info=tokenizer_info(tokenizer, model_path),
-        calib_requested=int(calib_samples),
+        calib_requested=int(calib_samples), eval_rule=eval_rule,
     )

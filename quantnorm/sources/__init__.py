@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ..data import BUILTIN_PYDOC
 from ..errors import ConfigError
+from ..hf.data import AUTO_EVAL_WINDOWS
 from ..hf.gguf import is_gguf_path
 from .base import ModelSource, SearchScoring, SourceData
 from .hf import HFOptions, HFSource, gguf_source
@@ -24,8 +25,6 @@ from .zoo import ZooSource
 
 __all__ = ["HFOptions", "HFSource", "ModelSource", "OnnxDirSource", "OnnxOptions", "SearchScoring", "SourceData",
            "ZooSource", "open_model"]
-
-DEFAULT_EVAL_WINDOWS = 128
 
 
 def _onnx_dir(path: Path, out, progress, options) -> ModelSource:
@@ -51,12 +50,13 @@ SOURCES: list[tuple[Callable[[Path], bool], Callable[..., ModelSource]]] = [
 def open_model(path: Path, *, window: int = 128, corpus: str | None = None, eval_tokens: int | None = None,
                out: Path | None = None, allow_pickle: bool = False, progress: bool = True) -> ModelSource:
     """The source for ``--model PATH``. ``eval_tokens``: the evaluation budget in tokens (whole
-    windows of ``window`` tokens; default 128 windows)."""
+    windows of ``window`` tokens; default: ``hf.data.default_eval_windows``, 128 windows, 64 for a
+    262k vocabulary)."""
     path = Path(path)
     if not path.exists() and not is_gguf_path(path):
         raise ConfigError(f"--model {path}: no such file or directory (give a Hugging Face checkpoint directory, "
                           f"an ONNX export directory with model.onnx, or a .gguf file)")
-    max_eval_windows = DEFAULT_EVAL_WINDOWS if eval_tokens is None else max(2, int(eval_tokens) // window)
+    max_eval_windows = AUTO_EVAL_WINDOWS if eval_tokens is None else max(2, int(eval_tokens) // window)
     options = {"corpus": corpus or BUILTIN_PYDOC, "window": window, "max_eval_windows": max_eval_windows}
     if allow_pickle:
         options["allow_pickle"] = True

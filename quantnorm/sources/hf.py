@@ -20,7 +20,7 @@ import numpy as np
 
 from ..data import BUILTIN_PYDOC
 from ..errors import ConfigError
-from ..hf.data import mlm_windows, prepare_hf_data
+from ..hf.data import AUTO_EVAL_WINDOWS, mlm_windows, prepare_hf_data
 from ..hf.export import export_hf_onnx, make_wrapper, output_names
 from ..hf.fp16 import fp16_check
 from ..hf.gguf import gguf_checkpoint, resolve_gguf
@@ -42,7 +42,7 @@ class HFOptions:
     allow_pickle: bool = False
     corpus: str = BUILTIN_PYDOC
     window: int = 128                 # tokens per window (--context)
-    max_eval_windows: int | None = 128
+    max_eval_windows: int | str | None = AUTO_EVAL_WINDOWS  # "auto": hf.data.default_eval_windows
     out_dir: Path | None = None
     # Where the checkpoint came from when it is not a plain directory (a GGUF file): the
     # ``model.source`` object of results.json (RESULTS.md additions). None: ``hf:<path>``.
@@ -52,7 +52,7 @@ class HFOptions:
         object.__setattr__(self, "path", Path(self.path))
         if self.window < 3:
             raise ConfigError(f"--context (the window in tokens) must be >= 3 for --model, got {self.window}")
-        if self.max_eval_windows is not None and self.max_eval_windows < 2:
+        if self.max_eval_windows not in (None, AUTO_EVAL_WINDOWS) and self.max_eval_windows < 2:
             raise ConfigError(f"evaluation windows must be >= 2, got {self.max_eval_windows}")
 
 

@@ -40,7 +40,7 @@ from ..data import BUILTIN_PYDOC
 from ..errors import ConfigError, ExportError
 from ..export import count_norm_ops
 from ..fileio import atomic_path, external_data_file, save_onnx
-from ..hf.data import prepare_hf_data
+from ..hf.data import AUTO_EVAL_WINDOWS, prepare_hf_data
 from ..hf.loader import DETECTED, NORM_FORMULAS, TOKENIZER_FILES, load_tokenizer, pooling_mode, read_config_json
 from ..portable import portable_path
 from ..runs import check_out_dir
@@ -65,7 +65,7 @@ class OnnxOptions:
     path: Path
     corpus: str = BUILTIN_PYDOC
     window: int = 128
-    max_eval_windows: int | None = 128
+    max_eval_windows: int | str | None = AUTO_EVAL_WINDOWS  # "auto": hf.data.default_eval_windows
     out_dir: Path | None = None
 
     def __post_init__(self) -> None:
