@@ -26,7 +26,7 @@ from .measure.graph_probe import graph_probe
 from .measure.latency import bench_grid
 from .measure.outliers import largest_ratio_layer
 from .measure.placement import detect_placement
-from .measure.sessions import CPU, SessionSpec, make_session
+from .measure.sessions import CPU, ReopenableSession, SessionSpec, make_session
 from .measure.sqnr import sqnr_sections
 from .quantize import PreprocessCache, quantize
 from .quantize.sanity import softmax_input_report
@@ -72,7 +72,9 @@ def evaluate(source: ModelSource | RunDir, cfg: EvaluateConfig, *, command: str)
     with stage("export"):
         export_section = source.export(fp32_path, cfg)
     release_memory()  # the exporter's graphs and copies of the weights are garbage now
-    fp32_session = make_session(fp32_path, spec)
+    # Opened for each recipe's scoring and let go before each quantizer pass: the FP32 weights and
+    # the quantizer's sessions are the two largest things of the run, never resident together.
+    fp32_session = ReopenableSession(fp32_path, spec)
     accuracy = source.accuracy(fp32_session, cfg)
     # SmoothQuant and rotation recipes quantize a transformed FP32 export, made once on first use.
     transforms = source.transforms(cfg)
@@ -98,6 +100,7 @@ def evaluate(source: ModelSource | RunDir, cfg: EvaluateConfig, *, command: str)
         if quantized_from != fp32_path:  # a smoothed or rotated export, made (or reused) just now
             fp32_sources[name] = quantized_from
             stage_seconds[f"transform:{name}"] = round(time.perf_counter() - started, 2)
+        fp32_session.close()
         with stage(f"quantize:{name}"):
             q = quantize(quantized_from, recipe, data.calib_inputs, run_dir / int8_onnx_file(name), vnni=vnni,
                          probe_inputs=data.eval_inputs[:2], preprocessed=preprocessed)
@@ -125,6 +128,7 @@ def evaluate(source: ModelSource | RunDir, cfg: EvaluateConfig, *, command: str)
     bar.close()
     if len(cfg.recipes) == 1 and cfg.recipes[0] != AUTO and not int8_paths:
         raise QuantizeError(f"recipe {cfg.recipes[0]} produced a broken model: {recipes_out[0]['status']}")
+    fp32_session.close()   # the search opens its own; latency, the probe and the FP16 check read files
     extra: dict = {}
     if AUTO in cfg.recipes:
         with stage("search"):
@@ -133,6 +137,7 @@ def evaluate(source: ModelSource | RunDir, cfg: EvaluateConfig, *, command: str)
                                          measure=lambda path: accuracy(make_session(path, spec)),
                                          preprocessed=preprocessed)
     preprocessed.close()
+    fp32_session.close()
     if getattr(transforms, "rotated", None):
         extra["rotation"] = {form: r.to_dict(run_dir) for form, r in transforms.rotated.items()}
     if transforms.exports:

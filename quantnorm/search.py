@@ -51,7 +51,7 @@ from .errors import ConfigError, QuantnormError
 from .fileio import atomic_path
 from .measure.accuracy import compare
 from .measure.latency import bench_model
-from .measure.sessions import make_session
+from .measure.sessions import ReopenableSession, make_session
 from .measure.sqnr import activation_sqnr
 from .quantize import RECIPES, Recipe, get_recipe, quantize, with_exclusions
 from .quantize.recipes import ALPHA_SEPARATOR
@@ -277,7 +277,7 @@ class _Runner:
         self.fp32_path, self.work_dir, self.cfg, self.spec, self.vnni = fp32_path, work_dir, cfg, spec, vnni
         self.calib_inputs, self.eval_inputs, self.eval_targets = calib_inputs, eval_inputs, eval_targets
         self.fp32_for, self.latency_fn = fp32_for, latency_fn
-        self.fp32_session = make_session(fp32_path, spec)
+        self.fp32_session = ReopenableSession(fp32_path, spec)   # closed while a trial quantizes
         self.trials: list[Trial] = []
 
     def run(self, recipe: Recipe, phase: str, base: str, k: int = 0, nodes: tuple[str, ...] = ()) -> Trial:
@@ -285,6 +285,7 @@ class _Runner:
         common = dict(index=index, phase=phase, recipe=base, name=recipe.name, exclude_worst=k, excluded_nodes=nodes)
         try:
             source = self.fp32_for(recipe)
+            self.fp32_session.close()
             q = quantize(source, recipe, self.calib_inputs, self.work_dir / f"trial{index:02d}.{recipe.name}.onnx",
                          vnni=self.vnni, probe_inputs=self.eval_inputs[:2], preprocessed=self.preprocessed)
             if not q.ok or q.path is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -262,6 +263,28 @@ def test_onnx_fp32_vs_int8(tiny):
     assert r.kld_max > 0.0  # INT8 really differs
     assert 0.0 <= r.kld_p99 <= r.kld_max and 0.0 <= r.kld_mean <= r.kld_max
     assert 0.5 < r.ppl_ratio < 2.0
+
+
+def test_reopenable_session_scores_the_same_and_lets_go_of_its_weights(tiny):
+    """evaluate closes the FP32 session before each quantizer pass: closed, it holds no session;
+    used again, it reopens and scores exactly as a plain session does."""
+    from quantnorm.measure.sessions import ReopenableSession, SessionSpec, make_session
+
+    _, fp32, int8 = tiny
+    spec = SessionSpec(provider="cpu", threads=1)
+    lazy, s8 = ReopenableSession(fp32, spec), make_session(int8, spec)
+    assert not lazy.is_open and lazy.opened == 0   # nothing loaded until it is read
+    inputs, targets = windows(n=4, seq=CTX)
+    first = compare(lazy, s8, inputs, targets)
+    assert lazy.is_open and lazy.opened == 1
+    lazy.close()
+    assert not lazy.is_open
+    again = compare(lazy, s8, inputs, targets)
+    assert lazy.opened == 2
+    plain = compare(make_session(fp32, spec), s8, inputs, targets)
+    assert first.kld_mean == again.kld_mean == plain.kld_mean and first.ppl_ratio == plain.ppl_ratio
+    with pytest.raises(MeasureError, match="not found"):
+        ReopenableSession(Path(fp32).with_name("missing.onnx"), spec).get_inputs()
 
 
 @pytest.mark.parametrize("rows, vocab, scale", [(1, 5, 1.0), (37, 300, 4.0), (40, 4096, 30.0)])

@@ -23,6 +23,7 @@ import numpy as np
 import onnxruntime as ort
 
 from ..errors import ConfigError, MeasureError
+from ..fileio import release_memory
 from ..hardware import available_cpus, cpu_flags, cpu_has_vnni, cpu_model, gpu_device_present, gpu_names
 
 PROVIDERS: dict[str, str] = {
@@ -327,3 +328,34 @@ def make_session(path: str | os.PathLike, spec: SessionSpec, *, profile: bool = 
     if not actual or actual[0] != spec.provider:
         raise ProviderUnavailable(f"{spec.provider} was requested for {path} but ONNX Runtime loaded {actual}")
     return session
+
+
+class ReopenableSession:
+    """A ``make_session`` session opened on first use and let go by ``close()``, so the weights
+    it holds (an FP32 Gemma 3 270M: 1 GB of initializers plus ORT's pre-packed copies) are not
+    resident while another stage needs the memory (the quantizer's own sessions); the next call
+    opens it again. It stands in wherever an ``InferenceSession`` is read (``run``,
+    ``get_inputs``, ``get_outputs`` ...)."""
+
+    def __init__(self, path: str | os.PathLike, spec: SessionSpec):
+        self.path, self.spec = Path(path), spec
+        self._session: ort.InferenceSession | None = None
+        self.opened = 0   # how many times it was (re)opened: tests read it
+
+    def _open(self) -> ort.InferenceSession:
+        if self._session is None:
+            self._session = make_session(self.path, self.spec)
+            self.opened += 1
+        return self._session
+
+    def __getattr__(self, name: str):
+        return getattr(self._open(), name)
+
+    @property
+    def is_open(self) -> bool:
+        return self._session is not None
+
+    def close(self) -> None:
+        if self._session is not None:
+            self._session = None
+            release_memory()   # the freed arena back to the OS
