@@ -27,6 +27,23 @@ def test_chunked_calibration_matches_one_pass(tmp_path):
             assert abs(hi_s - hi_w) <= 0.05 * abs(hi_w) + 50, (method, hi_w, hi_s)
 
 
+def test_histogram_pre_pass_takes_the_minmax_ranges_it_is_handed(tmp_path):
+    """A streamed entropy/percentile calibration seeds its histograms with MinMax ranges; a run that
+    already has them hands them over (``minmax=``) and gets the very ranges it would have computed."""
+    model = tmp_path / "m.onnx"
+    _outlier_model(model)
+    rng = np.random.default_rng(1)
+    x = np.round(rng.normal(0, 1000, size=(32, 8))).astype(np.int64)
+    args = dict(op_types=["MatMul"], batch_size=4, buffer_bytes=1)
+    extremes = collect_ranges(model, "minmax", x, **args)
+    asked = []
+    for method in ("percentile", "entropy"):
+        own = collect_ranges(model, method, x, **args)
+        handed = collect_ranges(model, method, x, minmax=lambda: asked.append(1) or extremes, **args)
+        assert _range(handed) == _range(own), method
+    assert len(asked) == 2
+
+
 def test_sink_aware_minmax_leaves_position_0_out(tmp_path):
     model = tmp_path / "m.onnx"
     _outlier_model(model)  # the MatMul input is the ids themselves: [batch, 8 positions]

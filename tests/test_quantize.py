@@ -314,18 +314,20 @@ def test_a_shared_preprocess_cache_prepares_each_fp32_model_once_and_changes_not
     calls = []
     real = ort_backend._preprocess
     monkeypatch.setattr(ort_backend, "_preprocess", lambda src, dst: calls.append(src) or real(src, dst))
-    names = ("static-minmax-matmul", "dynamic", "pertoken")
+    names = ("static-minmax-matmul", "dynamic", "pertoken", "static-minmax-matmul-pertensor")
     alone = {n: quantize(fp32, get_recipe(n), CALIB, tmp_path / f"a.{n}.onnx", vnni=True, probe_inputs=PROBE)
              for n in names}
-    assert len(calls) == 3          # without a cache: once per call
+    assert len(calls) == 4          # without a cache: once per call
     with PreprocessCache() as cache:
         shared = {n: quantize(fp32, get_recipe(n), CALIB, tmp_path / f"s.{n}.onnx", vnni=True, probe_inputs=PROBE,
                               preprocessed=cache) for n in names}
-        assert len(calls) == 4      # one more, for all three recipes
+        assert len(calls) == 5      # one more, for all four recipes
+        # MinMax with per-tensor weights calibrates the activations per-channel MinMax did: reused
+        assert cache.ranges_reused == 1
         kept = cache.get(fp32)
         assert kept.is_file()
         fp32.write_bytes(zoo_onnx(tmp_path_factory, "pre", "layer", 2, 18).read_bytes())   # the file changed
-        assert cache.get(fp32) != kept and len(calls) == 5
+        assert cache.get(fp32) != kept and len(calls) == 6
     assert not kept.exists()        # the cache's directory is gone with it
     for n in names:
         assert alone[n].status == shared[n].status == "ok"

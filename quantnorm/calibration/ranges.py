@@ -86,12 +86,15 @@ def _calibrating_inputs_only(enabled: bool) -> Iterator[None]:
 
 def collect_ranges(model_path: str | Path, method: str, inputs: np.ndarray, *, op_types: list[str] | None,
                    percentile: float = 99.999, batch_size: int = 4, progress: bool = False,
-                   buffer_bytes: int = CALIBRATION_BUFFER_BYTES, inputs_only: bool = False):
+                   buffer_bytes: int = CALIBRATION_BUFFER_BYTES, inputs_only: bool = False, minmax=None):
     """Calibrate ``model_path`` on ``inputs`` [n, seq] and return ORT's ``TensorsData``.
 
     ``op_types``: the node types whose inputs/outputs are calibrated (None: ORT's default list).
     ``inputs_only``: calibrate only their inputs (for recipes that keep those nodes' outputs in
     float; see ``_calibrating_inputs_only``).
+    ``minmax``: a callable returning this very call's MinMax ranges (same model, windows, op types),
+    for the histogram methods' pre-pass when the windows take several chunks; a run that already
+    calibrated MinMax hands its ranges over instead of computing them again (None: computed here).
     Raises ORT's ``ValueError`` ("... range of [-inf, inf] is not finite") when a histogram
     method meets an infinite tensor; callers turn that into a broken recipe.
     """
@@ -135,8 +138,9 @@ def collect_ranges(model_path: str | Path, method: str, inputs: np.ndarray, *, o
             # FP32 weights): the pre-pass's own one must not live beside this one.
             del calibrator
             release_memory()
-            extremes = collect_ranges(model_path, "minmax", inputs, op_types=op_types, batch_size=batch_size,
-                                      progress=progress, buffer_bytes=buffer_bytes, inputs_only=inputs_only)
+            extremes = minmax() if minmax is not None else collect_ranges(
+                model_path, "minmax", inputs, op_types=op_types, batch_size=batch_size, progress=progress,
+                buffer_bytes=buffer_bytes, inputs_only=inputs_only)
             calibrator = make_calibrator()
             seed_histograms(calibrator, extremes)
         with contextlib.redirect_stdout(io.StringIO()):  # ORT prints progress lines

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import hashlib
 import io
 import logging
 import os
@@ -73,6 +74,19 @@ class PreprocessCache:
     def __init__(self):
         self._tmp = tempfile.TemporaryDirectory(prefix="quantnorm-pre-")
         self._made: dict[tuple, Path] = {}
+        self._ranges: dict[tuple, object] = {}
+        self.ranges_reused = 0   # calibrations answered from the cache (tests read it)
+
+    def ranges(self, key: tuple, compute):
+        """The calibrated ranges for ``key`` (the pre-processed model, the method and its settings,
+        the calibration windows' digest), computed by ``compute()`` once per run: MinMax with
+        per-channel and per-tensor weights calibrates the same activations, and a calibration of
+        Gemma 3 costs about a minute."""
+        if key not in self._ranges:
+            self._ranges[key] = compute()
+        else:
+            self.ranges_reused += 1
+        return self._ranges[key]
 
     def get(self, src: Path) -> Path:
         st = Path(src).stat()
@@ -85,6 +99,7 @@ class PreprocessCache:
 
     def close(self) -> None:
         self._made.clear()
+        self._ranges.clear()
         self._tmp.cleanup()
 
     def __enter__(self) -> PreprocessCache:
@@ -163,7 +178,7 @@ def quantize(fp32_path: Path, recipe: Recipe, calib_inputs: np.ndarray | None, o
             static_nodes = [n for n in to_quantize if n not in carriers] if recipe.carriers == "pertoken" else to_quantize
             problems += _run_quantizer(pre_path, q_path, recipe, settings, calib_inputs, static_nodes,
                                        excluded + (carriers if recipe.carriers == "pertoken" else []),
-                                       calib_batch_size, progress)
+                                       calib_batch_size, progress, cache)
             if recipe.carriers == "pertoken" and carriers:
                 # the carriers are still FP32 MatMuls with their weights in the QDQ graph: per token now
                 per_token = tmp / "carriers-pertoken.onnx"
@@ -271,7 +286,8 @@ def _preprocess(src: Path, dst: Path) -> Path:
 
 
 def _run_quantizer(pre_path: Path, q_path: Path, recipe: Recipe, settings: dict, calib_inputs,
-                   to_quantize: list[str], excluded: list[str], calib_batch_size: int, progress: bool) -> list[str]:
+                   to_quantize: list[str], excluded: list[str], calib_batch_size: int, progress: bool,
+                   cache: PreprocessCache) -> list[str]:
     """Calibrate and call quantize_static, or call quantize_dynamic; returns the RuntimeWarnings
     raised meanwhile (numpy's "invalid value encountered in divide" is how an inf range shows)."""
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
@@ -295,10 +311,21 @@ def _run_quantizer(pre_path: Path, q_path: Path, recipe: Recipe, settings: dict,
             }
             # Our calibration (see calibration/ranges.py), handed over through ORT's cache file.
             # matmul scope keeps MatMul outputs in float: only their inputs need ranges
-            ranges = collect_ranges(pre_path, recipe.calibration, calib_inputs,
-                                    op_types=recipe.op_types(), percentile=recipe.percentile,
-                                    batch_size=calib_batch_size, progress=progress,
-                                    inputs_only=recipe.op_scope == "matmul")
+            windows = np.ascontiguousarray(calib_inputs, dtype=np.int64)
+            common = dict(op_types=recipe.op_types(), batch_size=calib_batch_size, progress=progress,
+                          inputs_only=recipe.op_scope == "matmul")
+            # One calibration per method and setting in a run (the cache's key): the MinMax ranges
+            # serve both weight granularities and the histogram methods' pre-pass as well.
+            digest = (str(pre_path), tuple(recipe.op_types() or ()), recipe.op_scope == "matmul", calib_batch_size,
+                      windows.shape, hashlib.sha256(windows.tobytes()).hexdigest())
+
+            def minmax():
+                return cache.ranges(("minmax", *digest), lambda: collect_ranges(pre_path, "minmax", windows, **common))
+
+            ranges = minmax() if recipe.calibration == "minmax" else cache.ranges(
+                (recipe.calibration, recipe.percentile, *digest),
+                lambda: collect_ranges(pre_path, recipe.calibration, windows, percentile=recipe.percentile,
+                                       minmax=minmax, **common))
             cache = q_path.with_suffix(".calibration.json")
             save_tensors_data(ranges, cache)
             quantize_static(
