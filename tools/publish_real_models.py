@@ -39,6 +39,40 @@ def latency(results: dict, variant: str, batch: int = 8):
     return None
 
 
+def cpu_kind(hw: dict) -> tuple[str, float]:
+    """The CPU kind the latency goal is read on (issue 15): <= 0.5 with AVX512-VNNI, <= 0.8 on AVX2 without it."""
+    flags = set(hw.get("cpu_flags", []))
+    if "amx_int8" in flags:
+        return "AMX + AVX512-VNNI", 0.5
+    if "avx512_vnni" in flags:
+        return "AVX512-VNNI", 0.5
+    return ("AVX2 without VNNI" if "avx2" in flags else "no AVX2"), 0.8
+
+
+def goal_lines(r: dict, run_dir: Path, chosen: dict) -> list[str]:
+    """Against issue 15's goals: the pick's accuracy (whole evaluation set) and its latency ratio
+    from the side-by-side bench, on this run's CPU kind."""
+    kind, goal = cpu_kind(r["hardware"])
+    pick = next((x for x in r["recipes"] if x["name"].startswith("auto:")), None)
+    if pick is None or not pick.get("accuracy"):
+        return ["", "Goals: no recipe was picked."]
+    a = pick["accuracy"]
+    meets = all(a.get(k) is not None and (a[k] <= v if k != "top1_agreement" else a[k] >= v) for k, v in GOALS.items())
+    ratio = None
+    bench = run_dir / "bench.json"
+    if bench.is_file():
+        rows = {b["variant"]: b for b in json.loads(bench.read_text()) if b.get("status") == "measured"}
+        if "model.fp32.onnx" in rows and "model.int8.auto.onnx" in rows:
+            ratio = rows["model.int8.auto.onnx"]["p50_ms"] / rows["model.fp32.onnx"]["p50_ms"]
+    speed = ("not measured (no bench.json)" if ratio is None else
+             f"{ratio:.3f} in the side-by-side bench, {'within' if ratio <= goal else 'above'} the goal of <= {goal} "
+             f"for {kind}")
+    return ["", f"Goals: the pick **{pick['name']}** on the whole evaluation set: PPL ratio {a['ppl_ratio']:.4f}, "
+                f"KL {a['kld_mean']:.4f}, top-1 {pct(a['top1_agreement'])} "
+                f"({'meets' if meets else 'misses'} KL <= 0.007, PPL <= 1.01, top-1 >= 95%); latency / FP32 at batch 8: "
+                f"{speed}. This CPU: {r['hardware'].get('cpu')} ({kind}); the other CPU kinds were not measured here."]
+
+
 def model_section(name: str, r: dict, run_dir: Path) -> list[str]:
     m, hw = r["model"], r["hardware"]
     check = m.get("placement_check", {})
@@ -104,10 +138,14 @@ def model_section(name: str, r: dict, run_dir: Path) -> list[str]:
               f"{s.get('target_min_top1')}, KL mean <= {s.get('target_max_kld')}): "
               f"{len(s.get('trials', []))} trials on {s.get('eval_windows')} windows, stopped by {s.get('stopped_by')}; "
               f"picked **{chosen.get('name', 'none')}** (the fastest passing trial).", ""]
-        L += table(["trial", "recipe", "status", "PPL ratio", "KL mean", "top-1", "p50 ms", "passed"], [
+        L += table(["trial", "recipe", "status", "PPL ratio", "KL mean", "top-1", "p50 ms", "p50 / FP32 (in the run)",
+                    "passed"], [
             [t["index"], t["name"], t["status"][:60], fmt(t.get("ppl_ratio")), fmt(t.get("kld_mean"), ".4f"),
-             pct(t.get("top1_agreement")), fmt(t.get("latency_p50_ms"), ".0f"), "yes" if t.get("passed") else "no"]
+             pct(t.get("top1_agreement")), fmt(t.get("latency_p50_ms"), ".0f"),
+             fmt(t["latency_p50_ms"] / fp32 if t.get("latency_p50_ms") and fp32 else None, ".2f"),
+             "yes" if t.get("passed") else "no"]
             for t in s.get("trials", [])])
+        L += goal_lines(r, run_dir, chosen)
     o = r.get("outliers", {})
     born = o.get("massive_born", [])
     if born:
