@@ -12,11 +12,12 @@ finite logits that are noise. So a quantized model is checked before anyone meas
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
+from onnx import TensorProto, numpy_helper
 
 from ..measure.accuracy import run_logits
 from ..measure.sessions import SessionSpec, make_session
@@ -97,7 +98,7 @@ def check_quant_params(model: onnx.ModelProto) -> list[str]:
                 if name:
                     zero_points.setdefault(name, node.name)
     for name in consts:  # dynamic (QOperator) models multiply by <weight>_scale after MatMulInteger
-        if name.endswith("_scale") and np.issubdtype(consts[name].dtype, np.floating):
+        if name.endswith("_scale") and consts.is_float(name):
             scales.setdefault(name, "(initializer)")
 
     bad_scales, bad_zps = [], []
@@ -149,14 +150,39 @@ def check_runs(model_path: Path, probe_inputs: np.ndarray) -> list[str]:
     return []
 
 
-def _constant_tensors(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
-    values = {init.name: numpy_helper.to_array(init) for init in graph.initializer}
-    for node in graph.node:
-        if node.op_type == "Constant":
-            for attr in node.attribute:
-                if attr.name == "value":
-                    values[node.output[0]] = numpy_helper.to_array(attr.t)
-    return values
+class _Constants(Mapping):
+    """The graph's initializers and Constant outputs by name, each turned into numpy only when read:
+    the checks read the scales and zero points, and converting every initializer (Gemma 3's 640 MiB
+    embedding table among them) cost seconds per recipe."""
+
+    FLOATS = (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16)
+
+    def __init__(self, graph: onnx.GraphProto):
+        self._protos = {init.name: init for init in graph.initializer}
+        for node in graph.node:
+            if node.op_type == "Constant":
+                for attr in node.attribute:
+                    if attr.name == "value":
+                        self._protos[node.output[0]] = attr.t
+        self._arrays: dict[str, np.ndarray] = {}
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self._arrays:
+            self._arrays[name] = numpy_helper.to_array(self._protos[name])
+        return self._arrays[name]
+
+    def __iter__(self):
+        return iter(self._protos)
+
+    def __len__(self) -> int:
+        return len(self._protos)
+
+    def is_float(self, name: str) -> bool:
+        return self._protos[name].data_type in self.FLOATS
+
+
+def _constant_tensors(graph: onnx.GraphProto) -> _Constants:
+    return _Constants(graph)
 
 
 def _describe(value: np.ndarray) -> str:
