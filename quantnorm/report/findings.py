@@ -15,8 +15,6 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from .. import results as results_file
 from ..train_status import STATUSES, TRAINED
 from .markdown import table
@@ -31,6 +29,7 @@ from .stats import (
     fmt_pct,
     growth_fit,
     holm,
+    line_fit,
     sign_test,
     spearman_interval,
     variance_test,
@@ -242,9 +241,7 @@ def depth_exponent(points: dict[int, float]) -> float | None:
     pts = sorted((d, v) for d, v in points.items() if d > 0 and finite([v]) and v > 0)
     if len(pts) < 2:
         return None
-    x = np.log([d for d, _ in pts])
-    y = np.log([v for _, v in pts])
-    return float(np.polyfit(x, y, 1)[0])
+    return line_fit([math.log(d) for d, _ in pts], [math.log(v) for _, v in pts])[0]
 
 
 def log_reference_exponent(depths: Sequence[int]) -> float | None:

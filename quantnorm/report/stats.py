@@ -216,6 +216,19 @@ def combine(parts: Sequence[str]) -> str:
     return NOT_SIGNIFICANT
 
 
+def line_fit(x: Sequence[float], y: Sequence[float]) -> tuple[float, float]:
+    """Least-squares line ``y = a + b x``: ``(b, a)``, np.polyfit's order. Written with exactly
+    rounded sums (``math.fsum``) because np.polyfit goes through LAPACK, whose kernels differ by
+    CPU in the last digits, and the committed findings must regenerate byte for byte anywhere."""
+    xs, ys = [float(v) for v in x], [float(v) for v in y]
+    n = len(xs)
+    mx, my = math.fsum(xs) / n, math.fsum(ys) / n
+    sxx = math.fsum((a - mx) ** 2 for a in xs)
+    sxy = math.fsum((a - mx) * (b - my) for a, b in zip(xs, ys))
+    slope = sxy / sxx
+    return slope, my - slope * mx
+
+
 def growth_fit(rms: Sequence[float]) -> dict | None:
     """Fit RMS over depth (x = 0, 1, ... for consecutive outputs) as exponential (log-linear) and
     as linear; R^2 of both in RMS units (so they compare). None with fewer than 3 points.
@@ -226,14 +239,16 @@ def growth_fit(rms: Sequence[float]) -> dict | None:
     if len(y) < 3 or len(y) != len(rms) or np.any(y <= 0):
         return None
     x = np.arange(len(y), dtype=float)
-    sst = float(np.sum((y - y.mean()) ** 2))
-    b_log, a_log = np.polyfit(x, np.log(y), 1)
-    pred_exp = np.exp(a_log + b_log * x)
-    b_lin, a_lin = np.polyfit(x, y, 1)
-    pred_lin = a_lin + b_lin * x
+    # scalar libm and exact sums (see line_fit): numpy's vectorized log/exp may differ by CPU
+    mean = math.fsum(y) / len(y)
+    sst = math.fsum((v - mean) ** 2 for v in y)
+    b_log, a_log = line_fit(x, [math.log(v) for v in y])
+    pred_exp = [math.exp(a_log + b_log * v) for v in x]
+    b_lin, a_lin = line_fit(x, y)
+    pred_lin = [a_lin + b_lin * v for v in x]
 
-    def r2(pred: np.ndarray) -> float:
-        return 1.0 - float(np.sum((y - pred) ** 2)) / sst if sst > 0 else 1.0
+    def r2(pred: list[float]) -> float:
+        return 1.0 - math.fsum((a - b) ** 2 for a, b in zip(y, pred)) / sst if sst > 0 else 1.0
 
     return {"growth_factor": float(math.exp(b_log)), "log_growth": float(b_log), "slope": float(b_lin),
             "relative_slope": float(b_lin / y[0]), "r2_exp": r2(pred_exp), "r2_lin": r2(pred_lin),

@@ -16,14 +16,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
 from .. import results as results_file
 from ..errors import DataError, RunDirError
 from ..manifest import MANIFEST_FILE, read_manifest
 from ..runs import CONFIG_FILE, PLOTS_DIR, RESULTS_FILE, TRAIN_LOG_FILE, TRAIN_SUMMARY_FILE
 from ..train_status import DEFAULT_COLLAPSE_MARGIN, DIVERGED, STATUSES, TRAINED, check_margin, status_from_results
-from .stats import Estimate, estimate, finite
+from .stats import Estimate, estimate, finite, line_fit
 
 PLACEMENT_ORDER = ("post", "pre", "peri", "deepnorm", "residual")
 NORM_ORDER = ("layer", "rms")
@@ -137,7 +135,7 @@ class CellResult:
         values = finite(cos)
         if len(values) < 2 or len(values) != len(cos):
             return None
-        return float(np.polyfit(np.arange(len(values), dtype=float), np.array(values), 1)[0])
+        return line_fit(range(len(values)), values)[0]
 
 
 @dataclass
