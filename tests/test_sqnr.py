@@ -18,11 +18,14 @@ from quantnorm.measure.graph_probe import weight_matmul_inputs
 from quantnorm.measure.outliers import TensorAccumulator
 from quantnorm.measure.sqnr import (
     activation_sqnr,
+    expose_tensors,
     onnx_tensor_stats,
     spearman,
     sqnr_db,
     sqnr_summary,
+    sqnr_with_stats,
 )
+from quantnorm.onnx_wire import onnx_nodes
 from quantnorm.models import CausalLM, ModelConfig
 
 SEQ, D = 16, 32
@@ -179,3 +182,58 @@ def test_sqnr_summary_joins_and_ranks():
     assert summary["n_tensors"] == 6
     only = sqnr_summary(rows, stats, tensors={"t0", "t1", "t2"})
     assert [w["tensor"] for w in only["worst"]] == ["t2", "t1", "t0"] and only["n_tensors"] == 3
+
+
+def test_one_pass_gives_the_same_sqnr_and_stats_as_two(clean):
+    """sqnr_with_stats (one FP32 pass, one window per run, pruned graphs) agrees with the SQNR
+    rows at batch 4 and with onnx_tensor_stats on each paired tensor."""
+    _, fp32, int8 = clean
+    x = windows(6, 4)
+    rows, stats = sqnr_with_stats(fp32, int8, x)
+    at_batch_4 = activation_sqnr(fp32, int8, x, batch_size=4)
+    assert [r["tensor"] for r in rows] == [r["tensor"] for r in at_batch_4]
+    for one, four in zip(rows, at_batch_4):
+        assert one["n_values"] == four["n_values"]
+        for key in ("sqnr_db", "sqnr_local_db"):
+            assert (one[key] is None) == (four[key] is None)
+            if one[key] is not None:
+                assert one[key] == pytest.approx(four[key], abs=1e-6)
+    paired = [r["tensor"] for r in rows if r["sqnr_db"] is not None]
+    assert paired and set(paired) <= set(stats)
+    separate = onnx_tensor_stats(fp32, paired, x, batch_size=4)
+    for name in paired:
+        for key in ("ratio", "kurtosis", "inf_norm", "median_abs", "rms"):
+            assert stats[name][key] == pytest.approx(separate[name][key], rel=1e-6), (name, key)
+
+
+def test_exposing_only_inner_tensors_drops_the_head(clean, tmp_path):
+    """With only=True the logits are no output and the head's MatMul (and its weight) are gone."""
+    model, fp32, _ = clean
+    name = _input_of(model, fp32, "blocks.0.attn.q")
+    out = tmp_path / "probe.onnx"
+    expose_tensors(fp32, [name], out, only=True)
+    pruned, full = onnx.load(str(out)), onnx.load(str(fp32))
+    assert [o.name for o in pruned.graph.output] == [name]
+    assert len(pruned.graph.node) < len(full.graph.node)
+    assert len(pruned.graph.initializer) < len(full.graph.initializer)
+    x = windows(2, 5)
+    assert onnx_tensor_stats(fp32, [name], x)[name]["inf_norm"] == pytest.approx(
+        onnx_tensor_stats(out, [name], x)[name]["inf_norm"], rel=1e-6)
+
+
+def test_wire_walk_reads_the_nodes_onnx_load_reads(clean):
+    """onnx_wire.onnx_nodes steps over the weights and returns the graph's and the local
+    functions' nodes exactly as onnx.load parses them (the dynamo export writes functions)."""
+    _, fp32, int8 = clean
+    for path in (fp32, int8):
+        model = onnx.load(str(path))
+        expected = [(n.op_type, list(n.input), list(n.output))
+                    for n in [*model.graph.node, *(node for fn in model.functions for node in fn.node)]]
+        assert onnx_nodes(path) == expected
+
+
+def test_wire_walk_refuses_a_file_that_is_not_onnx(tmp_path):
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"\x3a\xff\xff\xff\x0f not a model")  # field 7, length far past the end
+    with pytest.raises(ValueError, match="runs past"):
+        onnx_nodes(bad)

@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from ..data import BOS
 from ..errors import MeasureError
+from ..onnx_wire import onnx_nodes
 from .sessions import CPU, CUDA, TENSORRT, ProviderUnavailable, SessionSpec, make_session, provider_status
 
 MEASURED = "measured"
@@ -99,15 +100,10 @@ def not_measured(provider: str, variant: str, batch: int, seq: int, reason: str,
 
 def quant_format(path: str | os.PathLike) -> str | None:
     """``"qdq"``, ``"operator"`` (integer kernels such as MatMulInteger) or None for a float model."""
-    import onnx  # ~1 s to import (ml_dtypes): the gate imports measure without it
-
-    try:
-        model = onnx.load(str(path), load_external_data=False)
-    except Exception as exc:
+    try:  # op types only: the weights are stepped over, not parsed (1 GB and seconds on Gemma 3)
+        ops = {op for op, _, _ in onnx_nodes(path)}
+    except (OSError, ValueError, IndexError) as exc:
         raise MeasureError(f"cannot read ONNX model {path}: {' '.join(str(exc).split())[:200]}") from exc
-    ops = {node.op_type for node in model.graph.node}
-    for fn in model.functions:  # the dynamo exporter may keep local functions
-        ops |= {node.op_type for node in fn.node}
     if ops & _INTEGER_OPS:
         return "operator"
     if ops & _QDQ_OPS:
@@ -145,18 +141,12 @@ def _run(session, feed: dict, path: Path, batch: int, seq: int) -> None:
 
 # --- node placement -------------------------------------------------------------------------
 
-def _profile_placement(path: str | os.PathLike, spec: SessionSpec, batch: int = 1,
-                       seq: int = 1) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
-    """Run once with ORT's profiler and read which provider ran each node (``Node`` events)."""
-    with tempfile.TemporaryDirectory(prefix="quantnorm-profile-") as tmp:
-        session = make_session(path, spec, profile=True, profile_prefix=Path(tmp) / "ort")
-        _run(session, random_input_ids(session, batch, seq), Path(path), batch, seq)
-        profile = Path(session.end_profiling())
-        try:
-            events = json.loads(profile.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            raise MeasureError(f"cannot read ORT profile {profile}: {exc}") from exc
-        # The temporary directory (and the profile in it) is deleted on exit.
+def _placement_from_profile(profile: Path) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
+    """Which provider ran each node, read from an ORT profile's ``Node`` events."""
+    try:
+        events = json.loads(profile.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise MeasureError(f"cannot read ORT profile {profile}: {exc}") from exc
     nodes: dict[str, tuple[str, str]] = {}
     for event in events:
         name = event.get("name", "")
@@ -172,6 +162,16 @@ def _profile_placement(path: str | os.PathLike, spec: SessionSpec, batch: int = 
     return dict(sorted(per_provider.items())), {p: dict(sorted(c.items())) for p, c in sorted(per_op.items())}
 
 
+def _profile_placement(path: str | os.PathLike, spec: SessionSpec, batch: int = 1,
+                       seq: int = 1) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
+    """Run once with ORT's profiler and read which provider ran each node (``Node`` events)."""
+    with tempfile.TemporaryDirectory(prefix="quantnorm-profile-") as tmp:
+        session = make_session(path, spec, profile=True, profile_prefix=Path(tmp) / "ort")
+        _run(session, random_input_ids(session, batch, seq), Path(path), batch, seq)
+        return _placement_from_profile(Path(session.end_profiling()))
+        # The temporary directory (and the profile in it) is deleted on exit.
+
+
 def node_placement(path: str | os.PathLike, spec: SessionSpec, *, batch: int = 1, seq: int = 1) -> dict[str, int]:
     """Nodes per provider (after graph optimization) when the model at ``path`` runs under ``spec``."""
     return _profile_placement(path, spec, batch, seq)[0]
@@ -179,17 +179,27 @@ def node_placement(path: str | os.PathLike, spec: SessionSpec, *, batch: int = 1
 
 # --- benchmarks -----------------------------------------------------------------------------
 
+# With a time budget, a cell still gets at least this many timed runs (p90 needs a few).
+MIN_TIMED_RUNS = 5
+
+
 def bench_model(path: str | os.PathLike, *, variant: str, spec: SessionSpec, batch: int, seq: int,
                 warmup: int = 5, iters: int = 30, is_quantized: bool | None = None, progress: bool = False,
-                record_placement: bool = True, seed: int = 0) -> LatencyRow:
+                record_placement: bool = True, seed: int = 0, max_seconds: float | None = None) -> LatencyRow:
     """Time ``iters`` runs (after ``warmup``) of the model at ``path`` on random ids [batch, seq].
 
-    Returns a ``not measured`` row when the provider cannot run here; raises MeasureError when
-    the file is missing or corrupt or the run fails. ``is_quantized`` None: read from the graph.
+    ``max_seconds``: stop timing once the timed runs add up to this much, after at least
+    ``MIN_TIMED_RUNS`` of them (the row's ``iterations`` says how many ran; a 3-second Gemma 3
+    batch does not need 30 runs for a p50). ``record_placement``: the first run (a warm-up run)
+    goes through ORT's profiler, which then stops, and the row records which provider ran each
+    node. Returns a ``not measured`` row when the provider cannot run here; raises MeasureError
+    when the file is missing or corrupt or the run fails. ``is_quantized`` None: read from the graph.
     """
     path = Path(path)
     if batch < 1 or seq < 1 or warmup < 0 or iters < 1:
         raise MeasureError(f"need batch >= 1, seq >= 1, warmup >= 0, iters >= 1; got {batch}, {seq}, {warmup}, {iters}")
+    if max_seconds is not None and max_seconds <= 0:
+        raise MeasureError(f"the latency time budget must be > 0 seconds, got {max_seconds}")
     if not path.is_file():
         raise MeasureError(f"model file not found: {path}")
     base = {"provider": spec.provider, "variant": variant, "batch": batch, "seq": seq,
@@ -197,46 +207,53 @@ def bench_model(path: str | os.PathLike, *, variant: str, spec: SessionSpec, bat
     reason = provider_status(spec.provider)
     if reason is not None:
         return not_measured(reason=reason, **base)
-    try:
-        session = make_session(path, spec)
-    except ProviderUnavailable as exc:
-        return not_measured(reason=str(exc), **base)
-
-    fmt = quant_format(path)
-    quantized = (fmt is not None) if is_quantized is None else is_quantized
-    notes: list[str] = []
-    simulated = False
-    if spec.provider == CUDA and quantized and fmt != "operator":
-        simulated = True
-        notes.append(_SIMULATED_NOTE)
-    if spec.provider == TENSORRT and quantized:
-        notes.append(_TENSORRT_NOTE)
-    if spec.provider != CPU:
-        notes.append(_GPU_NOTE)
-
-    feed = random_input_ids(session, batch, seq, seed)
-    times = np.empty(iters, dtype=np.float64)
-    label = f"{variant} {spec.provider.replace('ExecutionProvider', '')} b{batch}x{seq}"
-    with tqdm(total=warmup + iters, desc=label, disable=not progress, leave=False, unit="run") as bar:
-        for _ in range(warmup):
+    with tempfile.TemporaryDirectory(prefix="quantnorm-profile-") as tmp:
+        try:
+            session = make_session(path, spec, profile=record_placement, profile_prefix=Path(tmp) / "ort")
+        except ProviderUnavailable as exc:
+            return not_measured(reason=str(exc), **base)
+        feed = random_input_ids(session, batch, seq, seed)
+        node_providers = node_ops = None
+        if record_placement:  # one profiled run, never timed; the profiler is off after it
             _run(session, feed, path, batch, seq)
-            bar.update()
-        for i in range(iters):
-            start = time.perf_counter()
-            _run(session, feed, path, batch, seq)
-            times[i] = time.perf_counter() - start
-            bar.update()
-    del session  # free its arena before a profiling session is built
+            node_providers, node_ops = _placement_from_profile(Path(session.end_profiling()))
 
-    node_providers = node_ops = None
-    if record_placement:
-        node_providers, node_ops = _profile_placement(path, spec, batch, seq)
-    p50, p90, p99 = np.percentile(times * 1e3, [50, 90, 99])
-    mean_s = float(times.mean())
+        fmt = quant_format(path)
+        quantized = (fmt is not None) if is_quantized is None else is_quantized
+        notes: list[str] = []
+        simulated = False
+        if spec.provider == CUDA and quantized and fmt != "operator":
+            simulated = True
+            notes.append(_SIMULATED_NOTE)
+        if spec.provider == TENSORRT and quantized:
+            notes.append(_TENSORRT_NOTE)
+        if spec.provider != CPU:
+            notes.append(_GPU_NOTE)
+
+        times: list[float] = []
+        label = f"{variant} {spec.provider.replace('ExecutionProvider', '')} b{batch}x{seq}"
+        with tqdm(total=warmup + iters, desc=label, disable=not progress, leave=False, unit="run") as bar:
+            for _ in range(max(warmup - record_placement, 0)):
+                _run(session, feed, path, batch, seq)
+                bar.update()
+            bar.update(min(warmup, int(record_placement)))
+            for _ in range(iters):
+                start = time.perf_counter()
+                _run(session, feed, path, batch, seq)
+                times.append(time.perf_counter() - start)
+                bar.update()
+                if max_seconds is not None and len(times) >= MIN_TIMED_RUNS and sum(times) >= max_seconds:
+                    break
+        del session
+    if len(times) < iters:
+        notes.append(f"{len(times)} of {iters} timed runs: stopped at the {max_seconds:g} s time budget")
+    times_ms = np.asarray(times, dtype=np.float64) * 1e3
+    p50, p90, p99 = np.percentile(times_ms, [50, 90, 99])
+    mean_s = float(times_ms.mean()) / 1e3
     return LatencyRow(
         **base, status=MEASURED,
         p50_ms=float(p50), p90_ms=float(p90), p99_ms=float(p99), mean_ms=mean_s * 1e3,
-        tokens_per_s=batch * seq / mean_s, iterations=iters, peak_rss_mb=round(peak_rss_mb(), 1),
+        tokens_per_s=batch * seq / mean_s, iterations=len(times), peak_rss_mb=round(peak_rss_mb(), 1),
         node_providers=node_providers, node_ops=node_ops, simulated_int8=simulated, note="; ".join(notes),
     )
 
@@ -244,14 +261,16 @@ def bench_model(path: str | os.PathLike, *, variant: str, spec: SessionSpec, bat
 def bench_grid(models: dict[str, Path], providers: list[str], batches: list[int], seq: int, *,
                threads: int | None = None, graph_optimization_level: str = "ORT_ENABLE_ALL",
                warmup: int = 5, iters: int = 30, progress: bool = False,
-               record_placement: bool = True) -> list[LatencyRow]:
+               record_placement: bool = True, max_seconds: float | None = None) -> list[LatencyRow]:
     """Every (provider, variant, batch) combination; ``models`` maps a variant name ("fp32", a
-    recipe name) to its ONNX file. Unusable providers give ``not measured`` rows."""
+    recipe name) to its ONNX file. Unusable providers give ``not measured`` rows. ``max_seconds``:
+    each cell's time budget (``bench_model``)."""
     rows: list[LatencyRow] = []
     for provider in providers:
         spec = SessionSpec(provider=provider, graph_optimization_level=graph_optimization_level, threads=threads)
         for variant, path in models.items():
             for batch in batches:
                 rows.append(bench_model(path, variant=variant, spec=spec, batch=batch, seq=seq, warmup=warmup,
-                                        iters=iters, progress=progress, record_placement=record_placement))
+                                        iters=iters, progress=progress, record_placement=record_placement,
+                                        max_seconds=max_seconds))
     return rows

@@ -38,6 +38,7 @@ from scipy import stats as scipy_stats
 
 from ..errors import MeasureError
 from ..fileio import save_onnx
+from ..onnx_wire import onnx_nodes
 from .latency import quant_format
 from .outliers import TensorAccumulator
 
@@ -103,13 +104,18 @@ def _feed(session: ort.InferenceSession, batch: np.ndarray) -> dict[str, np.ndar
     return {session.get_inputs()[0].name: batch.astype(np.int64)}
 
 
-def expose_tensors(model_path: Path, names: Sequence[str], out_path: Path) -> None:
+def expose_tensors(model_path: Path, names: Sequence[str], out_path: Path, *, only: bool = False) -> None:
     """Copy of the model with ``names`` added as graph outputs, shapes kept (unlike the flattened
-    outputs qdq_loss_debug adds), so each sample can be taken from the batch axis."""
+    outputs qdq_loss_debug adds), so each sample can be taken from the batch axis.
+
+    ``only``: ``names`` become the only outputs and the nodes none of them needs are dropped
+    (``keep_only_outputs``): a probe of a few inner tensors then neither computes nor returns
+    the logits (1 GiB per batch of 8 windows with Gemma 3's 262k vocabulary)."""
     model = onnx.load(str(model_path))
     inferred = onnx.shape_inference.infer_shapes(model)
     elem_types = {vi.name: vi.type.tensor_type.elem_type
                   for vi in [*inferred.graph.value_info, *inferred.graph.output, *inferred.graph.input]}
+    del inferred
     produced = {o for node in model.graph.node for o in node.output} | {i.name for i in model.graph.input}
     existing = {o.name for o in model.graph.output}
     for name in names:
@@ -118,25 +124,50 @@ def expose_tensors(model_path: Path, names: Sequence[str], out_path: Path) -> No
         if name not in existing:
             model.graph.output.append(
                 onnx.helper.make_tensor_value_info(name, elem_types.get(name, onnx.TensorProto.FLOAT), None))
+    if only:
+        keep_only_outputs(model, set(names))
     save_onnx(model, out_path)
+
+
+def keep_only_outputs(model: onnx.ModelProto, keep: set[str]) -> None:
+    """Make ``keep`` the graph's only outputs, in place, and drop the nodes and initializers that
+    none of them needs. A graph with subgraphs (If/Loop bodies read outer names implicitly) keeps
+    all its nodes."""
+    graph = model.graph
+    outputs = [o for o in graph.output if o.name in keep]
+    del graph.output[:]
+    graph.output.extend(outputs)
+    if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+           for node in graph.node for a in node.attribute):
+        return
+    needed = set(keep)
+    kept: list[onnx.NodeProto] = []
+    for node in reversed(graph.node):  # graph order is topological: walk it backwards
+        if any(o in needed for o in node.output):
+            kept.append(node)
+            needed.update(i for i in node.input if i)
+    del graph.node[:]
+    graph.node.extend(reversed(kept))
+    initializers = [init for init in graph.initializer if init.name in needed]
+    del graph.initializer[:]
+    graph.initializer.extend(initializers)
 
 
 def _augment_qdq(int8_path: Path, out_path: Path) -> None:
     """qdq_loss_debug's augmentation for the tensors around QuantizeLinear/DequantizeLinear,
-    minus the constant dequantized weights (a copy of every weight per batch, never paired)."""
+    minus the constant dequantized weights (a copy of every weight per batch, never paired) and
+    minus the model's own outputs."""
     qdq_loss_debug.modify_model_output_intermediate_tensors(
         str(int8_path), str(out_path), op_types_for_saving=["QuantizeLinear", "DequantizeLinear"])
     model = onnx.load(str(out_path))
     initializers = {init.name for init in model.graph.initializer}
     weight_outputs = {node.output[0] + _SAVED_SUFFIX for node in model.graph.node
                       if node.op_type == "DequantizeLinear" and node.input[0] in initializers}
-    kept_nodes = [n for n in model.graph.node if not (n.op_type == "Reshape" and n.output[0] in weight_outputs)]
-    kept_outputs = [o for o in model.graph.output if o.name not in weight_outputs]
-    del model.graph.node[:]
-    model.graph.node.extend(kept_nodes)
-    del model.graph.output[:]
-    model.graph.output.extend(kept_outputs)
-    onnx.save(model, str(out_path))
+    # Only the saved copies stay outputs: the model's own outputs (the logits) and whatever only
+    # they need (the head's MatMul and its dequantized weight) are not computed at all.
+    keep_only_outputs(model, {o.name for o in model.graph.output
+                              if o.name.endswith(_SAVED_SUFFIX) and o.name not in weight_outputs})
+    save_onnx(model, out_path)
 
 
 def _run_saved(session: ort.InferenceSession, batch: np.ndarray) -> dict[str, list[np.ndarray]]:
@@ -146,13 +177,27 @@ def _run_saved(session: ort.InferenceSession, batch: np.ndarray) -> dict[str, li
     return {n[:-len(_SAVED_SUFFIX)]: [v] for n, v in zip(names, values) if n.endswith(_SAVED_SUFFIX)}
 
 
-def activation_sqnr(fp32_path: Path, int8_path: Path, inputs: np.ndarray, *, batch_size: int = 8) -> list[dict]:
+# Windows per session run. One: every exposed tensor of a batch is held at once, in both models,
+# and with Gemma 3 a batch of 8 windows made this stage the run's peak (12 GB); one window at a
+# time costs a few per-run overheads on small models and nothing measurable on large ones.
+SQNR_BATCH = 1
+
+
+def activation_sqnr(fp32_path: Path, int8_path: Path, inputs: np.ndarray, *,
+                    batch_size: int = SQNR_BATCH) -> list[dict]:
     """SQNR of every activation tensor the QDQ model quantizes, in graph order.
 
     Rows: ``{"tensor": <name in the FP32 model>, "sqnr_db", "sqnr_local_db", "n_values"}``
     (definitions in the module docstring; ``sqnr_db`` is None too when the FP32 model lacks the
     tensor). ``inputs``: token windows [n, seq]; use evaluation windows, not calibration ones.
     """
+    return sqnr_with_stats(fp32_path, int8_path, inputs, batch_size=batch_size, stats=False)[0]
+
+
+def sqnr_with_stats(fp32_path: Path, int8_path: Path, inputs: np.ndarray, *, batch_size: int = SQNR_BATCH,
+                    stats: bool = True) -> tuple[list[dict], dict[str, dict]]:
+    """``activation_sqnr``'s rows and, from the same FP32 runs, ``onnx_tensor_stats``' outlier
+    figures of each paired FP32 tensor (``{}`` with ``stats=False``): one FP32 pass, not two."""
     fp32_path, int8_path = Path(fp32_path), Path(int8_path)
     with tempfile.TemporaryDirectory(prefix="quantnorm-sqnr-") as tmp:
         aug_int8 = Path(tmp) / "int8.augmented.onnx"
@@ -161,49 +206,55 @@ def activation_sqnr(fp32_path: Path, int8_path: Path, inputs: np.ndarray, *, bat
         fp32_session: ort.InferenceSession | None = None
         total: dict[str, _SqnrSums] = {}
         local: dict[str, _SqnrSums] = {}
+        accs: dict[str, TensorAccumulator] = {}
         for batch in _batches(inputs, batch_size):
             qdq_acts = _run_saved(int8_session, batch)
             pairs = qdq_loss_debug.create_activation_matching(qdq_acts)
             if fp32_session is None:
                 # Now we know which tensors are quantized: expose exactly those in the FP32 model.
-                fp32_model = onnx.load(str(fp32_path))
-                produced = {o for node in fp32_model.graph.node for o in node.output}
+                produced = {o for _, _, outputs in onnx_nodes(fp32_path) for o in outputs}
                 float_names = [name for name in pairs if name in produced]
                 aug_fp32 = Path(tmp) / "fp32.augmented.onnx"
-                expose_tensors(fp32_path, float_names, aug_fp32)
-                fp32_session = _session(aug_fp32)
-            float_outputs = [o.name for o in fp32_session.get_outputs() if o.name in pairs]
-            float_values = fp32_session.run(float_outputs, _feed(fp32_session, batch))
+                if float_names:
+                    expose_tensors(fp32_path, float_names, aug_fp32, only=True)
+                    fp32_session = _session(aug_fp32)
+            float_outputs = [o.name for o in fp32_session.get_outputs()] if fp32_session is not None else []
+            float_values = fp32_session.run(float_outputs, _feed(fp32_session, batch)) if float_outputs else []
+            if stats:
+                for name, value in zip(float_outputs, float_values):
+                    accs.setdefault(name, TensorAccumulator(name)).add(value, n_samples=len(batch))
             pairs = qdq_loss_debug.create_activation_matching(
                 qdq_acts, {n: [v] for n, v in zip(float_outputs, float_values)})
+            del qdq_acts, float_values
             for name, pair in pairs.items():
                 post = pair["post_qdq"][0]
                 local.setdefault(name, _SqnrSums()).add(pair["pre_qdq"][0], post)
                 if "float" in pair:
                     total.setdefault(name, _SqnrSums()).add(pair["float"][0], post)
+            del pairs
         if not local:
             raise MeasureError(f"{int8_path} has no QuantizeLinear/DequantizeLinear activation pairs: is it a QDQ model?")
         del int8_session, fp32_session  # release the files before the temp dir goes
     order = _quantize_order(int8_path)
-    return [
+    rows = [
         {"tensor": name, "sqnr_db": total[name].db() if name in total else None,
          "sqnr_local_db": local[name].db(), "n_values": local[name].n}
         for name in sorted(local, key=lambda n: order.get(n, len(order)))
     ]
+    return rows, {name: acc.finish().metrics() for name, acc in accs.items()}
 
 
 def _quantize_order(int8_path: Path) -> dict[str, int]:
     """Graph position of each quantized activation (its QuantizeLinear), for a stable row order."""
     order: dict[str, int] = {}
-    for node in onnx.load(str(int8_path)).graph.node:
-        if node.op_type == "QuantizeLinear":
-            name = node.input[0].removesuffix(_Q_INPUT_SUFFIX)
-            order.setdefault(name, len(order))
+    for op, inputs, _ in onnx_nodes(int8_path):
+        if op == "QuantizeLinear":
+            order.setdefault(inputs[0].removesuffix(_Q_INPUT_SUFFIX), len(order))
     return order
 
 
 def onnx_tensor_stats(fp32_path: Path, tensor_names: Sequence[str], inputs: np.ndarray,
-                      *, batch_size: int = 8) -> dict[str, dict]:
+                      *, batch_size: int = SQNR_BATCH) -> dict[str, dict]:
     """Outlier figures of the named tensors of the FP32 ONNX model, per outliers.TensorAccumulator.
 
     Returns ``{name: {"ratio", "kurtosis", "inf_norm", "median_abs", "rms", "top", ...}}``; one
@@ -214,7 +265,7 @@ def onnx_tensor_stats(fp32_path: Path, tensor_names: Sequence[str], inputs: np.n
         return {}
     with tempfile.TemporaryDirectory(prefix="quantnorm-stats-") as tmp:
         augmented = Path(tmp) / "fp32.augmented.onnx"
-        expose_tensors(Path(fp32_path), names, augmented)
+        expose_tensors(Path(fp32_path), names, augmented, only=True)
         session = _session(augmented)
         accs = {name: TensorAccumulator(name) for name in names}
         for batch in _batches(inputs, batch_size):
@@ -288,8 +339,7 @@ def sqnr_sections(fp32_path: Path, int8_paths: dict[str, Path], inputs: np.ndarr
         if quant_format(path) != "qdq":
             continue
         source = (fp32_sources or {}).get(name, fp32_path)
-        rows = activation_sqnr(source, path, inputs)
-        stats = onnx_tensor_stats(source, [r["tensor"] for r in rows], inputs)
+        rows, stats = sqnr_with_stats(source, path, inputs)
         for row in rows:
             figures = stats.get(row["tensor"], {})
             row.update(modules=matmul_inputs.get(row["tensor"], []),

@@ -1,0 +1,90 @@
+"""The node list of an ONNX file without parsing its weights (and without importing onnx).
+
+onnx.load parses every initializer: 1 GB and seconds on Gemma 3's models, to read a few hundred
+op types. The protobuf wire format lets us walk the ModelProto -> GraphProto -> NodeProto fields of
+a memory-mapped file and step over each initializer by its length prefix.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Iterator
+
+# Field numbers from onnx.proto: ModelProto.graph = 7, ModelProto.functions = 25;
+# GraphProto.node = 1; FunctionProto.node = 7; NodeProto.input = 1, output = 2, op_type = 4.
+_MODEL_GRAPH, _MODEL_FUNCTIONS, _GRAPH_NODE, _FUNCTION_NODE = 7, 25, 1, 7
+_NODE_INPUT, _NODE_OUTPUT, _NODE_OP_TYPE = 1, 2, 4
+
+
+def _varint(buf, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = buf[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+
+
+def _fields(buf, start: int, end: int) -> Iterator[tuple[int, int, int, int]]:
+    """(field number, wire type, start, end) of each field of the message in buf[start:end];
+    for a varint or fixed field start:end holds its bytes."""
+    pos = start
+    while pos < end:
+        tag, pos = _varint(buf, pos)
+        field, wire = tag >> 3, tag & 7
+        if wire == 0:
+            _, after = _varint(buf, pos)
+        elif wire == 1:
+            after = pos + 8
+        elif wire == 2:
+            length, pos = _varint(buf, pos)
+            after = pos + length
+        elif wire == 5:
+            after = pos + 4
+        else:
+            raise ValueError(f"unsupported protobuf wire type {wire} at byte {pos}")
+        if after > end:
+            raise ValueError(f"protobuf field {field} runs past its message (byte {after} > {end})")
+        yield field, wire, pos, after
+        pos = after
+
+
+def onnx_nodes(path: str | os.PathLike) -> list[tuple[str, list[str], list[str]]]:
+    """``(op_type, inputs, outputs)`` of every node of the model's graph, then of its local
+    functions, read without parsing the initializers (see above). Subgraphs (If/Loop bodies) are
+    not walked: their ops are not QDQ or integer kernels in any model we write."""
+    nodes: list[tuple[str, list[str], list[str]]] = []
+
+    def node(buf, start: int, end: int) -> None:
+        op, inputs, outputs = "", [], []
+        for field, wire, a, b in _fields(buf, start, end):
+            if wire != 2:
+                continue
+            if field == _NODE_OP_TYPE:
+                op = bytes(buf[a:b]).decode()
+            elif field == _NODE_INPUT:
+                inputs.append(bytes(buf[a:b]).decode())
+            elif field == _NODE_OUTPUT:
+                outputs.append(bytes(buf[a:b]).decode())
+        nodes.append((op, inputs, outputs))
+
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            raise ValueError("empty file")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            functions = []
+            for field, wire, a, b in _fields(buf, 0, len(buf)):
+                if wire == 2 and field == _MODEL_GRAPH:
+                    for f2, w2, a2, b2 in _fields(buf, a, b):
+                        if w2 == 2 and f2 == _GRAPH_NODE:
+                            node(buf, a2, b2)
+                elif wire == 2 and field == _MODEL_FUNCTIONS:
+                    functions.append((a, b))
+            for a, b in functions:
+                for f2, w2, a2, b2 in _fields(buf, a, b):
+                    if w2 == 2 and f2 == _FUNCTION_NODE:
+                        node(buf, a2, b2)
+    return nodes
