@@ -33,6 +33,10 @@ class EvaluateConfig:
     latency_batches: tuple[int, ...] = (1, 8)
     latency_iters: int = 30
     latency_warmup: int = 5
+    # Seconds of timed runs per latency cell before it stops short of latency_iters (at least
+    # measure.latency.MIN_TIMED_RUNS run); None: every iteration. Gemma 3's FP32 batch of 8 takes
+    # ~3 s a run on 2 cores, and 35 runs per cell made latency 8 minutes of its evaluate.
+    latency_seconds: float | None = 20.0
     eval_batch_size: int = 16
     parity_windows: int = 4
     probe_windows: int = 32
@@ -61,6 +65,9 @@ class EvaluateConfig:
             raise ConfigError(f"latency batches must be >= 1, got {self.latency_batches}")
         if self.latency_iters < 1:
             raise ConfigError(f"latency iterations must be >= 1, got {self.latency_iters}")
+        if self.latency_seconds is not None and not self.latency_seconds > 0:
+            raise ConfigError(f"--latency-budget must be > 0 seconds (0 on the command line: no budget), "
+                              f"got {self.latency_seconds}")
         SessionSpec(graph_optimization_level=self.graph_optimization_level, threads=self.threads)
 
     @property

@@ -205,7 +205,7 @@ def measure_latency(cfg: EvaluateConfig, models: dict[str, Path], seq: int) -> l
     """p50/p90 rows of every model x provider x batch size at ``seq`` tokens, as ``cfg`` asks."""
     return bench_grid(models, cfg.provider_list(), list(cfg.latency_batches), seq, threads=cfg.threads,
                       graph_optimization_level=cfg.graph_optimization_level, warmup=cfg.latency_warmup,
-                      iters=cfg.latency_iters, progress=cfg.progress)
+                      iters=cfg.latency_iters, progress=cfg.progress, max_seconds=cfg.latency_seconds)
 
 
 def smoothquant_section(run_dir: Path, cfg: EvaluateConfig, fp32_path: Path, smoothed, seq: int) -> dict:

@@ -198,6 +198,38 @@ def test_measured_cpu_row(models):
     assert TIMING_KEYS <= set(d)
 
 
+def test_time_budget_stops_a_cell_early_and_says_so(models, tmp_path, monkeypatch):
+    """max_seconds: at least MIN_TIMED_RUNS timed runs, then stop; the row counts the runs it
+    timed, the note says why, the node placement (one profiled warm-up run) is still recorded and
+    no profile file is left behind."""
+    monkeypatch.chdir(tmp_path)
+    spec = SessionSpec(threads=1)
+    row = bench_model(models["qdq"], variant="qdq", spec=spec, batch=2, seq=8, warmup=2, iters=40, max_seconds=1e-9)
+    assert row.measured and row.iterations == latency.MIN_TIMED_RUNS
+    assert "5 of 40 timed runs" in row.note and "time budget" in row.note
+    assert row.node_providers and set(row.node_providers) == {"CPUExecutionProvider"}
+    assert list(tmp_path.iterdir()) == []
+    roomy = bench_model(models["qdq"], variant="qdq", spec=spec, batch=2, seq=8, warmup=0, iters=7, max_seconds=3600)
+    assert roomy.iterations == 7 and "time budget" not in roomy.note and roomy.node_providers
+    with pytest.raises(MeasureError, match="time budget must be > 0"):
+        bench_model(models["qdq"], variant="qdq", spec=spec, batch=2, seq=8, max_seconds=0)
+
+
+def test_evaluate_config_checks_the_latency_budget():
+    from quantnorm.config import EvaluateConfig
+
+    assert EvaluateConfig().latency_seconds == 20.0 and EvaluateConfig(latency_seconds=None).latency_seconds is None
+    with pytest.raises(ConfigError, match="--latency-budget"):
+        EvaluateConfig(latency_seconds=-1.0)
+
+
+def test_quant_format_of_a_file_that_is_not_onnx(tmp_path):
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"\x3a\xff\xff\xff\x0f")
+    with pytest.raises(MeasureError, match="cannot read ONNX model"):
+        quant_format(bad)
+
+
 @pytest.mark.skipif(CUDA_WORKS, reason="CUDA really works here")
 @pytest.mark.parametrize("provider", ["cuda", "tensorrt"])
 def test_gpu_request_without_gpu_is_not_measured(models, provider):
