@@ -45,6 +45,10 @@ DEFAULT_TRAIN = TrainConfig()
 SWEEP_TRAINING_FLAGS = ("--d-model", "--heads", "--context", "--steps", "--batch-size", "--lr", "--corpus")
 
 
+# --model's default --latency-budget: a checkpoint's cells take seconds a run.
+MODEL_LATENCY_BUDGET_S = 20.0
+
+
 def training_options(required: bool, only: tuple[str, ...] | None = None):
     """The flags that define a trained model (shared by ``train`` and ``evaluate``; ``sweep`` takes
     those in ``only``)."""
@@ -193,10 +197,10 @@ def evaluate_options(func):
         click.option("--batches", default="1,8", show_default=True, help="Latency batch sizes (sequence = context)."),
         click.option("--iters", type=int, default=30, show_default=True,
                      help="Timed runs per latency cell (after warm-up)."),
-        click.option("--latency-budget", type=click.FloatRange(min=0), default=20.0, show_default=True,
+        click.option("--latency-budget", type=click.FloatRange(min=0), default=None,
                      help="Seconds of timed runs per latency cell: a cell stops before --iters once its runs "
                           "add up to this (5 runs at least; the report gives each cell's count). 0: no budget, "
-                          "all --iters runs."),
+                          "all --iters runs.  [default: 20 with --model, else no budget]"),
         click.option("--no-outliers", is_flag=True,
                      help="Skip the activation probe and per-tensor SQNR (a sweep's residual-growth and outlier "
                           "findings need them)."),
@@ -215,7 +219,8 @@ def evaluate_config(flags: dict, progress: bool) -> EvaluateConfig:
         providers=tuple(_csv(f["providers"])) if f["providers"] else None,
         calib_samples=f["calib_samples"], opset=f["opset"], graph_optimization_level=f["opt_level"],
         threads=f["threads"], latency_batches=_int_csv(f["batches"], "--batches"), latency_iters=f["iters"],
-        latency_seconds=f["latency_budget"] or None,
+        latency_seconds=(MODEL_LATENCY_BUDGET_S if f.get("model") else None) if f["latency_budget"] is None
+        else (f["latency_budget"] or None),
         outliers=not f["no_outliers"], progress=progress, sq_alpha=f["sq_alpha"], max_ppl_ratio=f["max_ppl_ratio"],
         min_top1=f["min_top1"], max_kld=f["max_kld"], search_pick=f["search_pick"],
         search_space=tuple(_csv(f["search_space"])) if f["search_space"] else None, exclude=tuple(f["exclude"]),

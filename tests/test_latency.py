@@ -218,7 +218,7 @@ def test_time_budget_stops_a_cell_early_and_says_so(models, tmp_path, monkeypatc
 def test_evaluate_config_checks_the_latency_budget():
     from quantnorm.config import EvaluateConfig
 
-    assert EvaluateConfig().latency_seconds == 20.0 and EvaluateConfig(latency_seconds=None).latency_seconds is None
+    assert EvaluateConfig().latency_seconds is None and EvaluateConfig(latency_seconds=20.0).latency_seconds == 20.0
     with pytest.raises(ConfigError, match="--latency-budget"):
         EvaluateConfig(latency_seconds=-1.0)
 
