@@ -204,13 +204,15 @@ def sqnr_with_stats(fp32_path: Path, int8_path: Path, inputs: np.ndarray, *, bat
         _augment_qdq(int8_path, aug_int8)
         int8_session = _session(aug_int8)
         fp32_session: ort.InferenceSession | None = None
+        fp32_opened = False  # opened once, on the first batch; stays None if it has none of the tensors
         total: dict[str, _SqnrSums] = {}
         local: dict[str, _SqnrSums] = {}
         accs: dict[str, TensorAccumulator] = {}
         for batch in _batches(inputs, batch_size):
             qdq_acts = _run_saved(int8_session, batch)
             pairs = qdq_loss_debug.create_activation_matching(qdq_acts)
-            if fp32_session is None:
+            if not fp32_opened:
+                fp32_opened = True
                 # Now we know which tensors are quantized: expose exactly those in the FP32 model.
                 produced = {o for _, _, outputs in onnx_nodes(fp32_path) for o in outputs}
                 float_names = [name for name in pairs if name in produced]
