@@ -7,6 +7,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from quantnorm.errors import ConfigError
+from quantnorm.hardware import cpu_has_vnni
 from quantnorm.quantize import get_recipe, quantize
 from quantnorm.quantize.pertoken import fake_quantize_rows, quantize_per_token, weight_scales
 from quantnorm.quantize.recipes import Recipe
@@ -46,12 +47,23 @@ def rel(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def test_graph_matches_the_numpy_reference(tmp_path, planted):
+# 8-bit weights are exact only with VNNI: ORT's AVX2 u8 x s8 kernel (vpmaddubsw) saturates the int16
+# sum of each pair of products, 255 * 127 * 2 > 32767 (PITFALLS.md 2; measured: all-255 x all-127 over
+# K=64 gave 1,048,544 for 2,072,640). The recipes resolve reduce_range="auto" to 7-bit weights there,
+# so an AVX2 machine tests the grid it deploys and skips the one it never uses.
+EIGHT_BIT_NEEDS_VNNI = pytest.mark.skipif(not cpu_has_vnni(), reason="8-bit weights saturate ORT's AVX2 u8s8 "
+                                          "kernel (no VNNI on this CPU); recipes use 7-bit weights here")
+WEIGHT_GRIDS = [pytest.param(False, marks=EIGHT_BIT_NEEDS_VNNI, id="8-bit"), pytest.param(True, id="7-bit")]
+
+
+@pytest.mark.parametrize("reduce_range", WEIGHT_GRIDS)
+def test_graph_matches_the_numpy_reference(tmp_path, planted, reduce_range):
     weight, x = planted
     src = matmul_model(tmp_path / "mm.onnx", weight)
-    info = quantize_per_token(src, tmp_path / "pt.onnx", ["mm"], reduce_range=False)
-    assert info["pertoken_matmuls"] == ["mm"] and info["weight_qmax"] == 127
-    w_q, s_w = weight_scales(weight, 127)
+    info = quantize_per_token(src, tmp_path / "pt.onnx", ["mm"], reduce_range=reduce_range)
+    qmax = 63 if reduce_range else 127
+    assert info["pertoken_matmuls"] == ["mm"] and info["weight_qmax"] == qmax
+    w_q, s_w = weight_scales(weight, qmax)
     expected = fake_quantize_rows(x) @ (w_q.astype(np.float32) * s_w)
     got = run(tmp_path / "pt.onnx", x)[0]
     assert np.allclose(got, expected, rtol=1e-4, atol=1e-3 * np.abs(expected).max())
@@ -63,14 +75,17 @@ def test_graph_matches_the_numpy_reference(tmp_path, planted):
     assert [a.i for a in ql.attribute if a.name == "axis"] == [0] and ql.input[1].endswith("x_scale_rows")
 
 
-def test_a_massive_token_breaks_per_tensor_scales_not_per_token(tmp_path, planted):
+@pytest.mark.parametrize("reduce_range", WEIGHT_GRIDS)
+def test_a_massive_token_breaks_per_tensor_scales_not_per_token(tmp_path, planted, reduce_range):
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     weight, x = planted
     src = matmul_model(tmp_path / "mm.onnx", weight)
     reference = x @ weight
-    quantize_dynamic(str(src), str(tmp_path / "dyn.onnx"), weight_type=QuantType.QInt8, per_channel=True)
-    quantize_per_token(src, tmp_path / "pt.onnx", ["mm"], reduce_range=False)
+    quantize_dynamic(str(src), str(tmp_path / "dyn.onnx"), weight_type=QuantType.QInt8, per_channel=True,
+                     reduce_range=reduce_range)
+    # measured on VNNI: per-token 0.0086 (8-bit) and 0.0134 (7-bit) on the other tokens
+    quantize_per_token(src, tmp_path / "pt.onnx", ["mm"], reduce_range=reduce_range)
     others = (slice(None), slice(1, None))
     per_tensor_err = rel(run(tmp_path / "dyn.onnx", x)[0][others], reference[others])
     per_token_err = rel(run(tmp_path / "pt.onnx", x)[0][others], reference[others])
