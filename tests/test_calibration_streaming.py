@@ -73,3 +73,27 @@ def test_sink_aware_recipe_quantizes_a_zoo_model(tmp_path):
     result = quantize(tmp_path / "fp32.onnx", recipe, ids, tmp_path / "int8.onnx", vnni=True, probe_inputs=ids[:2])
     assert result.status == "ok", result.problems
     assert result.settings["calibration_details"]["excluded_positions"] == [0]
+
+
+def test_a_batch_larger_than_the_buffer_is_split(tmp_path, monkeypatch):
+    """One batch's collected tensors may pass the buffer on their own (Gemma 3 with every op
+    calibrated: 512 MiB of logits per 4 windows): the windows are then batched smaller, to the same ranges."""
+    import quantnorm.calibration.ranges as ranges_module
+
+    model = tmp_path / "m.onnx"
+    _outlier_model(model)
+    rng = np.random.default_rng(2)
+    x = np.round(rng.normal(0, 1000, size=(16, 8))).astype(np.int64)
+    x[13, 5] = -30_000
+    sizes = []
+
+    class Recording(ranges_module.WindowCalibrationReader):
+        def __init__(self, inputs, batch_size=1, **kw):
+            sizes.append(batch_size)
+            super().__init__(inputs, batch_size=batch_size, **kw)
+
+    monkeypatch.setattr(ranges_module, "WindowCalibrationReader", Recording)
+    whole = collect_ranges(model, "minmax", x, op_types=["MatMul"], batch_size=8)
+    assert sizes == [8]
+    split = collect_ranges(model, "minmax", x, op_types=["MatMul"], batch_size=8, buffer_bytes=1)
+    assert sizes[1:] == [8, 1] and _range(split) == _range(whole) and _range(whole)[0] == -30_000.0

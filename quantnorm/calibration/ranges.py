@@ -124,6 +124,13 @@ def collect_ranges(model_path: str | Path, method: str, inputs: np.ndarray, *, o
             return made
 
         calibrator = make_calibrator()
+        # A batch whose collected tensors alone pass the buffer is split: on Gemma 3 with every op
+        # calibrated, one batch of 4 windows holds 512 MiB of logits plus every block's tensors. The
+        # ranges do not depend on how the windows are batched (MinMax reduces, histograms add).
+        per_window = batch_bytes(calibrator.infer_session, inputs, 1)
+        if batch_size > 1 and per_window * batch_size > buffer_bytes:
+            batch_size = max(1, int(buffer_bytes // max(1, per_window)))
+            reader = WindowCalibrationReader(inputs, batch_size=batch_size)
         # Streamed: ORT's calibrators keep every batch's tensors (the logits too) until
         # ``collect_data`` returns, which peaked near 21 GB on SmolLM2 (PITFALLS.md 11). Each call
         # gets as many batches as fit in ``buffer_bytes`` and folds them into the running ranges /
