@@ -93,6 +93,13 @@ def test_checkpoint_is_cached_and_reused(tiny_gguf, tmp_path):
     assert (ckpt / "model.safetensors").stat().st_mtime_ns == stamp  # reused, not converted again
 
 
+@pytest.mark.parametrize("progress", [False, True])
+def test_the_dequantization_bar_follows_progress(tiny_gguf, tmp_path, capfd, progress):
+    """transformers draws its GGUF bar whatever its own setting says: --quiet must silence it."""
+    gguf_checkpoint(resolve_gguf(tiny_gguf), tmp_path, progress=progress)
+    assert ("de-quantizing GGUF tensors" in capfd.readouterr().err) is progress
+
+
 def test_gguf_end_to_end_through_the_cli(tiny_gguf, tmp_path, capsys):
     out = tmp_path / "run"
     argv = ["evaluate", "--model", str(tiny_gguf), "--recipes", "pertoken,dynamic", "--context", "16",

@@ -21,6 +21,7 @@ is written once into a cache file named by its SHA-256 (``QUANTNORM_CACHE``, def
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import importlib.metadata
@@ -268,7 +269,7 @@ def gguf_checkpoint(gguf: GGUFFile, run_dir: Path, *, progress: bool = False) ->
     folder, name = str(gguf.path.parent), gguf.path.name
     quiet = quiet_transformers(transformers)
     try:
-        with quiet:
+        with quiet, _gguf_tensor_bar(enabled=progress):
             model = transformers.AutoModelForCausalLM.from_pretrained(
                 folder, gguf_file=name, local_files_only=True, trust_remote_code=False,
                 **dtype_kwarg(transformers, torch.float32))
@@ -303,3 +304,22 @@ def gguf_checkpoint(gguf: GGUFFile, run_dir: Path, *, progress: bool = False) ->
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     return out
+
+
+@contextlib.contextmanager
+def _gguf_tensor_bar(*, enabled: bool):
+    """transformers' GGUF loader draws its own tqdm bar ("Converting and de-quantizing GGUF tensors")
+    whatever its progress-bar setting says; ``--quiet`` must silence it too."""
+    import functools
+
+    import transformers.modeling_gguf_pytorch_utils as loader
+
+    original = getattr(loader, "tqdm", None)
+    if enabled or original is None:
+        yield
+        return
+    loader.tqdm = functools.partial(original, disable=True)
+    try:
+        yield
+    finally:
+        loader.tqdm = original
