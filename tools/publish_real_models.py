@@ -73,6 +73,17 @@ def goal_lines(r: dict, run_dir: Path, chosen: dict) -> list[str]:
                 f"{speed}. This CPU: {r['hardware'].get('cpu')} ({kind}); the other CPU kinds were not measured here."]
 
 
+def unscored_row(recipe: dict, notes: list[str], width: int) -> list[str]:
+    """A table row for a recipe that has no accuracy (broken, not applicable): its status's first
+    words in the cell, the whole status as a numbered note under the table (a long reason cut at a
+    cell's width read as nonsense)."""
+    status = recipe.get("status", "") or "not scored"
+    if not notes:
+        notes.append("")
+    notes.append(f"{len(notes)}. `{recipe['name']}`: {status}")
+    return [recipe["name"], f"{status.split(':')[0]} (note {len(notes) - 1})"] + [""] * (width - 2)
+
+
 def model_section(name: str, r: dict, run_dir: Path) -> list[str]:
     m, hw = r["model"], r["hardware"]
     check = m.get("placement_check", {})
@@ -89,12 +100,12 @@ def model_section(name: str, r: dict, run_dir: Path) -> list[str]:
                  f"({r['data']['corpus']} evaluation range); FP32 p50 at batch 8: {fmt(fp32, '.1f')} ms on "
                  f"{hw.get('cpu')} ({', '.join(f for f in hw.get('cpu_flags', []) if f in ('avx2', 'avx512_vnni', 'avx_vnni', 'amx_int8')) or 'no VNNI'}), {hw.get('threads')} threads.")
         L.append("")
-        rows = []
+        rows, unscored = [], []
         sizes = r.get("file_sizes_bytes", {})
         for x in recipes:
             a = x.get("accuracy")
             if not a:
-                rows.append([x["name"], x.get("status", "")[:90], "", "", "", "", ""])
+                rows.append(unscored_row(x, unscored, 7))
                 continue
             p50 = latency(r, x["name"])
             meets = all(a.get(k) is not None and (a[k] <= v if k != "top1_agreement" else a[k] >= v)
@@ -109,19 +120,21 @@ def model_section(name: str, r: dict, run_dir: Path) -> list[str]:
               "sample); the `quantnorm bench` table below times each model alone. Sizes include the token "
               "embedding table, which weight-MatMul recipes keep in FP32 (for Gemma 3: 262,144 x 640 floats, "
               "640 MiB), and the INT8 copy of an untied head."]
+        L += unscored
     else:  # an encoder: embedding agreement
         L.append(f"FP32 p50 at batch 8: {fmt(fp32, '.1f')} ms.")
         L.append("")
-        rows = []
+        rows, unscored = [], []
         for x in recipes:
             a = x.get("accuracy")
             if not a:
-                rows.append([x["name"], x.get("status", "")[:90], "", "", ""])
+                rows.append(unscored_row(x, unscored, 5))
                 continue
             p50 = latency(r, x["name"])
             rows.append([x["name"], fmt(a.get("cosine_mean"), ".4f"), fmt(a.get("cosine_p1"), ".4f"),
                          pct(a.get("nn_agreement")), fmt(p50 / fp32 if p50 and fp32 else None, ".2f")])
         L += table(["recipe", "cosine mean", "cosine p1", "NN agreement", "latency / FP32 (b8)"], rows)
+        L += unscored
     bench = run_dir / "bench.json"
     if bench.is_file():
         rows = [b for b in json.loads(bench.read_text()) if b.get("status") == "measured"]
