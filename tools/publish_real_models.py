@@ -67,10 +67,29 @@ def goal_lines(r: dict, run_dir: Path, chosen: dict) -> list[str]:
     speed = ("not measured (no bench.json)" if ratio is None else
              f"{ratio:.3f} in the side-by-side bench, {'within' if ratio <= goal else 'above'} the goal of <= {goal} "
              f"for {kind}")
+    if ratio is not None and ratio > goal:
+        speed += miss_reason(r, rows, pick)
     return ["", f"Goals: the pick **{pick['name']}** on the whole evaluation set: PPL ratio {a['ppl_ratio']:.4f}, "
                 f"KL {a['kld_mean']:.4f}, top-1 {pct(a['top1_agreement'])} "
                 f"({'meets' if meets else 'misses'} KL <= 0.007, PPL <= 1.01, top-1 >= 95%); latency / FP32 at batch 8: "
                 f"{speed}. This CPU: {r['hardware'].get('cpu')} ({kind}); the other CPU kinds were not measured here."]
+
+
+def miss_reason(r: dict, rows: dict, pick: dict) -> str:
+    """Why the pick is slower than the goal, from this run's own figures: the same per-token kernels
+    without the rotation, timed in the same bench, and the pick's in-run ratio."""
+    fp32 = rows["model.fp32.onnx"]["p50_ms"]
+    parts = []
+    plain = rows.get("model.int8.pertoken-fused.onnx")
+    if plain and pick.get("settings", {}).get("rotation"):
+        parts.append(f"the same per-token kernels without the rotation (int8.pertoken-fused) ran at "
+                     f"{plain['p50_ms'] / fp32:.3f} in that bench; the rotated graph adds to it only the FP32 online "
+                     "Hadamard (two small MatMuls before each down-projection; the stream rotation is folded into "
+                     "the weights)")
+    in_run, fp32_in_run = latency(r, pick["name"]), latency(r, "fp32")
+    if in_run and fp32_in_run:
+        parts.append(f"in the run's own latency stage the pick timed {in_run / fp32_in_run:.2f} of FP32")
+    return (" (" + "; ".join(parts) + ")") if parts else ""
 
 
 def unscored_row(recipe: dict, notes: list[str], width: int) -> list[str]:
