@@ -26,7 +26,7 @@ from .measure.graph_probe import graph_probe
 from .measure.latency import bench_grid
 from .measure.outliers import largest_ratio_layer
 from .measure.placement import detect_placement
-from .measure.sessions import CPU, ReopenableSession, SessionSpec, make_session
+from .measure.sessions import CPU, ReopenableSession, ReplayedSession, SessionSpec, make_session
 from .measure.sqnr import sqnr_sections
 from .quantize import PreprocessCache, quantize
 from .quantize.sanity import softmax_input_report
@@ -75,7 +75,10 @@ def evaluate(source: ModelSource | RunDir, cfg: EvaluateConfig, *, command: str)
     # Opened for each recipe's scoring and let go before each quantizer pass: the FP32 weights and
     # the quantizer's sessions are the two largest things of the run, never resident together.
     fp32_session = ReopenableSession(fp32_path, spec)
-    accuracy = source.accuracy(fp32_session, cfg)
+    # Every recipe and search trial is scored against the FP32 model on the same windows: its outputs
+    # are computed once and read back from disk after (Gemma 3: 8 GiB of logits, ~25 s of FP32 a recipe).
+    fp32_scores = ReplayedSession(fp32_session, run_dir)
+    accuracy = source.accuracy(fp32_scores, cfg)
     # SmoothQuant and rotation recipes quantize a transformed FP32 export, made once on first use.
     transforms = source.transforms(cfg)
     fp32_sources: dict[str, Path] = {}  # recipe -> the FP32 model it quantized, when not fp32_path
@@ -135,9 +138,10 @@ def evaluate(source: ModelSource | RunDir, cfg: EvaluateConfig, *, command: str)
             extra["search"] = run_search(run_dir, cfg, fp32_path, transforms, data.calib_inputs,
                                          source.search_scoring(cfg), spec, vnni, recipes_out, int8_paths, fp32_sources,
                                          measure=lambda path: accuracy(make_session(path, spec)),
-                                         preprocessed=preprocessed)
+                                         preprocessed=preprocessed, fp32_session=fp32_scores)
     preprocessed.close()
     fp32_session.close()
+    fp32_scores.discard()
     if getattr(transforms, "rotated", None):
         extra["rotation"] = {form: r.to_dict(run_dir) for form, r in transforms.rotated.items()}
     if transforms.exports:
@@ -230,7 +234,7 @@ def smoothquant_section(run_dir: Path, cfg: EvaluateConfig, fp32_path: Path, smo
 def run_search(run_dir: Path, cfg: EvaluateConfig, fp32_path: Path, transforms, calib_inputs,
                scoring: SearchScoring, spec: SessionSpec, vnni: bool, recipes_out: list[dict],
                int8_paths: dict[str, Path], fp32_sources: dict[str, Path], *, measure: Callable[[Path], dict],
-               preprocessed: PreprocessCache | None = None) -> dict:
+               preprocessed: PreprocessCache | None = None, fp32_session=None) -> dict:
     """``--recipes auto``: search, keep the chosen model (or, when none passes, the best one) as the
     recipe entry ``auto:<recipe>``, measured by ``measure(int8_path)`` (the run's own accuracy dict,
     on the whole evaluation range); return ``results["search"]``. ``scoring``: what trials are
@@ -241,7 +245,7 @@ def run_search(run_dir: Path, cfg: EvaluateConfig, fp32_path: Path, transforms, 
         result = search_recipes(fp32_path, work_dir, calib_inputs, scoring.inputs, scoring.targets,
                                 cfg=cfg.search_config(), spec=spec, vnni=vnni, scorer=scoring.scorer,
                                 level=scoring.level, fp32_for=lambda recipe: transforms.fp32_for(recipe, fp32_path),
-                                preprocessed=preprocessed)
+                                preprocessed=preprocessed, fp32_session=fp32_session)
         keep = result.chosen or result.best
         if keep is not None:
             name = f"{AUTO}:{keep.name}"

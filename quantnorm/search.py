@@ -272,12 +272,13 @@ class _Runner:
     """Quantize, measure and record one trial."""
 
     def __init__(self, fp32_path, work_dir, calib_inputs, eval_inputs, eval_targets, cfg, spec, vnni,
-                 fp32_for, latency_fn, scorer, preprocessed=None):
+                 fp32_for, latency_fn, scorer, preprocessed=None, fp32_session=None):
         self.scorer, self.preprocessed = scorer, preprocessed
         self.fp32_path, self.work_dir, self.cfg, self.spec, self.vnni = fp32_path, work_dir, cfg, spec, vnni
         self.calib_inputs, self.eval_inputs, self.eval_targets = calib_inputs, eval_inputs, eval_targets
         self.fp32_for, self.latency_fn = fp32_for, latency_fn
-        self.fp32_session = ReopenableSession(fp32_path, spec)   # closed while a trial quantizes
+        # closed while a trial quantizes; the caller's (a ReplayedSession over the same model) when given
+        self.fp32_session = fp32_session if fp32_session is not None else ReopenableSession(fp32_path, spec)
         self.trials: list[Trial] = []
 
     def run(self, recipe: Recipe, phase: str, base: str, k: int = 0, nodes: tuple[str, ...] = ()) -> Trial:
@@ -323,7 +324,8 @@ def search_recipes(fp32_path: Path, work_dir: Path, calib_inputs: np.ndarray, ev
                    eval_targets: np.ndarray, *, cfg: SearchConfig, spec, vnni: bool,
                    fp32_for: Callable[[Recipe], Path] | None = None,
                    latency_fn: Callable[[Path, str], float | None] | None = None,
-                   scorer: Callable | None = None, level: str = "byte", preprocessed=None) -> SearchResult:
+                   scorer: Callable | None = None, level: str = "byte", preprocessed=None,
+                   fp32_session=None) -> SearchResult:
     """Search the recipe space for a model with ``ppl_ratio <= cfg.max_ppl_ratio`` (module doc).
 
     ``fp32_for(recipe)``: the FP32 model a recipe quantizes (the smoothed export for SmoothQuant
@@ -334,7 +336,9 @@ def search_recipes(fp32_path: Path, work_dir: Path, calib_inputs: np.ndarray, ev
     ``preprocessed``: the run's ``quantize.PreprocessCache`` (each FP32 model pre-processed once).
     ``scorer(fp32_session, int8_session, inputs, targets)`` -> an object with ``ppl_ratio``,
     ``kld_mean`` and ``top1_agreement`` (default: the zoo's byte-level ``measure.accuracy.compare``;
-    ``--model`` passes a token-level one and ``level="token"``).
+    ``--model`` passes a token-level one and ``level="token"``). ``fp32_session``: a session on
+    ``fp32_path`` to score against (the run's ``ReplayedSession``: FP32 outputs computed once);
+    None opens one.
     """
     # neural-compressor: slow to import, and only --recipes auto needs it
     from neural_compressor.common.base_tuning import EvaluationFuncWrapper, TuningConfig, init_tuning
@@ -356,7 +360,7 @@ def search_recipes(fp32_path: Path, work_dir: Path, calib_inputs: np.ndarray, ev
     if scorer is None:
         scorer = compare
     runner = _Runner(fp32_path, work_dir, calib_inputs, inputs, targets, cfg, spec, vnni, fp32_for, latency_fn, scorer,
-                     preprocessed)
+                     preprocessed, fp32_session)
     budget = cfg.max_trials if cfg.max_trials is not None else 10**6
 
     with _quiet_inc():

@@ -287,6 +287,46 @@ def test_reopenable_session_scores_the_same_and_lets_go_of_its_weights(tiny):
         ReopenableSession(Path(fp32).with_name("missing.onnx"), spec).get_inputs()
 
 
+def test_replayed_fp32_outputs_score_the_same_and_open_the_model_once(tiny, tmp_path):
+    """evaluate scores every recipe against the FP32 model on the same windows: the first pass
+    records its outputs, later passes read them back (the FP32 session is not reopened), scores
+    are identical, and discard() deletes the recording."""
+    from quantnorm.measure.sessions import ReopenableSession, ReplayedSession, SessionSpec, make_session
+
+    _, fp32, int8 = tiny
+    spec = SessionSpec(provider="cpu", threads=1)
+    lazy, s8 = ReopenableSession(fp32, spec), make_session(int8, spec)
+    replay = ReplayedSession(lazy, tmp_path)
+    inputs, targets = windows(n=6, seq=CTX)
+    first = compare(replay, s8, inputs, targets, batch_size=4)
+    assert (replay.computed, replay.replayed, lazy.opened) == (2, 0, 1)
+    lazy.close()   # as before each quantizer pass
+    again = compare(replay, s8, inputs, targets, batch_size=4)
+    assert (replay.computed, replay.replayed) == (2, 2) and not lazy.is_open and lazy.opened == 1
+    plain = compare(make_session(fp32, spec), s8, inputs, targets, batch_size=4)
+    assert first.to_dict() == again.to_dict() == plain.to_dict()
+    other = compare(replay, s8, inputs[:3], targets[:3], batch_size=4)   # a new feed: computed, not mixed up
+    assert replay.computed == 3 and other.n_scored == 3 * CTX and other.to_dict() != first.to_dict()
+    folder = replay.folder
+    assert folder.parent == tmp_path and replay.recorded_bytes > 0 and not list(folder.glob("*.tmp"))
+    replay.discard()
+    assert not folder.exists() and replay.folder is None
+    assert compare(replay, s8, inputs, targets, batch_size=4).to_dict() == plain.to_dict()   # plain from now on
+
+
+def test_replay_stops_recording_at_its_byte_limit(tiny, tmp_path):
+    from quantnorm.measure.sessions import ReplayedSession, SessionSpec, make_session
+
+    _, fp32, int8 = tiny
+    spec = SessionSpec(provider="cpu", threads=1)
+    replay = ReplayedSession(make_session(fp32, spec), tmp_path, max_bytes=0)
+    inputs, targets = windows(n=4, seq=CTX)
+    for _ in range(2):
+        compare(replay, make_session(int8, spec), inputs, targets)
+    assert (replay.computed, replay.replayed, replay.recorded_bytes) == (2, 0, 0)
+    assert not list(replay.folder.iterdir())
+
+
 @pytest.mark.parametrize("rows, vocab, scale", [(1, 5, 1.0), (37, 300, 4.0), (40, 4096, 30.0)])
 def test_pair_stats_in_row_blocks_equal_the_whole_array_formulas(rows, vocab, scale):
     """The row-block math (several blocks when rows > ROWS_PER_BLOCK) against log_softmax written out."""

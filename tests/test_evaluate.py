@@ -61,6 +61,9 @@ def test_results_follow_the_contract(evaluated):
     assert cuda and all(row["status"].startswith("not measured") and "p50_ms" not in row for row in cuda)
     assert len(results["outliers"]["residual"]) == 2  # embed + 1 block
     assert results["sqnr"]["static-minmax-matmul"]
+    # the FP32 outputs replayed to every recipe's scoring are deleted with the run's end
+    assert not list(evaluated.glob(".fp32-outputs-*"))
+    assert len({r["accuracy"]["ppl_fp32"] for r in results["recipes"]}) == 1
 
 
 def test_report_and_plots(scratch, capsys):

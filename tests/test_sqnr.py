@@ -25,8 +25,8 @@ from quantnorm.measure.sqnr import (
     sqnr_summary,
     sqnr_with_stats,
 )
-from quantnorm.onnx_wire import onnx_nodes
 from quantnorm.models import CausalLM, ModelConfig
+from quantnorm.onnx_wire import onnx_nodes
 
 SEQ, D = 16, 32
 OUTLIER_CHANNEL, OUTLIER_GAIN = 3, 100.0
