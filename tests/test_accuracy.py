@@ -307,6 +307,9 @@ def test_replayed_fp32_outputs_score_the_same_and_open_the_model_once(tiny, tmp_
     assert first.to_dict() == again.to_dict() == plain.to_dict()
     other = compare(replay, s8, inputs[:3], targets[:3], batch_size=4)   # a new feed: computed, not mixed up
     assert replay.computed == 3 and other.n_scored == 3 * CTX and other.to_dict() != first.to_dict()
+    # plain copies of the session's inputs: ORT's NodeArgs would keep a closed session's weights alive
+    (arg,) = replay.get_inputs()
+    assert type(arg).__name__ == "Arg" and arg.name == make_session(fp32, spec).get_inputs()[0].name
     folder = replay.folder
     assert folder.parent == tmp_path and replay.recorded_bytes > 0 and not list(folder.glob("*.tmp"))
     replay.discard()

@@ -363,6 +363,14 @@ class ReopenableSession:
             release_memory()   # the freed arena back to the OS
 
 
+@dataclass(frozen=True)
+class Arg:
+    """What a session says of one input or output (ORT's NodeArg without its session)."""
+    name: str
+    shape: list
+    type: str
+
+
 class ReplayedSession:
     """Stands in for a session whose outputs on the same inputs are read again and again: the FP32
     model, scored against every recipe and search trial on the same evaluation windows. The first
@@ -393,14 +401,17 @@ class ReplayedSession:
             digest.update(memoryview(value).cast("B"))
         return digest.hexdigest()[:32]
 
-    def get_inputs(self):   # read once: every call on the wrapped ReopenableSession would open it
+    # Read once, as plain copies: every call on a wrapped ReopenableSession would open it, and ORT's
+    # NodeArg objects keep their C++ session alive (measured on Gemma 3: 1.7 GB stayed resident
+    # after close() while they were held).
+    def get_inputs(self) -> list[Arg]:
         if self._inputs is None:
-            self._inputs = self.session.get_inputs()
+            self._inputs = [Arg(a.name, list(a.shape), a.type) for a in self.session.get_inputs()]
         return self._inputs
 
-    def get_outputs(self):
+    def get_outputs(self) -> list[Arg]:
         if self._outputs is None:
-            self._outputs = self.session.get_outputs()
+            self._outputs = [Arg(a.name, list(a.shape), a.type) for a in self.session.get_outputs()]
         return self._outputs
 
     def run(self, output_names, input_feed, run_options=None) -> list:
