@@ -213,13 +213,14 @@ def evaluate_options(func):
 def evaluate_config(flags: dict, progress: bool) -> EvaluateConfig:
     """The EvaluateConfig of the ``evaluate_options`` flags, which it pops off ``flags`` (the
     command's keyword arguments): validated here, before anything runs."""
+    with_model = flags.get("model") is not None   # evaluate's own option: not one of EVALUATE_FLAGS
     f = {name: flags.pop(name) for name in EVALUATE_FLAGS}
     return EvaluateConfig(
         recipes=tuple(_csv(f["recipes"])) if f["recipes"] else DEFAULT_RECIPES,
         providers=tuple(_csv(f["providers"])) if f["providers"] else None,
         calib_samples=f["calib_samples"], opset=f["opset"], graph_optimization_level=f["opt_level"],
         threads=f["threads"], latency_batches=_int_csv(f["batches"], "--batches"), latency_iters=f["iters"],
-        latency_seconds=(MODEL_LATENCY_BUDGET_S if f.get("model") else None) if f["latency_budget"] is None
+        latency_seconds=(MODEL_LATENCY_BUDGET_S if with_model else None) if f["latency_budget"] is None
         else (f["latency_budget"] or None),
         outliers=not f["no_outliers"], progress=progress, sq_alpha=f["sq_alpha"], max_ppl_ratio=f["max_ppl_ratio"],
         min_top1=f["min_top1"], max_kld=f["max_kld"], search_pick=f["search_pick"],

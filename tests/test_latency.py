@@ -308,3 +308,19 @@ def test_seq_beyond_context_is_a_measure_error(models):
     with pytest.raises(MeasureError, match=str(models["fp32"])):
         bench_model(models["fp32"], variant="fp32", spec=SessionSpec(), batch=1, seq=CTX + 8, warmup=0, iters=1,
                     record_placement=False)
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--model", "m.gguf"], 20.0),                              # a checkpoint: 20 s a cell unless told
+    (["--model", "m.gguf", "--latency-budget", "5"], 5.0),
+    (["--model", "m.gguf", "--latency-budget", "0"], None),     # 0: every iteration
+    ([], None),                                                 # the zoo: as its recorded sweeps ran
+])
+def test_the_cli_default_latency_budget_applies_with_model(args, expected):
+    """The budget's default is read off evaluate's own --model option (it once read a key the
+    flags it pops never hold, and no --model run got a budget)."""
+    from quantnorm.cli import MODEL_LATENCY_BUDGET_S, evaluate, evaluate_config
+
+    params = evaluate.make_context("evaluate", list(args)).params
+    assert evaluate_config(dict(params), progress=False).latency_seconds == expected
+    assert MODEL_LATENCY_BUDGET_S == 20.0
