@@ -210,10 +210,10 @@ def evaluate_options(func):
     return func
 
 
-def evaluate_config(flags: dict, progress: bool) -> EvaluateConfig:
+def evaluate_config(flags: dict, progress: bool, *, with_model: bool = False) -> EvaluateConfig:
     """The EvaluateConfig of the ``evaluate_options`` flags, which it pops off ``flags`` (the
-    command's keyword arguments): validated here, before anything runs."""
-    with_model = flags.get("model") is not None   # evaluate's own option: not one of EVALUATE_FLAGS
+    command's keyword arguments): validated here, before anything runs. ``with_model``: evaluate
+    was given ``--model`` (a checkpoint: the latency cells get a time budget by default)."""
     f = {name: flags.pop(name) for name in EVALUATE_FLAGS}
     return EvaluateConfig(
         recipes=tuple(_csv(f["recipes"])) if f["recipes"] else DEFAULT_RECIPES,
@@ -293,7 +293,7 @@ def evaluate(checkpoint, out, config_file, quiet, **flags):
     Example: quantnorm evaluate --placement pre --norm rms
     """
     model_path, allow_pickle = flags.pop("model", None), flags.pop("allow_pickle", False)
-    cfg = evaluate_config(flags, progress=not quiet)
+    cfg = evaluate_config(flags, progress=not quiet, with_model=model_path is not None)
     file_run = None
     if config_file is not None:  # a sweep cell, or its rerun: both configurations from the file, no flags
         given = _given_flags(click.get_current_context(), exempt=("config_file", "out", "quiet"))

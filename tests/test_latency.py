@@ -314,13 +314,23 @@ def test_seq_beyond_context_is_a_measure_error(models):
     (["--model", "m.gguf"], 20.0),                              # a checkpoint: 20 s a cell unless told
     (["--model", "m.gguf", "--latency-budget", "5"], 5.0),
     (["--model", "m.gguf", "--latency-budget", "0"], None),     # 0: every iteration
-    ([], None),                                                 # the zoo: as its recorded sweeps ran
 ])
-def test_the_cli_default_latency_budget_applies_with_model(args, expected):
-    """The budget's default is read off evaluate's own --model option (it once read a key the
-    flags it pops never hold, and no --model run got a budget)."""
-    from quantnorm.cli import MODEL_LATENCY_BUDGET_S, evaluate, evaluate_config
+def test_the_cli_default_latency_budget_applies_with_model(args, expected, monkeypatch, tmp_path):
+    """Through the evaluate command itself: the configuration it hands the pipeline (the default
+    once read a flag the command had already taken off, and no --model run got a budget)."""
+    from quantnorm import cli
 
-    params = evaluate.make_context("evaluate", list(args)).params
-    assert evaluate_config(dict(params), progress=False).latency_seconds == expected
-    assert MODEL_LATENCY_BUDGET_S == 20.0
+    seen = {}
+    monkeypatch.setattr(cli, "open_model", lambda *a, **k: type("Source", (), {"run_dir": tmp_path})())
+    monkeypatch.setattr(cli, "run_evaluate", lambda source, cfg, command: seen.setdefault("cfg", cfg) and {})
+    monkeypatch.setattr(cli, "summary_lines_model", lambda results, run_dir: "")
+    assert cli.main(["evaluate", *args, "--quiet"]) == 0
+    assert seen["cfg"].latency_seconds == expected and cli.MODEL_LATENCY_BUDGET_S == 20.0
+
+
+def test_a_zoo_evaluate_has_no_default_latency_budget():
+    """Zoo runs time every iteration, as the committed sweeps (reports/reference) were grown."""
+    from quantnorm.cli import evaluate, evaluate_config
+
+    params = evaluate.make_context("evaluate", ["--placement", "pre", "--norm", "rms"]).params
+    assert evaluate_config(dict(params), progress=False).latency_seconds is None
