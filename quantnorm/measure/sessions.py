@@ -25,7 +25,7 @@ import numpy as np
 import onnxruntime as ort
 
 from ..errors import ConfigError, MeasureError
-from ..fileio import release_memory
+from ..fileio import atomic_path, release_memory
 from ..hardware import available_cpus, cpu_flags, cpu_has_vnni, cpu_model, gpu_device_present, gpu_names
 
 PROVIDERS: dict[str, str] = {
@@ -390,7 +390,7 @@ class ReplayedSession:
         self.folder: Path | None = Path(self._folder.name)
         self.max_bytes, self.keep_free_bytes = int(max_bytes), int(keep_free_bytes)
         self.recorded_bytes = 0
-        self.computed = self.replayed = 0   # runs of each kind: tests and the record read them
+        self.computed = self.replayed = 0   # runs of each kind (tests read them)
         self._inputs = self._outputs = None
 
     def _key(self, output_names, feed: dict) -> str:
@@ -429,10 +429,8 @@ class ReplayedSession:
         if self.recorded_bytes + size <= self.max_bytes and \
                 shutil.disk_usage(self.folder).free - size >= self.keep_free_bytes:
             for i, value in enumerate(outputs):
-                part = self.folder / f"{key}.{i}.npy.tmp"
-                with open(part, "wb") as f:
+                with atomic_path(self.folder / f"{key}.{i}.npy") as part, open(part, "wb") as f:
                     np.save(f, np.asarray(value), allow_pickle=False)
-                part.replace(self.folder / f"{key}.{i}.npy")
             count.write_text(str(len(outputs)))   # last: a half-written record is never read
             self.recorded_bytes += size
         return outputs
@@ -445,9 +443,6 @@ class ReplayedSession:
         if self.folder is not None:
             self._folder.cleanup()
             self.folder = None
-
-    def to_dict(self) -> dict:
-        return {"computed_runs": self.computed, "replayed_runs": self.replayed, "recorded_bytes": self.recorded_bytes}
 
     def __getattr__(self, name: str):
         return getattr(self.session, name)
