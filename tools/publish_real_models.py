@@ -16,6 +16,10 @@ from pathlib import Path
 from quantnorm.report.markdown import pct, table
 
 KEEP = ("results.json", "report.md")
+# One row per CPU kind the latency goal was read on, kept across runs on different machines: each
+# publish adds its own run's kind and keeps the others (each row names its machine and date).
+LATENCY_BY_CPU = "latency-by-cpu.json"
+GOAL_KINDS = ("AMX + AVX512-VNNI", "AVX512-VNNI", "AVX2 without VNNI")
 ORDER = ("smollm2", "gemma3", "minilm")
 GOALS = {"ppl_ratio": 1.01, "kld_mean": 0.007, "top1_agreement": 0.95}
 
@@ -49,7 +53,59 @@ def cpu_kind(hw: dict) -> tuple[str, float]:
     return ("AVX2 without VNNI" if "avx2" in flags else "no AVX2"), 0.8
 
 
-def goal_lines(r: dict, run_dir: Path, chosen: dict) -> list[str]:
+def cpu_entry(r: dict, bench: Path) -> dict | None:
+    """The pick's bench latency ratio on the run's CPU kind, or None without a bench of both models."""
+    if not bench.is_file():
+        return None
+    rows = {b["variant"]: b for b in json.loads(bench.read_text()) if b.get("status") == "measured"}
+    pick = next((x["name"] for x in r["recipes"] if x["name"].startswith("auto:")), None)
+    if pick is None or "model.fp32.onnx" not in rows or "model.int8.auto.onnx" not in rows:
+        return None
+    kind, goal = cpu_kind(r["hardware"])
+    fp32 = rows["model.fp32.onnx"]["p50_ms"]
+    fused = rows.get("model.int8.pertoken-fused.onnx", {}).get("p50_ms")
+    return {"cpu_kind": kind, "cpu": r["hardware"].get("cpu"), "threads": r["hardware"].get("threads"),
+            "created": r.get("created"), "goal": goal, "pick": pick, "fp32_p50_ms": fp32,
+            "pick_p50_ms": rows["model.int8.auto.onnx"]["p50_ms"],
+            "ratio": rows["model.int8.auto.onnx"]["p50_ms"] / fp32,
+            "pertoken_fused_ratio": fused / fp32 if fused else None}
+
+
+def merge_latency_by_cpu(target: Path, r: dict, run_dir: Path) -> dict:
+    """Update target's per-CPU-kind latency rows with this run, before its files replace the
+    target's: the run the target held until now (from another machine, perhaps) is kept as a row
+    when its kind has none yet."""
+    path = target / LATENCY_BY_CPU
+    rows = json.loads(path.read_text()) if path.is_file() else {}
+    if (target / "results.json").is_file():
+        old = cpu_entry(json.loads((target / "results.json").read_text()), target / "bench.json")
+        if old is not None:
+            rows.setdefault(old["cpu_kind"], old)
+    new = cpu_entry(r, run_dir / "bench.json")
+    if new is not None:
+        rows[new["cpu_kind"]] = new
+    if not rows:
+        return rows
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(rows, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    tmp.replace(path)
+    return rows
+
+
+def by_cpu_sentence(by_cpu: dict) -> str:
+    """The latency goal per CPU kind measured (issue 15), and the kinds not measured."""
+    if not by_cpu:
+        return "No CPU kind has a side-by-side bench yet."
+    parts = [f"{e['cpu']} ({k}, {e['threads']} threads, {str(e.get('created', ''))[:10]}): pick {e['pick']} "
+             f"{e['ratio']:.3f} ({'within' if e['ratio'] <= e['goal'] else 'above'} <= {e['goal']})"
+             + (f", int8.pertoken-fused {e['pertoken_fused_ratio']:.3f}" if e.get("pertoken_fused_ratio") else "")
+             for k, e in sorted(by_cpu.items())]
+    missing = [k for k in GOAL_KINDS if k not in by_cpu]
+    return ("Latency / FP32 per CPU kind measured (each from its own run of `tools/real_models.sh`, bench alone): "
+            + "; ".join(parts) + "." + (f" Not measured: {', '.join(missing)}." if missing else ""))
+
+
+def goal_lines(r: dict, run_dir: Path, chosen: dict, by_cpu: dict | None = None) -> list[str]:
     """Against issue 15's goals: the pick's accuracy (whole evaluation set) and its latency ratio
     from the side-by-side bench, on this run's CPU kind."""
     kind, goal = cpu_kind(r["hardware"])
@@ -72,7 +128,7 @@ def goal_lines(r: dict, run_dir: Path, chosen: dict) -> list[str]:
     return ["", f"Goals: the pick **{pick['name']}** on the whole evaluation set: PPL ratio {a['ppl_ratio']:.4f}, "
                 f"KL {a['kld_mean']:.4f}, top-1 {pct(a['top1_agreement'])} "
                 f"({'meets' if meets else 'misses'} KL <= 0.007, PPL <= 1.01, top-1 >= 95%); latency / FP32 at batch 8: "
-                f"{speed}. This CPU: {r['hardware'].get('cpu')} ({kind}); the other CPU kinds were not measured here."]
+                f"{speed}. This CPU: {r['hardware'].get('cpu')} ({kind}).", "", by_cpu_sentence(by_cpu or {})]
 
 
 def miss_reason(r: dict, rows: dict, pick: dict) -> str:
@@ -103,7 +159,7 @@ def unscored_row(recipe: dict, notes: list[str], width: int) -> list[str]:
     return [recipe["name"], f"{status.split(':')[0]} (note {len(notes) - 1})"] + [""] * (width - 2)
 
 
-def model_section(name: str, r: dict, run_dir: Path) -> list[str]:
+def model_section(name: str, r: dict, run_dir: Path, by_cpu: dict | None = None) -> list[str]:
     m, hw = r["model"], r["hardware"]
     check = m.get("placement_check", {})
     L = [f"## {name}: {source_name(m)}", "",
@@ -177,7 +233,7 @@ def model_section(name: str, r: dict, run_dir: Path) -> list[str]:
              fmt(t["latency_p50_ms"] / fp32 if t.get("latency_p50_ms") and fp32 else None, ".2f"),
              "yes" if t.get("passed") else "no"]
             for t in s.get("trials", [])])
-        L += goal_lines(r, run_dir, chosen)
+        L += goal_lines(r, run_dir, chosen, by_cpu)
     o = r.get("outliers", {})
     born = o.get("massive_born", [])
     if born:
@@ -228,6 +284,7 @@ def main(runs: str, dest: str) -> int:
         r = json.loads((run / "results.json").read_text())
         target = out / name
         target.mkdir(parents=True, exist_ok=True)
+        by_cpu = merge_latency_by_cpu(target, r, run)
         for keep in KEEP:
             shutil.copy2(run / keep, target / keep)
         if (run / "plots").is_dir():
@@ -235,7 +292,7 @@ def main(runs: str, dest: str) -> int:
             shutil.copytree(run / "plots", target / "plots")
         if (run / "bench.json").is_file():
             shutil.copy2(run / "bench.json", target / "bench.json")
-        L += ["", *model_section(name, r, run)]
+        L += ["", *model_section(name, r, run, by_cpu)]
     (out / "report.md").write_text("\n".join(L) + "\n", encoding="utf-8")
     print(out / "report.md")
     return 0
