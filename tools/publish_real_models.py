@@ -13,6 +13,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from quantnorm.fileio import atomic_path
 from quantnorm.report.markdown import pct, table
 
 KEEP = ("results.json", "report.md")
@@ -86,9 +87,8 @@ def merge_latency_by_cpu(target: Path, r: dict, run_dir: Path) -> dict:
         rows[new["cpu_kind"]] = new
     if not rows:
         return rows
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(rows, indent=1, sort_keys=True) + "\n", encoding="utf-8")
-    tmp.replace(path)
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(rows, indent=1, sort_keys=True) + "\n", encoding="utf-8")
     return rows
 
 
