@@ -158,3 +158,76 @@ def test_fused_kernel_computes_the_same(tmp_path, planted):
     plain, fused = run(tmp_path / "plain.onnx", x)[0], run(tmp_path / "fused.onnx", x)[0]
     assert np.allclose(plain, fused, rtol=1e-5, atol=1e-4 * np.abs(plain).max())
     assert get_recipe("pertoken-fused").settings(vnni=True)["pertoken_kernel"] == "ort-fused"
+
+
+def norm_and_raw_model(path, weight, vocab=50):
+    """ids -> embedding x; ``mm`` reads RMSNorm(x) (the decomposed form the exporter writes at opset
+    18), ``raw`` reads x itself: one norm output and one plain activation."""
+    rng = np.random.default_rng(1)
+    table = rng.standard_normal((vocab, K)).astype(np.float32)
+    table[3, 7] = 400.0  # one token with a large channel: the norm output's rows still have RMS 1
+    nodes = [
+        helper.make_node("Gather", ["E", "ids"], ["x"], name="embed"),
+        helper.make_node("Pow", ["x", "two"], ["x2"], name="norm/Pow"),
+        helper.make_node("ReduceMean", ["x2", "axes"], ["ms"], name="norm/ReduceMean", keepdims=1),
+        helper.make_node("Add", ["ms", "eps"], ["ms_eps"], name="norm/Add"),
+        helper.make_node("Sqrt", ["ms_eps"], ["rms"], name="norm/Sqrt"),
+        helper.make_node("Reciprocal", ["rms"], ["inv"], name="norm/Reciprocal"),
+        helper.make_node("Mul", ["x", "inv"], ["normed"], name="norm/Mul"),
+        helper.make_node("MatMul", ["normed", "W"], ["y"], name="mm"),
+        helper.make_node("MatMul", ["x", "W2"], ["y2"], name="raw"),
+    ]
+    inits = [numpy_helper.from_array(table, "E"), numpy_helper.from_array(weight, "W"),
+             numpy_helper.from_array(weight * 2, "W2"), numpy_helper.from_array(np.float32(2.0), "two"),
+             numpy_helper.from_array(np.asarray([-1], dtype=np.int64), "axes"),
+             numpy_helper.from_array(np.float32(1e-6), "eps")]
+    outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [None, None, N]) for n in ("y", "y2")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, [None, None])],
+                              outputs, inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 9
+    onnx.save(model, str(path))
+    table_normed = table / np.sqrt((table ** 2).mean(-1, keepdims=True) + 1e-6)
+    return path, table, table_normed
+
+
+def test_calibrated_norm_inputs_get_one_scale_and_the_rest_stay_per_token(tmp_path, planted):
+    """The calnorm recipes: a MatMul reading a norm output is quantized with one scale from the
+    calibration windows (max |x| / 127, zero point 128); any other input keeps its per-row scale."""
+    weight, _ = planted
+    src, table, table_normed = norm_and_raw_model(tmp_path / "nm.onnx", weight)
+    rng = np.random.default_rng(2)
+    calib = rng.integers(0, 50, size=(4, 8), dtype=np.int64)
+    ids = rng.integers(0, 50, size=(2, 8), dtype=np.int64)
+    ids[:, 0] = 3
+    recipe = get_recipe("rotated-pertoken-fused-calnorm")
+    result = quantize(src, recipe, calib, tmp_path / "q.onnx", vnni=True, probe_inputs=ids)
+    assert result.ok, result.problems
+    found = result.settings["norm_input_scales"]["tensors"]
+    assert list(found) == ["normed"] and found["normed"]["norm"] == "rms"
+    assert np.isclose(found["normed"]["max_abs"], np.abs(table_normed[calib]).max(), rtol=1e-5)
+    assert result.settings["calibrated_scale_inputs"] == ["normed"]
+    nodes = onnx.load(str(tmp_path / "q.onnx")).graph.node
+    quantizers = {n.input[0]: n for n in nodes if n.op_type == "QuantizeLinear"}
+    assert not [a for a in quantizers["normed"].attribute if a.name == "axis"]   # per tensor
+    assert sum(n.op_type == "ReduceMax" for n in nodes) == 1                       # only x's rows
+    # The numpy reference: one step for every row of the norm output, saturating codes.
+    scale = np.float32(found["normed"]["max_abs"] / 127)
+    codes = np.clip(np.rint(table_normed[ids] / scale) + 128, 0, 255) - 128
+    w_q, s_w = weight_scales(weight, 127)
+    expected = (codes * scale) @ (w_q.astype(np.float32) * s_w)
+    got = ort.InferenceSession(str(tmp_path / "q.onnx"), providers=["CPUExecutionProvider"]).run(None, {"ids": ids})
+    assert np.allclose(got[0], expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+    # The plain activation (a 400 channel on token 3) keeps its own step per row.
+    reference2 = table[ids] @ (weight * 2)
+    assert rel(got[1], reference2) < 0.05
+
+
+def test_calibrated_norm_inputs_need_the_stream_rotation():
+    with pytest.raises(ConfigError, match="rotated stream"):
+        Recipe("bad", "pertoken", None, True, "matmul", False, "auto", norm_inputs="calibrated")
+    with pytest.raises(ConfigError, match="norm_inputs"):
+        Recipe("bad", "pertoken", None, True, "matmul", False, "auto", rotation="hadamard", norm_inputs="max")
+    settings = get_recipe("rotated-pertoken-fused-calnorm-gptq").settings(vnni=True)
+    assert settings["norm_inputs"] == "calibrated" and settings["weight_rounding"] == "gptq"
+    assert "one calibrated scale per tensor" in get_recipe("rotated-pertoken-fused-calnorm").describe()

@@ -34,19 +34,37 @@ HESSIAN_BATCH = 2   # calibration windows per run of the exposed graph
 def collect_hessians(model_path: Path, tensors: list[str], windows: np.ndarray) -> tuple[dict[str, np.ndarray], int]:
     """``X^T X`` (float32, [K, K]) of each tensor in ``tensors`` over every position of
     ``windows`` [n, seq] (int64 token ids), and the number of rows (positions) summed."""
+    hessians, _, rows = collect_activation_stats(model_path, windows, hessians_of=tensors)
+    return hessians, rows
+
+
+def collect_activation_stats(model_path: Path, windows: np.ndarray, *, hessians_of: list[str] = (),
+                             abs_max_of: list[str] = ()) -> tuple[dict[str, np.ndarray], dict[str, float], int]:
+    """One pass of the FP32 graph over ``windows`` [n, seq] with the named tensors exposed:
+    ``X^T X`` of each tensor in ``hessians_of`` (GPTQ), ``max |X|`` of each in ``abs_max_of``
+    (a calibrated activation scale), and the number of rows (positions) seen."""
     windows = np.asarray(windows, dtype=np.int64)
+    tensors = list(dict.fromkeys([*hessians_of, *abs_max_of]))
+    want_h, want_max = set(hessians_of), set(abs_max_of)
+    hessians: dict[str, np.ndarray] = {}
+    abs_max: dict[str, float] = {}
+    rows = 0
+    if not tensors:
+        return hessians, abs_max, rows
     with tempfile.TemporaryDirectory(prefix="quantnorm-gptq-") as tmp:
         exposed = Path(tmp) / "exposed.onnx"
         expose_tensors(model_path, tensors, exposed)
         session = ort.InferenceSession(str(exposed), providers=["CPUExecutionProvider"])
         input_name = session.get_inputs()[0].name
-        hessians: dict[str, np.ndarray] = {}
-        rows = 0
         for lo in range(0, len(windows), HESSIAN_BATCH):
             batch = np.ascontiguousarray(windows[lo:lo + HESSIAN_BATCH])
             outputs = session.run(tensors, {input_name: batch})
             for name, x in zip(tensors, outputs, strict=True):
                 x = np.asarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
+                if name in want_max:
+                    abs_max[name] = max(abs_max.get(name, 0.0), float(np.abs(x).max(initial=0.0)))
+                if name not in want_h:
+                    continue
                 h = hessians.get(name)
                 if h is None:
                     hessians[name] = x.T @ x
@@ -54,7 +72,7 @@ def collect_hessians(model_path: Path, tensors: list[str], windows: np.ndarray) 
                     h += x.T @ x
             rows += batch.shape[0] * batch.shape[1]
         del session
-    return hessians, rows
+    return hessians, abs_max, rows
 
 
 def gptq_quantize(weight: np.ndarray, hessian: np.ndarray, qmax: int, *, damp: float = DAMP,

@@ -33,8 +33,9 @@ from ..calibration.ranges import collect_ranges, method_details
 from ..errors import ConfigError, QuantizeError
 from ..fileio import atomic_path, onnx_needs_external_data
 from ..measure.graph_probe import graph_probe
-from .gptq import collect_hessians, matmul_inputs
-from .pertoken import quantize_per_token
+from ..measure.placement import find_norms
+from .gptq import collect_activation_stats, matmul_inputs
+from .pertoken import ACT_QMAX, ACT_ZERO_POINT, EPS, quantize_per_token
 from .recipes import ONLINE_ROTATION_MARKER, Recipe
 from .sanity import sanity_check
 
@@ -135,7 +136,8 @@ def quantize(fp32_path: Path, recipe: Recipe, calib_inputs: np.ndarray | None, o
         carriers: list[str] = []
         if recipe.carriers is not None:   # before our copy of the graph: the probe loads its own
             carriers, settings["carriers_found"] = find_carriers(pre_path, calib_inputs)
-        graph = onnx.load(str(pre_path)).graph
+        model = onnx.load(str(pre_path))
+        graph = model.graph
 
         excluded = resolve_exclusions(graph, recipe.excluded)
         if recipe.carriers == "fp32":
@@ -149,23 +151,40 @@ def quantize(fp32_path: Path, recipe: Recipe, calib_inputs: np.ndarray | None, o
                     "weight initializer is left" + (" after the exclusions" if excluded else "")
                 )
         settings["excluded_nodes_resolved"] = excluded
-        del graph  # FP32-sized: the quantizer loads its own copy
+        normed = norm_output_inputs(model, to_quantize) if recipe.norm_inputs == "calibrated" else {}
+        del graph, model  # FP32-sized: the quantizer loads its own copy
         if to_quantize:
             settings["quantized_nodes"] = to_quantize
 
         q_path = tmp / "quantized.onnx"
         problems: list[str] = []
         if recipe.mode == "pertoken":
-            hessians = None
-            if recipe.weight_rounding == "gptq":
-                if calib_inputs is None or len(calib_inputs) == 0:
-                    raise ConfigError(f"recipe {recipe.name}: GPTQ rounding needs calibration windows (got none)")
-                tensors = sorted(set(matmul_inputs(pre_path, to_quantize).values()))
-                hessians, rows = collect_hessians(pre_path, tensors, calib_inputs)
+            gptq = recipe.weight_rounding == "gptq"
+            if (gptq or normed) and (calib_inputs is None or len(calib_inputs) == 0):
+                raise ConfigError(f"recipe {recipe.name}: {'GPTQ rounding' if gptq else 'calibrated norm-input scales'}"
+                                  " needs calibration windows (got none)")
+            tensors = sorted(set(matmul_inputs(pre_path, to_quantize).values())) if gptq else []
+            # One pass over the calibration windows serves both GPTQ's X^T X and the norm outputs' max |x|.
+            hessians, abs_max, rows = collect_activation_stats(pre_path, calib_inputs, hessians_of=tensors,
+                                                               abs_max_of=sorted(normed)) \
+                if gptq or normed else ({}, {}, 0)
+            if gptq:
                 settings["gptq_calibration_positions"] = rows
+            scales = None
+            if recipe.norm_inputs == "calibrated" and not normed:
+                settings["norm_input_scales"] = {"rule": "no quantized MatMul reads a norm output here: every "
+                                                         "input is quantized per token"}
+            if normed:
+                scales = {x: max(m, EPS) / ACT_QMAX for x, m in abs_max.items()}
+                settings["norm_input_scales"] = {
+                    "rule": "one scale per norm-output tensor: max |x| over the calibration windows / "
+                            f"{ACT_QMAX}, zero point {ACT_ZERO_POINT} (values beyond saturate)",
+                    "calibration_positions": rows,
+                    "tensors": {x: {"max_abs": abs_max[x], "norm": normed[x]} for x in sorted(abs_max)}}
             try:
                 settings.update(quantize_per_token(pre_path, q_path, to_quantize, reduce_range=settings["reduce_range"],
-                                                   fused=recipe.pertoken_kernel == "ort-fused", hessians=hessians))
+                                                   fused=recipe.pertoken_kernel == "ort-fused",
+                                                   hessians=hessians if gptq else None, calibrated_scales=scales))
                 del hessians
             except ValueError as exc:  # a graph the rewrite cannot take (too old an opset)
                 raise QuantizeError(f"recipe {recipe.name} cannot quantize {fp32_path.name}: {exc}") from exc
@@ -220,6 +239,15 @@ def find_carriers(fp32_path: Path, calib_inputs: np.ndarray) -> tuple[list[str],
                    "nodes": nodes,
                    "inputs": [{"tensor": r["tensor"], "max_abs": r["top"][0]["value"] if r.get("top") else None,
                                "position": r["top"][0]["position"] if r.get("top") else None} for r in rows]}
+
+
+def norm_output_inputs(model: onnx.ModelProto, nodes: list[str]) -> dict[str, str]:
+    """The inputs of ``nodes`` that are a normalization's output (after its per-channel weight),
+    as the placement detector finds norms in the graph: tensor -> the norm's kind."""
+    outputs = {n.output: n.kind for n in find_norms(model)}
+    wanted = set(nodes)
+    return {n.input[0]: outputs[n.input[0]] for n in model.graph.node
+            if n.name in wanted and n.input and n.input[0] in outputs}
 
 
 def weight_matmuls(graph: onnx.GraphProto) -> list[str]:

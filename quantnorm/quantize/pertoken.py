@@ -44,13 +44,16 @@ def weight_scales(weight: np.ndarray, qmax: int) -> tuple[np.ndarray, np.ndarray
 
 
 def quantize_per_token(src: Path, dst: Path, nodes: list[str], *, reduce_range: bool, fused: bool = False,
-                       hessians: dict[str, np.ndarray] | None = None) -> dict:
+                       hessians: dict[str, np.ndarray] | None = None,
+                       calibrated_scales: dict[str, float] | None = None) -> dict:
     """Rewrite the MatMuls named in ``nodes`` of the model at ``src`` into per-token INT8; save to
     ``dst``. Returns what was done (for ``recipes[].settings``). ``fused``: ONNX Runtime's
     ``com.microsoft.MatMulIntegerToFloat`` instead of ``MatMulInteger`` + Cast + two Muls (same
     arithmetic; runs on ONNX Runtime only). ``hessians``: activation tensor -> ``X^T X`` of the
     calibration windows; the weights that read one get GPTQ codes (``quantize.gptq``) instead of
-    round-to-nearest, on the same grid."""
+    round-to-nearest, on the same grid. ``calibrated_scales``: activation tensor -> one scale for
+    the whole tensor (calibrated offline); those inputs are quantized with it, same zero point
+    and code range, instead of per row, so the integer GEMM rescales by scalars inside the kernel."""
     model = onnx.load(str(src))
     graph = model.graph
     opset = _default_opset(model)
@@ -68,6 +71,7 @@ def quantize_per_token(src: Path, dst: Path, nodes: list[str], *, reduce_range: 
     new_nodes: list[onnx.NodeProto] = []
     new_inits: list[onnx.TensorProto] = [shared["eps"], shared["qmax"], shared["zp_u8"], shared["axes"],
                                          shared["flat"]]
+    calibrated = calibrated_scales or {}
     replaced: list[str] = []
     error_ratios: list[float] = []   # GPTQ: its X-weighted weight error / round-to-nearest's, per MatMul
     row_shapes: dict[str, onnx.TensorProto] = {}   # [-1, K] per input width K: the rows QuantizeLinear reads
@@ -92,6 +96,12 @@ def quantize_per_token(src: Path, dst: Path, nodes: list[str], *, reduce_range: 
         new_inits += [numpy_helper.from_array(w_q, f"{p}/pertoken/W_quantized"),
                       numpy_helper.from_array(s_w, f"{p}/pertoken/W_scale")]
         t = f"{p}/pertoken/"
+        if x not in quantized_inputs and x in calibrated:
+            # One scale for every row: QuantizeLinear alone, no |x|, row max or reshapes.
+            quantized_inputs[x] = (t + "x_quantized", t + "x_scale")
+            new_inits.append(numpy_helper.from_array(np.asarray(calibrated[x], dtype=np.float32), t + "x_scale"))
+            new_nodes.append(helper.make_node("QuantizeLinear", [x, t + "x_scale", "pertoken_zp_u8"],
+                                              [t + "x_quantized"], name=t + "QuantizeLinear"))
         if x not in quantized_inputs:
             # One quantization per activation: q/k/v (and gate/up) read the same normed tensor.
             quantized_inputs[x] = (t + "x_quantized", t + "x_scale")
@@ -156,7 +166,9 @@ def quantize_per_token(src: Path, dst: Path, nodes: list[str], *, reduce_range: 
         "output_error_vs_nearest_median": float(np.median(error_ratios)),
         "output_error_vs_nearest_max": float(np.max(error_ratios)),
         "rule": "trace(dW^T H dW) with H = X^T X of the calibration activations, GPTQ over round-to-nearest"}}
-    return {**gptq, "pertoken_matmuls": replaced, "weight_qmax": qmax, "activation_zero_point": ACT_ZERO_POINT,
+    calibrated_inputs = sorted({x for x in (calibrated_scales or {}) if x in quantized_inputs})
+    per_tensor = {} if not calibrated_inputs else {"calibrated_scale_inputs": calibrated_inputs}
+    return {**gptq, **per_tensor, "pertoken_matmuls": replaced, "weight_qmax": qmax, "activation_zero_point": ACT_ZERO_POINT,
             "activation_scale": "per row: max|x| / 127 (computed at run time)",
             "kernel": ("com.microsoft.MatMulIntegerToFloat (u8 x s8, rescaled in the kernel; ONNX Runtime only)"
                        if fused else "MatMulInteger (u8 activations x s8 weights, int32 accumulate) + float rescale "
