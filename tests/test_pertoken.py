@@ -193,7 +193,7 @@ def norm_and_raw_model(path, weight, vocab=50):
 
 def test_calibrated_norm_inputs_get_one_scale_and_the_rest_stay_per_token(tmp_path, planted):
     """The calnorm recipes: a MatMul reading a norm output is quantized with one scale from the
-    calibration windows (max |x| / 127, zero point 128); any other input keeps its per-row scale."""
+    calibration windows (MSE clip / 127, zero point 128); any other input keeps its per-row scale."""
     weight, _ = planted
     src, table, table_normed = norm_and_raw_model(tmp_path / "nm.onnx", weight)
     rng = np.random.default_rng(2)
@@ -206,13 +206,14 @@ def test_calibrated_norm_inputs_get_one_scale_and_the_rest_stay_per_token(tmp_pa
     found = result.settings["norm_input_scales"]["tensors"]
     assert list(found) == ["normed"] and found["normed"]["norm"] == "rms"
     assert np.isclose(found["normed"]["max_abs"], np.abs(table_normed[calib]).max(), rtol=1e-5)
+    assert 0 < found["normed"]["clip"] <= found["normed"]["max_abs"]
     assert result.settings["calibrated_scale_inputs"] == ["normed"]
     nodes = onnx.load(str(tmp_path / "q.onnx")).graph.node
     quantizers = {n.input[0]: n for n in nodes if n.op_type == "QuantizeLinear"}
     assert not [a for a in quantizers["normed"].attribute if a.name == "axis"]   # per tensor
     assert sum(n.op_type == "ReduceMax" for n in nodes) == 1                       # only x's rows
     # The numpy reference: one step for every row of the norm output, saturating codes.
-    scale = np.float32(found["normed"]["max_abs"] / 127)
+    scale = np.float32(found["normed"]["clip"] / 127)
     codes = np.clip(np.rint(table_normed[ids] / scale) + 128, 0, 255) - 128
     w_q, s_w = weight_scales(weight, 127)
     expected = (codes * scale) @ (w_q.astype(np.float32) * s_w)
@@ -231,3 +232,27 @@ def test_calibrated_norm_inputs_need_the_stream_rotation():
     settings = get_recipe("rotated-pertoken-fused-calnorm-gptq").settings(vnni=True)
     assert settings["norm_inputs"] == "calibrated" and settings["weight_rounding"] == "gptq"
     assert "one calibrated scale per tensor" in get_recipe("rotated-pertoken-fused-calnorm").describe()
+
+
+def _true_mse(x, clip):
+    step = clip / 127
+    return float(((np.clip(np.rint(x / step), -128, 127) * step - x) ** 2).mean())
+
+
+@pytest.mark.parametrize("shape", ["gaussian", "uniform"])
+def test_mse_clip_is_the_clip_of_least_squared_error(shape):
+    from quantnorm.quantize.gptq import ABS_HISTOGRAM_BINS, mse_clip
+
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal(200_000) if shape == "gaussian" else rng.uniform(-3, 3, 200_000)
+    top = 8.0
+    counts = np.bincount(np.minimum((np.abs(x) * (ABS_HISTOGRAM_BINS / top)).astype(int), ABS_HISTOGRAM_BINS - 1),
+                         minlength=ABS_HISTOGRAM_BINS)
+    clip = mse_clip(counts, top, 127)
+    grid = np.linspace(0.5, np.abs(x).max(), 400)
+    best = min(_true_mse(x, c) for c in grid)
+    assert _true_mse(x, clip) <= best * 1.03
+    if shape == "gaussian":   # the rare tail is clipped: a finer step for everything else
+        assert clip < 0.9 * np.abs(x).max()
+    else:                     # nothing to gain from clipping a bounded, flat distribution
+        assert clip > 0.97 * np.abs(x).max()

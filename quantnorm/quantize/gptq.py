@@ -38,19 +38,26 @@ def collect_hessians(model_path: Path, tensors: list[str], windows: np.ndarray) 
     return hessians, rows
 
 
+ABS_HISTOGRAM_BINS = 4096
+
+
 def collect_activation_stats(model_path: Path, windows: np.ndarray, *, hessians_of: list[str] = (),
-                             abs_max_of: list[str] = ()) -> tuple[dict[str, np.ndarray], dict[str, float], int]:
+                             abs_max_of: list[str] = (), histogram_range: dict[str, float] | None = None
+                             ) -> tuple[dict[str, np.ndarray], dict[str, dict], int]:
     """One pass of the FP32 graph over ``windows`` [n, seq] with the named tensors exposed:
-    ``X^T X`` of each tensor in ``hessians_of`` (GPTQ), ``max |X|`` of each in ``abs_max_of``
-    (a calibrated activation scale), and the number of rows (positions) seen."""
+    ``X^T X`` of each tensor in ``hessians_of`` (GPTQ); for each in ``abs_max_of`` (a calibrated
+    activation scale) ``{"max_abs": max |X|, "histogram": counts}``, the counts of |X| in
+    ``ABS_HISTOGRAM_BINS`` equal bins over ``[0, histogram_range[tensor]]`` (values beyond land in
+    the last bin; no histogram without a range); and the number of rows (positions) seen."""
     windows = np.asarray(windows, dtype=np.int64)
     tensors = list(dict.fromkeys([*hessians_of, *abs_max_of]))
     want_h, want_max = set(hessians_of), set(abs_max_of)
     hessians: dict[str, np.ndarray] = {}
-    abs_max: dict[str, float] = {}
+    abs_stats: dict[str, dict] = {}
+    ranges = histogram_range or {}
     rows = 0
     if not tensors:
-        return hessians, abs_max, rows
+        return hessians, abs_stats, rows
     with tempfile.TemporaryDirectory(prefix="quantnorm-gptq-") as tmp:
         exposed = Path(tmp) / "exposed.onnx"
         expose_tensors(model_path, tensors, exposed)
@@ -62,7 +69,14 @@ def collect_activation_stats(model_path: Path, windows: np.ndarray, *, hessians_
             for name, x in zip(tensors, outputs, strict=True):
                 x = np.asarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
                 if name in want_max:
-                    abs_max[name] = max(abs_max.get(name, 0.0), float(np.abs(x).max(initial=0.0)))
+                    stats = abs_stats.setdefault(name, {"max_abs": 0.0})
+                    a = np.abs(x)
+                    stats["max_abs"] = max(stats["max_abs"], float(a.max(initial=0.0)))
+                    if name in ranges:
+                        bins = np.minimum((a * (ABS_HISTOGRAM_BINS / ranges[name])).astype(np.int64),
+                                          ABS_HISTOGRAM_BINS - 1)
+                        counts = np.bincount(bins.ravel(), minlength=ABS_HISTOGRAM_BINS)
+                        stats["histogram"] = stats["histogram"] + counts if "histogram" in stats else counts
                 if name not in want_h:
                     continue
                 h = hessians.get(name)
@@ -72,7 +86,31 @@ def collect_activation_stats(model_path: Path, windows: np.ndarray, *, hessians_
                     h += x.T @ x
             rows += batch.shape[0] * batch.shape[1]
         del session
-    return hessians, abs_max, rows
+    return hessians, abs_stats, rows
+
+
+def mse_clip(counts: np.ndarray, top: float, levels: int) -> float:
+    """The clip ``c`` of a symmetric uniform quantizer (step ``c / levels``) that minimizes the
+    expected squared error over a histogram of |x| (``counts`` in equal bins over ``[0, top]``):
+    values below ``c`` pay the rounding noise ``step^2 / 12``, values above pay ``(|x| - c)^2``.
+    On a norm output whose rows all have RMS 1 a few rows reach the tensor's max; the clip trades
+    their error for a finer step on every other row (the MSE rule of ACIQ and TensorRT's
+    calibrators)."""
+    counts = np.asarray(counts, dtype=np.float64)
+    width = top / len(counts)
+    centers = (np.arange(len(counts)) + 0.5) * width
+    used = np.nonzero(counts)[0]
+    if not len(used):
+        return float(top)
+    candidates = (np.arange(1, used[-1] + 2)) * width        # bin edges up to just past the largest value
+    below = np.cumsum(counts)                                 # elements whose bin lies under each edge
+    # sum over bins above the edge of n * (center - c)^2, from prefix sums of n, n*x and n*x^2
+    n_above = counts.sum() - below[:len(candidates)]
+    s1 = (counts * centers).sum() - np.cumsum(counts * centers)[:len(candidates)]
+    s2 = (counts * centers ** 2).sum() - np.cumsum(counts * centers ** 2)[:len(candidates)]
+    clip_error = s2 - 2 * candidates * s1 + candidates ** 2 * n_above
+    rounding = below[:len(candidates)] * (candidates / levels) ** 2 / 12
+    return float(candidates[int(np.argmin(clip_error + rounding))])
 
 
 def gptq_quantize(weight: np.ndarray, hessian: np.ndarray, qmax: int, *, damp: float = DAMP,
@@ -119,3 +157,12 @@ def matmul_inputs(model_path: Path, nodes: list[str]) -> dict[str, str]:
     graph = onnx.load(str(model_path), load_external_data=False).graph
     wanted = set(nodes)
     return {n.name: n.input[0] for n in graph.node if n.name in wanted}
+
+
+def matmul_input_widths(model_path: Path, nodes: list[str]) -> dict[str, int]:
+    """activation tensor -> its width K, read off the weight ([K, N]) of the MatMul in ``nodes`` that reads it."""
+    graph = onnx.load(str(model_path), load_external_data=False).graph
+    dims = {i.name: list(i.dims) for i in graph.initializer}
+    wanted = set(nodes)
+    return {n.input[0]: int(dims[n.input[1]][0]) for n in graph.node
+            if n.name in wanted and len(n.input) > 1 and len(dims.get(n.input[1], [])) == 2}

@@ -34,7 +34,7 @@ from ..errors import ConfigError, QuantizeError
 from ..fileio import atomic_path, onnx_needs_external_data
 from ..measure.graph_probe import graph_probe
 from ..measure.placement import find_norms
-from .gptq import collect_activation_stats, matmul_inputs
+from .gptq import ABS_HISTOGRAM_BINS, collect_activation_stats, matmul_input_widths, matmul_inputs, mse_clip
 from .pertoken import ACT_QMAX, ACT_ZERO_POINT, EPS, quantize_per_token
 from .recipes import ONLINE_ROTATION_MARKER, Recipe
 from .sanity import sanity_check
@@ -165,8 +165,10 @@ def quantize(fp32_path: Path, recipe: Recipe, calib_inputs: np.ndarray | None, o
                                   " needs calibration windows (got none)")
             tensors = sorted(set(matmul_inputs(pre_path, to_quantize).values())) if gptq else []
             # One pass over the calibration windows serves both GPTQ's X^T X and the norm outputs' max |x|.
-            hessians, abs_max, rows = collect_activation_stats(pre_path, calib_inputs, hessians_of=tensors,
-                                                               abs_max_of=sorted(normed)) \
+            # A row of RMS 1 has no entry above sqrt(width): the histograms' range.
+            bound = {x: float(np.sqrt(w)) for x, w in matmul_input_widths(pre_path, to_quantize).items() if x in normed}
+            hessians, abs_stats, rows = collect_activation_stats(pre_path, calib_inputs, hessians_of=tensors,
+                                                                 abs_max_of=sorted(normed), histogram_range=bound) \
                 if gptq or normed else ({}, {}, 0)
             if gptq:
                 settings["gptq_calibration_positions"] = rows
@@ -175,12 +177,16 @@ def quantize(fp32_path: Path, recipe: Recipe, calib_inputs: np.ndarray | None, o
                 settings["norm_input_scales"] = {"rule": "no quantized MatMul reads a norm output here: every "
                                                          "input is quantized per token"}
             if normed:
-                scales = {x: max(m, EPS) / ACT_QMAX for x, m in abs_max.items()}
+                clips = {x: min(mse_clip(st["histogram"], bound[x], ACT_QMAX), st["max_abs"])
+                         for x, st in abs_stats.items()}
+                scales = {x: max(c, EPS) / ACT_QMAX for x, c in clips.items()}
                 settings["norm_input_scales"] = {
-                    "rule": "one scale per norm-output tensor: max |x| over the calibration windows / "
-                            f"{ACT_QMAX}, zero point {ACT_ZERO_POINT} (values beyond saturate)",
+                    "rule": f"one scale per norm-output tensor: clip / {ACT_QMAX}, zero point {ACT_ZERO_POINT}, the clip "
+                            f"minimizing the squared error over a {ABS_HISTOGRAM_BINS}-bin histogram of |x| on "
+                            "[0, sqrt(width)] from the calibration windows (values beyond saturate)",
                     "calibration_positions": rows,
-                    "tensors": {x: {"max_abs": abs_max[x], "norm": normed[x]} for x in sorted(abs_max)}}
+                    "tensors": {x: {"max_abs": abs_stats[x]["max_abs"], "clip": clips[x], "norm": normed[x]}
+                                for x in sorted(abs_stats)}}
             try:
                 settings.update(quantize_per_token(pre_path, q_path, to_quantize, reduce_range=settings["reduce_range"],
                                                    fused=recipe.pertoken_kernel == "ort-fused",
