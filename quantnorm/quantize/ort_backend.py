@@ -159,38 +159,11 @@ def quantize(fp32_path: Path, recipe: Recipe, calib_inputs: np.ndarray | None, o
         q_path = tmp / "quantized.onnx"
         problems: list[str] = []
         if recipe.mode == "pertoken":
-            gptq = recipe.weight_rounding == "gptq"
-            if (gptq or normed) and (calib_inputs is None or len(calib_inputs) == 0):
-                raise ConfigError(f"recipe {recipe.name}: {'GPTQ rounding' if gptq else 'calibrated norm-input scales'}"
-                                  " needs calibration windows (got none)")
-            tensors = sorted(set(matmul_inputs(pre_path, to_quantize).values())) if gptq else []
-            # One pass over the calibration windows serves both GPTQ's X^T X and the norm outputs' max |x|.
-            # A row of RMS 1 has no entry above sqrt(width): the histograms' range.
-            bound = {x: float(np.sqrt(w)) for x, w in matmul_input_widths(pre_path, to_quantize).items() if x in normed}
-            hessians, abs_stats, rows = collect_activation_stats(pre_path, calib_inputs, hessians_of=tensors,
-                                                                 abs_max_of=sorted(normed), histogram_range=bound) \
-                if gptq or normed else ({}, {}, 0)
-            if gptq:
-                settings["gptq_calibration_positions"] = rows
-            scales = None
-            if recipe.norm_inputs == "calibrated" and not normed:
-                settings["norm_input_scales"] = {"rule": "no quantized MatMul reads a norm output here: every "
-                                                         "input is quantized per token"}
-            if normed:
-                clips = {x: min(mse_clip(st["histogram"], bound[x], ACT_QMAX), st["max_abs"])
-                         for x, st in abs_stats.items()}
-                scales = {x: max(c, EPS) / ACT_QMAX for x, c in clips.items()}
-                settings["norm_input_scales"] = {
-                    "rule": f"one scale per norm-output tensor: clip / {ACT_QMAX}, zero point {ACT_ZERO_POINT}, the clip "
-                            f"minimizing the squared error over a {ABS_HISTOGRAM_BINS}-bin histogram of |x| on "
-                            "[0, sqrt(width)] from the calibration windows (values beyond saturate)",
-                    "calibration_positions": rows,
-                    "tensors": {x: {"max_abs": abs_stats[x]["max_abs"], "clip": clips[x], "norm": normed[x]}
-                                for x in sorted(abs_stats)}}
+            hessians, scales = _pertoken_calibration(pre_path, recipe, to_quantize, normed, calib_inputs, settings)
             try:
                 settings.update(quantize_per_token(pre_path, q_path, to_quantize, reduce_range=settings["reduce_range"],
                                                    fused=recipe.pertoken_kernel == "ort-fused",
-                                                   hessians=hessians if gptq else None, calibrated_scales=scales))
+                                                   hessians=hessians, calibrated_scales=scales))
                 del hessians
             except ValueError as exc:  # a graph the rewrite cannot take (too old an opset)
                 raise QuantizeError(f"recipe {recipe.name} cannot quantize {fp32_path.name}: {exc}") from exc
@@ -226,6 +199,40 @@ def quantize(fp32_path: Path, recipe: Recipe, calib_inputs: np.ndarray | None, o
             shutil.copyfile(q_path, final_tmp)
     status = "ok" if not problems else f"broken: {problems[0]}"
     return QuantizeResult(recipe.name, out_path, settings, status, problems)
+
+
+def _pertoken_calibration(pre_path: Path, recipe: Recipe, to_quantize: list[str], normed: dict[str, str],
+                          calib_inputs, settings: dict) -> tuple[dict | None, dict[str, float] | None]:
+    """What a per-token recipe reads from the calibration windows, in one pass of the FP32 graph:
+    GPTQ's ``X^T X`` per MatMul input, and for the norm outputs in ``normed`` (calibrated recipes)
+    one scale each. Returns (hessians or None, scales or None); records both in ``settings``."""
+    gptq = recipe.weight_rounding == "gptq"
+    if recipe.norm_inputs == "calibrated" and not normed:
+        settings["norm_input_scales"] = {"rule": "no quantized MatMul reads a norm output here: every "
+                                                 "input is quantized per token"}
+    if not (gptq or normed):
+        return None, None
+    if calib_inputs is None or len(calib_inputs) == 0:
+        raise ConfigError(f"recipe {recipe.name}: {'GPTQ rounding' if gptq else 'calibrated norm-input scales'}"
+                          " needs calibration windows (got none)")
+    tensors = sorted(set(matmul_inputs(pre_path, to_quantize).values())) if gptq else []
+    # A row of RMS 1 has no entry above sqrt(width): the histograms' range.
+    bound = {x: float(np.sqrt(w)) for x, w in matmul_input_widths(pre_path, to_quantize).items() if x in normed}
+    hessians, abs_stats, rows = collect_activation_stats(pre_path, calib_inputs, hessians_of=tensors,
+                                                         abs_max_of=sorted(normed), histogram_range=bound)
+    if gptq:
+        settings["gptq_calibration_positions"] = rows
+    if not normed:
+        return hessians, None
+    clips = {x: min(mse_clip(st["histogram"], bound[x], ACT_QMAX), st["max_abs"]) for x, st in abs_stats.items()}
+    settings["norm_input_scales"] = {
+        "rule": f"one scale per norm-output tensor: clip / {ACT_QMAX}, zero point {ACT_ZERO_POINT}, the clip "
+                f"minimizing the squared error over a {ABS_HISTOGRAM_BINS}-bin histogram of |x| on "
+                "[0, sqrt(width)] from the calibration windows (values beyond saturate)",
+        "calibration_positions": rows,
+        "tensors": {x: {"max_abs": abs_stats[x]["max_abs"], "clip": clips[x], "norm": normed[x]}
+                    for x in sorted(abs_stats)}}
+    return (hessians if gptq else None), {x: max(c, EPS) / ACT_QMAX for x, c in clips.items()}
 
 
 CARRIER_PROBE_WINDOWS = 8
