@@ -237,3 +237,32 @@ def test_wire_walk_refuses_a_file_that_is_not_onnx(tmp_path):
     bad.write_bytes(b"\x3a\xff\xff\xff\x0f not a model")  # field 7, length far past the end
     with pytest.raises(ValueError, match="runs past"):
         onnx_nodes(bad)
+
+
+def test_wire_walk_reads_the_external_data_locations(tmp_path, monkeypatch):
+    """onnx_wire.external_data_locations finds the weight files onnx.load lists, without reading
+    the weights; fileio.onnx_needs_external_data counts them in."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from quantnorm.fileio import onnx_needs_external_data
+    from quantnorm.onnx_wire import external_data_locations
+
+    weight = numpy_helper.from_array(np.ones((64, 64), dtype=np.float32), "W")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64])], [weight])
+    model = helper.make_model(graph)
+    inline, external = tmp_path / "inline.onnx", tmp_path / "external.onnx"
+    onnx.save(model, str(inline))
+    onnx.save(model, str(external), save_as_external_data=True, all_tensors_to_one_file=True,
+              location="external.onnx.data", size_threshold=0)
+    assert external_data_locations(inline) == set()
+    assert external_data_locations(external) == {"external.onnx.data"}
+    listed = {e.value for i in onnx.load(str(external), load_external_data=False).graph.initializer
+              for e in i.external_data if e.key == "location"}
+    assert external_data_locations(external) == listed
+    # 16 KiB of weights: past a 10,000-byte threshold inline or beside the file, under a 40,000 one
+    monkeypatch.setenv("QUANTNORM_EXTERNAL_DATA_BYTES", "10000")
+    assert onnx_needs_external_data(inline) and onnx_needs_external_data(external)
+    monkeypatch.setenv("QUANTNORM_EXTERNAL_DATA_BYTES", "40000")
+    assert not onnx_needs_external_data(inline) and not onnx_needs_external_data(external)
