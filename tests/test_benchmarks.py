@@ -27,3 +27,15 @@ def test_evaluate_budget_needs_the_evaluate_arguments_after_a_separator():
     run = subprocess.run([sys.executable, str(SCRIPT), "--budget-min", "1"], capture_output=True, text=True,
                          cwd=ROOT, timeout=60)
     assert run.returncode == 2 and "after `--`" in run.stderr
+
+
+def test_pertoken_kernel_benchmark_prints_both_tables():
+    script = ROOT / "benchmarks" / "pertoken_kernel.py"
+    run = subprocess.run([sys.executable, str(script), "--threads", "1", "--iters", "1"], capture_output=True,
+                         text=True, cwd=ROOT, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = [line for line in run.stdout.splitlines() if line.startswith("| ") and "---" not in line
+            and not line.startswith(("| Linear", "| row max"))]   # the data rows, not the headers
+    gemm_rows = [r for r in rows if " x " in r.split("|")[2]]
+    assert len(gemm_rows) == 5 and all(float(r.split("|")[3]) > 0 and float(r.split("|")[4]) > 0 for r in gemm_rows)
+    assert sum(r.startswith("| K = ") for r in rows) == 2
