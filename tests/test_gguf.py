@@ -210,3 +210,30 @@ def test_gemma3_gguf_end_to_end_peri_detected_on_the_graph(tmp_path, capsys):
         recipes["rotated-pertoken"]["status"]
     assert recipes["online-rotated-pertoken-fused"]["status"] == "ok"
     assert results["rotation"]["online"]["onnx_vs_original_max_rel_diff"] < 1e-3
+
+
+def test_calibrated_norm_inputs_end_to_end_on_a_rotated_llama(tiny_gguf, tmp_path, capsys):
+    """rotated-pertoken-fused-calnorm on a Pre-RMSNorm checkpoint: the norm outputs the graph shows
+    (two per block and the final norm) get one calibrated scale each, within the bound of a row of
+    RMS 1 (sqrt(width)); the o- and down-projection inputs stay per token."""
+    import onnx
+
+    out = tmp_path / "run"
+    argv = ["evaluate", "--model", str(tiny_gguf), "--recipes", "rotated-pertoken-fused,rotated-pertoken-fused-calnorm",
+            "--context", "16", "--eval-tokens", "64", "--calib-samples", "4", "--batches", "1", "--iters", "2",
+            "--providers", "cpu", "--threads", "1", "--out", str(out), "--quiet", "--no-outliers"]
+    assert main(argv) == 0, capsys.readouterr().err
+    recipes = {r["name"]: r for r in json.loads((out / "results.json").read_text())["recipes"]}
+    cal = recipes["rotated-pertoken-fused-calnorm"]
+    assert cal["status"] == "ok" and cal["accuracy"]["kld_mean"] >= 0
+    tensors = cal["settings"]["norm_input_scales"]["tensors"]
+    assert len(tensors) == 2 * 2 + 1 and all(t["norm"] == "rms" for t in tensors.values())
+    width = 32  # the tiny Llama's d_model: every calibrated input here is a d-wide norm output
+    assert all(0 < t["clip"] <= t["max_abs"] <= width ** 0.5 * 1.001 for t in tensors.values())
+    assert cal["settings"]["calibrated_scale_inputs"] == sorted(tensors)
+    nodes = onnx.load(str(out / cal["path"])).graph.node
+    quantizers = [n for n in nodes if n.op_type == "QuantizeLinear"]
+    per_tensor = [n for n in quantizers if not any(a.name == "axis" for a in n.attribute)]
+    assert {n.input[0] for n in per_tensor} == set(tensors)
+    assert len(quantizers) - len(per_tensor) == 2 * 2   # o- and down-projection inputs, per row
+    assert "norm_input_scales" not in recipes["rotated-pertoken-fused"]["settings"]
