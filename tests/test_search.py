@@ -135,6 +135,25 @@ def test_pick_fastest_takes_the_fastest_passing_model(lm, tmp_path):
                latency=lambda path, name: fake_ms[name]).chosen.recipe == "static-minmax-matmul"
 
 
+def test_pick_fastest_retimes_the_passing_models_side_by_side(lm, tmp_path):
+    """Each trial is timed once, minutes apart; the pick re-times the passing ones in interleaved
+    rounds and takes the medians: a first timing that flattered one model does not decide."""
+    calls: dict[str, int] = {}
+
+    def drifting(path, name):   # the search's own timing of smoothquant caught a fast moment
+        calls[name] = calls.get(name, 0) + 1
+        if name == "smoothquant":
+            return 1.0 if calls[name] == 1 else 9.0
+        return {"static-minmax-matmul": 5.0, "dynamic": 3.0}[name]
+
+    result = run(lm, tmp_path, SearchConfig(max_ppl_ratio=10.0, pick="fastest", space=THREE), latency=drifting)
+    assert all(calls[n] == 1 + 3 for n in THREE)     # once in the search, then three rounds
+    by_name = {t.recipe: t for t in result.trials}
+    assert by_name["smoothquant"].latency_p50_ms == 1.0 and by_name["smoothquant"].latency_side_by_side_ms == 9.0
+    assert result.chosen.recipe == "dynamic" and result.chosen.latency_side_by_side_ms == 3.0
+    assert result.to_dict()["chosen"]["latency_side_by_side_ms"] == 3.0
+
+
 def test_evaluate_wiring_keeps_the_chosen_model_as_auto_entry(lm, tmp_path):
     """evaluate's --recipes auto and SmoothQuant sections, without training a model."""
     from quantnorm.evaluate import AUTO, EvaluateConfig, run_search, smoothquant_section
