@@ -158,11 +158,3 @@ def matmul_inputs(model_path: Path, nodes: list[str]) -> dict[str, str]:
     wanted = set(nodes)
     return {n.name: n.input[0] for n in graph.node if n.name in wanted}
 
-
-def matmul_input_widths(model_path: Path, nodes: list[str]) -> dict[str, int]:
-    """activation tensor -> its width K, read off the weight ([K, N]) of the MatMul in ``nodes`` that reads it."""
-    graph = onnx.load(str(model_path), load_external_data=False).graph
-    dims = {i.name: list(i.dims) for i in graph.initializer}
-    wanted = set(nodes)
-    return {n.input[0]: int(dims[n.input[1]][0]) for n in graph.node
-            if n.name in wanted and len(n.input) > 1 and len(dims.get(n.input[1], [])) == 2}

@@ -34,7 +34,7 @@ from ..errors import ConfigError, QuantizeError
 from ..fileio import atomic_path, onnx_needs_external_data
 from ..measure.graph_probe import graph_probe
 from ..measure.placement import find_norms
-from .gptq import ABS_HISTOGRAM_BINS, collect_activation_stats, matmul_input_widths, matmul_inputs, mse_clip
+from .gptq import ABS_HISTOGRAM_BINS, collect_activation_stats, matmul_inputs, mse_clip
 from .pertoken import ACT_QMAX, ACT_ZERO_POINT, EPS, quantize_per_token
 from .recipes import ONLINE_ROTATION_MARKER, Recipe
 from .sanity import sanity_check
@@ -201,7 +201,7 @@ def quantize(fp32_path: Path, recipe: Recipe, calib_inputs: np.ndarray | None, o
     return QuantizeResult(recipe.name, out_path, settings, status, problems)
 
 
-def _pertoken_calibration(pre_path: Path, recipe: Recipe, to_quantize: list[str], normed: dict[str, str],
+def _pertoken_calibration(pre_path: Path, recipe: Recipe, to_quantize: list[str], normed: dict[str, tuple[str, int]],
                           calib_inputs, settings: dict) -> tuple[dict | None, dict[str, float] | None]:
     """What a per-token recipe reads from the calibration windows, in one pass of the FP32 graph:
     GPTQ's ``X^T X`` per MatMul input, and for the norm outputs in ``normed`` (calibrated recipes)
@@ -217,7 +217,7 @@ def _pertoken_calibration(pre_path: Path, recipe: Recipe, to_quantize: list[str]
                           " needs calibration windows (got none)")
     tensors = sorted(set(matmul_inputs(pre_path, to_quantize).values())) if gptq else []
     # A row of RMS 1 has no entry above sqrt(width): the histograms' range.
-    bound = {x: float(np.sqrt(w)) for x, w in matmul_input_widths(pre_path, to_quantize).items() if x in normed}
+    bound = {x: float(np.sqrt(width)) for x, (_, width) in normed.items()}
     hessians, abs_stats, rows = collect_activation_stats(pre_path, calib_inputs, hessians_of=tensors,
                                                          abs_max_of=sorted(normed), histogram_range=bound)
     if gptq:
@@ -230,7 +230,7 @@ def _pertoken_calibration(pre_path: Path, recipe: Recipe, to_quantize: list[str]
                 f"minimizing the squared error over a {ABS_HISTOGRAM_BINS}-bin histogram of |x| on "
                 "[0, sqrt(width)] from the calibration windows (values beyond saturate)",
         "calibration_positions": rows,
-        "tensors": {x: {"max_abs": abs_stats[x]["max_abs"], "clip": clips[x], "norm": normed[x]}
+        "tensors": {x: {"max_abs": abs_stats[x]["max_abs"], "clip": clips[x], "norm": normed[x][0]}
                     for x in sorted(abs_stats)}}
     return (hessians if gptq else None), {x: max(c, EPS) / ACT_QMAX for x, c in clips.items()}
 
@@ -254,13 +254,15 @@ def find_carriers(fp32_path: Path, calib_inputs: np.ndarray) -> tuple[list[str],
                                "position": r["top"][0]["position"] if r.get("top") else None} for r in rows]}
 
 
-def norm_output_inputs(model: onnx.ModelProto, nodes: list[str]) -> dict[str, str]:
+def norm_output_inputs(model: onnx.ModelProto, nodes: list[str]) -> dict[str, tuple[str, int]]:
     """The inputs of ``nodes`` that are a normalization's output (after its per-channel weight),
-    as the placement detector finds norms in the graph: tensor -> the norm's kind."""
+    as the placement detector finds norms in the graph: tensor -> (the norm's kind, its width K,
+    read off the weight [K, N] of the MatMul that reads it)."""
     outputs = {n.output: n.kind for n in find_norms(model)}
+    widths = {i.name: int(i.dims[0]) for i in model.graph.initializer if len(i.dims) == 2}
     wanted = set(nodes)
-    return {n.input[0]: outputs[n.input[0]] for n in model.graph.node
-            if n.name in wanted and n.input and n.input[0] in outputs}
+    return {n.input[0]: (outputs[n.input[0]], widths[n.input[1]]) for n in model.graph.node
+            if n.name in wanted and len(n.input) > 1 and n.input[0] in outputs and n.input[1] in widths}
 
 
 def weight_matmuls(graph: onnx.GraphProto) -> list[str]:

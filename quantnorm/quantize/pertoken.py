@@ -170,7 +170,7 @@ def quantize_per_token(src: Path, dst: Path, nodes: list[str], *, reduce_range: 
         "output_error_vs_nearest_median": float(np.median(error_ratios)),
         "output_error_vs_nearest_max": float(np.max(error_ratios)),
         "rule": "trace(dW^T H dW) with H = X^T X of the calibration activations, GPTQ over round-to-nearest"}}
-    calibrated_inputs = sorted({x for x in (calibrated_scales or {}) if x in quantized_inputs})
+    calibrated_inputs = sorted(x for x in calibrated if x in quantized_inputs)
     per_tensor = {} if not calibrated_inputs else {"calibrated_scale_inputs": calibrated_inputs}
     return {**gptq, **per_tensor, "pertoken_matmuls": replaced, "weight_qmax": qmax, "activation_zero_point": ACT_ZERO_POINT,
             "activation_scale": "per row: max|x| / 127 (computed at run time)",
