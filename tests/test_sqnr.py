@@ -7,10 +7,11 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnxruntime
 import pytest
 import torch
 from onnx import numpy_helper
-from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quantize_static
+from onnxruntime.quantization import CalibrationDataReader, QuantFormat, qdq_loss_debug, quantize_static
 
 from quantnorm.data import BOS
 from quantnorm.export import rename_nodes_by_module
@@ -20,13 +21,15 @@ from quantnorm.measure.sqnr import (
     activation_sqnr,
     expose_tensors,
     onnx_tensor_stats,
+    open_beside,
+    qdq_tapped_model,
     spearman,
     sqnr_db,
     sqnr_summary,
     sqnr_with_stats,
 )
 from quantnorm.models import CausalLM, ModelConfig
-from quantnorm.onnx_wire import onnx_nodes
+from quantnorm.onnx_wire import REFERENCE_MIN_BYTES, model_with_weights_by_reference, onnx_nodes
 
 SEQ, D = 16, 32
 OUTLIER_CHANNEL, OUTLIER_GAIN = 3, 100.0
@@ -206,19 +209,77 @@ def test_one_pass_gives_the_same_sqnr_and_stats_as_two(clean):
             assert stats[name][key] == pytest.approx(separate[name][key], rel=1e-6), (name, key)
 
 
-def test_exposing_only_inner_tensors_drops_the_head(clean, tmp_path):
-    """With only=True the logits are no output and the head's MatMul (and its weight) are gone."""
+def test_exposing_only_inner_tensors_drops_the_head(clean):
+    """With only=True the logits are no output and the head's MatMul (and its weight) are gone;
+    the tapped graph runs on the original's weights to the same values."""
     model, fp32, _ = clean
     name = _input_of(model, fp32, "blocks.0.attn.q")
-    out = tmp_path / "probe.onnx"
-    expose_tensors(fp32, [name], out, only=True)
-    pruned, full = onnx.load(str(out)), onnx.load(str(fp32))
+    pruned, full = expose_tensors(fp32, [name], only=True), onnx.load(str(fp32))
     assert [o.name for o in pruned.graph.output] == [name]
     assert len(pruned.graph.node) < len(full.graph.node)
     assert len(pruned.graph.initializer) < len(full.graph.initializer)
     x = windows(2, 5)
-    assert onnx_tensor_stats(fp32, [name], x)[name]["inf_norm"] == pytest.approx(
-        onnx_tensor_stats(out, [name], x)[name]["inf_norm"], rel=1e-6)
+    tapped = open_beside(fp32, pruned).run([name], {"input_ids": x})[0]
+    reference = open_beside(fp32, expose_tensors(fp32, [name])).run([name], {"input_ids": x})[0]
+    np.testing.assert_array_equal(tapped, reference)
+
+
+def test_tapped_graphs_reference_the_weights_and_leave_no_file(clean):
+    """The tapped copy holds no weight bytes (each initializer of 1 KB or more points into the
+    original file by offset), runs to the original's logits, and is removed once the session is
+    open; where nothing can be written beside the model, the weights are copied instead."""
+    _, fp32, _ = clean
+    before = sorted(fp32.parent.iterdir())
+    light = onnx.ModelProto.FromString(model_with_weights_by_reference(fp32))
+    full = onnx.load(str(fp32))
+    big = [i.name for i in full.graph.initializer if len(i.raw_data) >= REFERENCE_MIN_BYTES]
+    assert big
+    referenced = {i.name: {e.key: e.value for e in i.external_data} for i in light.graph.initializer
+                  if i.data_location == onnx.TensorProto.EXTERNAL}
+    assert sorted(referenced) == sorted(big)
+    assert all(r["location"] == fp32.name for r in referenced.values())
+    assert sum(len(i.raw_data) for i in light.graph.initializer) == sum(
+        len(i.raw_data) for i in full.graph.initializer if i.name not in referenced)
+    raw = fp32.read_bytes()
+    for init in full.graph.initializer:
+        if init.name in referenced:
+            start, length = int(referenced[init.name]["offset"]), int(referenced[init.name]["length"])
+            assert raw[start:start + length] == init.raw_data
+    x = windows(3, 6)
+    expected = onnxruntime.InferenceSession(str(fp32), providers=["CPUExecutionProvider"]).run(None, {"input_ids": x})[0]
+    np.testing.assert_allclose(open_beside(fp32, light).run(None, {"input_ids": x})[0], expected, rtol=1e-5, atol=1e-6)
+    assert sorted(fp32.parent.iterdir()) == before
+
+
+def test_tapped_graph_falls_back_to_a_copy_where_it_cannot_write(clean, monkeypatch):
+    _, fp32, _ = clean
+    import quantnorm.measure.sqnr as sqnr_module
+
+    def refuse(*args, **kwargs):
+        raise PermissionError("read-only directory")
+
+    monkeypatch.setattr(sqnr_module.tempfile, "mkstemp", refuse)
+    x = windows(2, 7)
+    expected = onnxruntime.InferenceSession(str(fp32), providers=["CPUExecutionProvider"]).run(None, {"input_ids": x})[0]
+    light = onnx.ModelProto.FromString(model_with_weights_by_reference(fp32))
+    np.testing.assert_allclose(open_beside(fp32, light).run(None, {"input_ids": x})[0], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_qdq_taps_are_the_debug_augmentations_activation_tensors(clean, tmp_path):
+    """qdq_tapped_model taps what qdq_loss_debug's augmentation saves, minus the dequantized weights,
+    under the tensors' own names (a quantized graph output, the logits here, is one of them)."""
+    _, _, int8 = clean
+    augmented = tmp_path / "augmented.onnx"
+    qdq_loss_debug.modify_model_output_intermediate_tensors(str(int8), str(augmented),
+                                                            op_types_for_saving=["QuantizeLinear", "DequantizeLinear"])
+    model = onnx.load(str(augmented))
+    suffix = qdq_loss_debug._TENSOR_SAVE_POSTFIX
+    initializers = {i.name for i in model.graph.initializer}
+    weights = {n.output[0] for n in model.graph.node if n.op_type == "DequantizeLinear" and n.input[0] in initializers}
+    saved = {o.name[:-len(suffix)] for o in model.graph.output if o.name.endswith(suffix)} - weights
+    tapped = qdq_tapped_model(int8)
+    assert {o.name for o in tapped.graph.output} == saved
+    assert len(saved) > 4
 
 
 def test_wire_walk_reads_the_nodes_onnx_load_reads(clean):

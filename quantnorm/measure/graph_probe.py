@@ -22,13 +22,11 @@ made a massive entry appear; otherwise each add counts as a layer.
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 
 from ..errors import MeasureError
 from .fake_quant import FakeQuantSqnr
@@ -44,7 +42,7 @@ from .outliers import (
     summarize,
 )
 from .placement import detect_placement, find_norms
-from .sqnr import expose_tensors
+from .sqnr import expose_tensors, open_beside
 
 SUBLAYERS = ("attention", "mlp")  # the two residual adds of a block, in graph order
 
@@ -143,47 +141,43 @@ def graph_probe(fp32_path: Path, inputs: np.ndarray, *, n_blocks: int | None = N
     def add(kind: str, key, x: np.ndarray, n: int) -> None:
         accs.setdefault((kind, key), TensorAccumulator(str(key))).add(x, n)
 
-    with tempfile.TemporaryDirectory(prefix="quantnorm-probe-") as tmp:
-        exposed = Path(tmp) / "probe.onnx"
-        expose_tensors(fp32_path, wanted, exposed)
-        options = ort.SessionOptions()
-        # No fusion: every tapped tensor exists as the graph writes it (the FP32 reference values).
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-        session = ort.InferenceSession(str(exposed), sess_options=options, providers=["CPUExecutionProvider"])
-        input_name = session.get_inputs()[0].name
-        for start in range(0, len(windows), batch_size):
-            batch = np.ascontiguousarray(windows[start:start + batch_size])
-            n = len(batch)
-            values = dict(zip(wanted, session.run(wanted, {input_name: batch})))
-            stream = {}
-            for layer, tensor in residual:
-                x = as_samples(values[tensor], n)
-                stream[layer] = x
-                add("residual", layer, x, n)
-                massive.extend(find_massive(x, layer, start))
-                if start == 0:
-                    first_window[layer] = np.abs(x[0])
-            for layer, tensor in skip:
-                x = as_samples(values[tensor], n)
-                add("residual_skip", layer, x, n)
-                massive.extend(find_massive(x, layer, start, stream="skip"))
-            for k, tensor in enumerate(probabilities):
-                p = values[tensor]  # [B, H, T, T]
-                to_first = p[:, :, 1:, 0] if causal else p[..., 0]
-                attn_sum[k] += float(to_first.sum(dtype=np.float64))
-                attn_count[k] += to_first.size
-                last_sum[k] += float(p[..., -1].sum(dtype=np.float64))
-            for i, tensor in post_sums:
-                x = as_samples(values[tensor], n)
-                add("norm_input", tensor, x, n)
-                massive.extend(find_massive(x, i, start, stream="pre-norm sum"))
-            for tensor in norms:
-                add("norm", tensor, values[tensor], n)
-            for tensor in matmuls:
-                add("matmul", tensor, values[tensor], n)
-                sqnr.setdefault(tensor, FakeQuantSqnr()).add(values[tensor])
-            born += _births(stream, mids, values, n, start)
-            del values, stream
+    # The tapped tensors only: the logits are neither computed nor returned.
+    session = open_beside(fp32_path, expose_tensors(fp32_path, wanted, only=True))
+    input_name = session.get_inputs()[0].name
+    for start in range(0, len(windows), batch_size):
+        batch = np.ascontiguousarray(windows[start:start + batch_size])
+        n = len(batch)
+        values = dict(zip(wanted, session.run(wanted, {input_name: batch})))
+        stream = {}
+        for layer, tensor in residual:
+            x = as_samples(values[tensor], n)
+            stream[layer] = x
+            add("residual", layer, x, n)
+            massive.extend(find_massive(x, layer, start))
+            if start == 0:
+                first_window[layer] = np.abs(x[0])
+        for layer, tensor in skip:
+            x = as_samples(values[tensor], n)
+            add("residual_skip", layer, x, n)
+            massive.extend(find_massive(x, layer, start, stream="skip"))
+        for k, tensor in enumerate(probabilities):
+            p = values[tensor]  # [B, H, T, T]
+            to_first = p[:, :, 1:, 0] if causal else p[..., 0]
+            attn_sum[k] += float(to_first.sum(dtype=np.float64))
+            attn_count[k] += to_first.size
+            last_sum[k] += float(p[..., -1].sum(dtype=np.float64))
+        for i, tensor in post_sums:
+            x = as_samples(values[tensor], n)
+            add("norm_input", tensor, x, n)
+            massive.extend(find_massive(x, i, start, stream="pre-norm sum"))
+        for tensor in norms:
+            add("norm", tensor, values[tensor], n)
+        for tensor in matmuls:
+            add("matmul", tensor, values[tensor], n)
+            sqnr.setdefault(tensor, FakeQuantSqnr()).add(values[tensor])
+        born += _births(stream, mids, values, n, start)
+        del values, stream
+    del session
 
     name = token or (lambda sample, position: None)
 

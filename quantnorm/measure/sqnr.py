@@ -14,18 +14,21 @@ No noise or no signal (an all-zero tensor) has no finite SQNR: stored as None (J
 noise is common for ``sqnr_local_db``: the quantizer re-quantizes a Transpose/Reshape of an
 already dequantized tensor with the same scale, which is exact.
 
-Pairs come from ``onnxruntime.quantization.qdq_loss_debug``: ``modify_model_output_intermediate_
-tensors`` exposes the INT8 model's QuantizeLinear inputs and DequantizeLinear outputs and
-``create_activation_matching`` pairs them with the FP32 tensors. Models run with graph
-optimizations off, as ``collect_activations`` does, so QDQ pairs are not fused away: this is the
-simulated (QDQ) error, not a fused INT8 kernel's (the accuracy metrics measure those).
-We run the sessions ourselves instead of calling ``collect_activations`` because it keeps every
-batch of every tensor in memory; here each batch is reduced to running sums and dropped.
+The INT8 model's QuantizeLinear inputs and DequantizeLinear outputs are tapped as graph outputs
+(``qdq_tapped_model``: the tensors ``qdq_loss_debug.modify_model_output_intermediate_tensors``
+would save) and ``qdq_loss_debug.create_activation_matching`` pairs them with the FP32 tensors.
+Models run with graph optimizations off, as ``collect_activations`` does, so QDQ pairs are not
+fused away: this is the simulated (QDQ) error, not a fused INT8 kernel's (the accuracy metrics
+measure those). We run the sessions ourselves instead of calling ``collect_activations`` because it
+keeps every batch of every tensor in memory; here each batch is reduced to running sums and dropped.
+The tapped copies reference their model's weights instead of copying them (``open_beside``): on
+Gemma 3 each copy had cost a shape inference and a 1.1 GB write, 4 minutes of a 5-minute probe.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import tempfile
 from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
@@ -33,17 +36,16 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnxruntime as ort
+from google.protobuf.message import DecodeError
 from onnxruntime.quantization import qdq_loss_debug
 from scipy import stats as scipy_stats
 
 from ..errors import MeasureError
 from ..fileio import save_onnx
-from ..onnx_wire import onnx_nodes
+from ..onnx_wire import model_with_weights_by_reference, onnx_nodes
 from .latency import quant_format
 from .outliers import TensorAccumulator
 
-# The suffix qdq_loss_debug gives the flattened copies it adds as graph outputs.
-_SAVED_SUFFIX: str = getattr(qdq_loss_debug, "_TENSOR_SAVE_POSTFIX", "_ReshapedSavedOutput")
 # A graph output that gets quantized keeps its name on the DQ output; its float input is renamed.
 _Q_INPUT_SUFFIX = "_QuantizeLinear_Input"
 
@@ -90,43 +92,80 @@ def _batches(inputs: np.ndarray, batch_size: int) -> Iterator[np.ndarray]:
         yield inputs[start:start + batch_size]
 
 
-def _session(path: Path) -> ort.InferenceSession:
-    options = ort.SessionOptions()
-    # As qdq_loss_debug.collect_activations: no fusion, so every QDQ tensor exists as written.
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    try:
-        return ort.InferenceSession(str(path), sess_options=options, providers=["CPUExecutionProvider"])
-    except Exception as exc:  # onnxruntime raises its own untyped errors
-        raise MeasureError(f"cannot load ONNX model {path}: {exc}") from exc
-
-
 def _feed(session: ort.InferenceSession, batch: np.ndarray) -> dict[str, np.ndarray]:
     return {session.get_inputs()[0].name: batch.astype(np.int64)}
 
 
-def expose_tensors(model_path: Path, names: Sequence[str], out_path: Path, *, only: bool = False) -> None:
-    """Copy of the model with ``names`` added as graph outputs, shapes kept (unlike the flattened
-    outputs qdq_loss_debug adds), so each sample can be taken from the batch axis.
+def expose_tensors(model_path: Path, names: Sequence[str], *, only: bool = False) -> onnx.ModelProto:
+    """The model's graph with ``names`` added as graph outputs, shapes kept (unlike the flattened
+    outputs qdq_loss_debug adds), so each sample can be taken from the batch axis. Its weights stay
+    in ``model_path``'s file, referenced (``onnx_wire.model_with_weights_by_reference``): open it
+    with ``open_beside``. No shape inference: ORT types an added output from the node that makes it.
 
     ``only``: ``names`` become the only outputs and the nodes none of them needs are dropped
     (``keep_only_outputs``): a probe of a few inner tensors then neither computes nor returns
     the logits (1 GiB per batch of 8 windows with Gemma 3's 262k vocabulary)."""
-    model = onnx.load(str(model_path))
-    inferred = onnx.shape_inference.infer_shapes(model)
+    model = _by_reference(model_path)
     elem_types = {vi.name: vi.type.tensor_type.elem_type
-                  for vi in [*inferred.graph.value_info, *inferred.graph.output, *inferred.graph.input]}
-    del inferred
+                  for vi in [*model.graph.value_info, *model.graph.output, *model.graph.input]}
     produced = {o for node in model.graph.node for o in node.output} | {i.name for i in model.graph.input}
     existing = {o.name for o in model.graph.output}
     for name in names:
         if name not in produced:
             raise MeasureError(f"tensor {name!r} is not produced by any node of {model_path}")
         if name not in existing:
-            model.graph.output.append(
-                onnx.helper.make_tensor_value_info(name, elem_types.get(name, onnx.TensorProto.FLOAT), None))
+            existing.add(name)
+            model.graph.output.append(onnx.helper.make_tensor_value_info(name, elem_types[name], None)
+                                      if elem_types.get(name) else onnx.ValueInfoProto(name=name))
     if only:
         keep_only_outputs(model, set(names))
-    save_onnx(model, out_path)
+    return model
+
+
+def _by_reference(model_path: Path) -> onnx.ModelProto:
+    try:
+        return onnx.ModelProto.FromString(model_with_weights_by_reference(model_path))
+    except (OSError, ValueError, DecodeError) as exc:
+        raise MeasureError(f"cannot read ONNX model {model_path}: {exc}") from exc
+
+
+def open_beside(model_path: Path, model: onnx.ModelProto, options: ort.SessionOptions | None = None
+                ) -> ort.InferenceSession:
+    """A CPU session on ``model``, a graph whose weights are referenced in ``model_path``'s file
+    (``expose_tensors``, ``qdq_tapped_model``). ORT resolves the references against the graph
+    file's own directory, so the graph is written beside ``model_path`` under a hidden temporary
+    name and removed as soon as the session holds it (the weights are read from ``model_path``).
+    Where that directory is not writable, the weights are copied into a temporary model instead."""
+    model_path = Path(model_path)
+    if options is None:
+        options = ort.SessionOptions()
+        # No fusion: every tapped tensor exists as the graph writes it.
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    try:
+        fd, graph_path = tempfile.mkstemp(prefix=f".{model_path.stem}.tap-", suffix=".onnx", dir=model_path.parent)
+    except OSError:
+        return _open_copied(model_path, model, options)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(model.SerializeToString())
+        return ort.InferenceSession(graph_path, sess_options=options, providers=["CPUExecutionProvider"])
+    except Exception as exc:  # onnxruntime raises its own untyped errors
+        raise MeasureError(f"cannot load ONNX model {model_path} with tapped outputs: {exc}") from exc
+    finally:
+        os.unlink(graph_path)
+
+
+def _open_copied(model_path: Path, model: onnx.ModelProto, options: ort.SessionOptions) -> ort.InferenceSession:
+    from onnx.external_data_helper import load_external_data_for_model
+
+    load_external_data_for_model(model, str(model_path.parent))
+    with tempfile.TemporaryDirectory(prefix="quantnorm-tap-") as tmp:
+        path = Path(tmp) / "tapped.onnx"
+        save_onnx(model, path)
+        try:
+            return ort.InferenceSession(str(path), sess_options=options, providers=["CPUExecutionProvider"])
+        except Exception as exc:  # onnxruntime raises its own untyped errors
+            raise MeasureError(f"cannot load ONNX model {model_path} with tapped outputs: {exc}") from exc
 
 
 def keep_only_outputs(model: onnx.ModelProto, keep: set[str]) -> None:
@@ -153,28 +192,34 @@ def keep_only_outputs(model: onnx.ModelProto, keep: set[str]) -> None:
     graph.initializer.extend(initializers)
 
 
-def _augment_qdq(int8_path: Path, out_path: Path) -> None:
-    """qdq_loss_debug's augmentation for the tensors around QuantizeLinear/DequantizeLinear,
-    minus the constant dequantized weights (a copy of every weight per batch, never paired) and
-    minus the model's own outputs."""
-    qdq_loss_debug.modify_model_output_intermediate_tensors(
-        str(int8_path), str(out_path), op_types_for_saving=["QuantizeLinear", "DequantizeLinear"])
-    model = onnx.load(str(out_path))
-    initializers = {init.name for init in model.graph.initializer}
-    weight_outputs = {node.output[0] + _SAVED_SUFFIX for node in model.graph.node
-                      if node.op_type == "DequantizeLinear" and node.input[0] in initializers}
-    # Only the saved copies stay outputs: the model's own outputs (the logits) and whatever only
-    # they need (the head's MatMul and its dequantized weight) are not computed at all.
-    keep_only_outputs(model, {o.name for o in model.graph.output
-                              if o.name.endswith(_SAVED_SUFFIX) and o.name not in weight_outputs})
-    save_onnx(model, out_path)
+def qdq_tapped_model(int8_path: Path) -> onnx.ModelProto:
+    """The QDQ model with the tensors around its activation QuantizeLinear/DequantizeLinear pairs as
+    its only outputs, weights referenced (open it with ``open_beside``): each QuantizeLinear's float
+    input and each DequantizeLinear's output whose input is not a constant. These are the tensors
+    qdq_loss_debug's augmentation saves, minus the dequantized weights (a copy of every weight per
+    batch, never paired), under their own names: ``create_activation_matching`` pairs them by name.
+    The model's own outputs are no outputs here unless quantized themselves: the logits of a
+    MatMul-only recipe (and the head's MatMul that only they need) are not computed."""
+    model = _by_reference(int8_path)
+    graph = model.graph
+    constants = {i.name for i in graph.initializer} | {n.output[0] for n in graph.node if n.op_type == "Constant"}
+    saved: list[str] = []
+    for node in graph.node:
+        if node.op_type == "QuantizeLinear" and node.input[0] not in constants:
+            saved.append(node.input[0])
+        elif node.op_type == "DequantizeLinear" and node.input[0] not in constants:
+            saved.append(node.output[0])
+    saved = list(dict.fromkeys(saved))
+    existing = {o.name for o in graph.output}
+    graph.output.extend(onnx.ValueInfoProto(name=name) for name in saved if name not in existing)
+    keep_only_outputs(model, set(saved))
+    return model
 
 
 def _run_saved(session: ort.InferenceSession, batch: np.ndarray) -> dict[str, list[np.ndarray]]:
-    """One batch through a qdq_loss_debug-augmented model: {tensor: [values]}, as collect_activations."""
+    """One batch through a ``qdq_tapped_model``: {tensor: [values]}, as collect_activations gives."""
     names = [o.name for o in session.get_outputs()]
-    values = session.run(names, _feed(session, batch))
-    return {n[:-len(_SAVED_SUFFIX)]: [v] for n, v in zip(names, values) if n.endswith(_SAVED_SUFFIX)}
+    return {n: [v] for n, v in zip(names, session.run(names, _feed(session, batch)))}
 
 
 # Windows per session run. One: every exposed tensor of a batch is held at once, in both models,
@@ -199,44 +244,39 @@ def sqnr_with_stats(fp32_path: Path, int8_path: Path, inputs: np.ndarray, *, bat
     """``activation_sqnr``'s rows and, from the same FP32 runs, ``onnx_tensor_stats``' outlier
     figures of each paired FP32 tensor (``{}`` with ``stats=False``): one FP32 pass, not two."""
     fp32_path, int8_path = Path(fp32_path), Path(int8_path)
-    with tempfile.TemporaryDirectory(prefix="quantnorm-sqnr-") as tmp:
-        aug_int8 = Path(tmp) / "int8.augmented.onnx"
-        _augment_qdq(int8_path, aug_int8)
-        int8_session = _session(aug_int8)
-        fp32_session: ort.InferenceSession | None = None
-        fp32_opened = False  # opened once, on the first batch; stays None if it has none of the tensors
-        total: dict[str, _SqnrSums] = {}
-        local: dict[str, _SqnrSums] = {}
-        accs: dict[str, TensorAccumulator] = {}
-        for batch in _batches(inputs, batch_size):
-            qdq_acts = _run_saved(int8_session, batch)
-            pairs = qdq_loss_debug.create_activation_matching(qdq_acts)
-            if not fp32_opened:
-                fp32_opened = True
-                # Now we know which tensors are quantized: expose exactly those in the FP32 model.
-                produced = {o for _, _, outputs in onnx_nodes(fp32_path) for o in outputs}
-                float_names = [name for name in pairs if name in produced]
-                aug_fp32 = Path(tmp) / "fp32.augmented.onnx"
-                if float_names:
-                    expose_tensors(fp32_path, float_names, aug_fp32, only=True)
-                    fp32_session = _session(aug_fp32)
-            float_outputs = [o.name for o in fp32_session.get_outputs()] if fp32_session is not None else []
-            float_values = fp32_session.run(float_outputs, _feed(fp32_session, batch)) if float_outputs else []
-            if stats:
-                for name, value in zip(float_outputs, float_values):
-                    accs.setdefault(name, TensorAccumulator(name)).add(value, n_samples=len(batch))
-            pairs = qdq_loss_debug.create_activation_matching(
-                qdq_acts, {n: [v] for n, v in zip(float_outputs, float_values)})
-            del qdq_acts, float_values
-            for name, pair in pairs.items():
-                post = pair["post_qdq"][0]
-                local.setdefault(name, _SqnrSums()).add(pair["pre_qdq"][0], post)
-                if "float" in pair:
-                    total.setdefault(name, _SqnrSums()).add(pair["float"][0], post)
-            del pairs
-        if not local:
-            raise MeasureError(f"{int8_path} has no QuantizeLinear/DequantizeLinear activation pairs: is it a QDQ model?")
-        del int8_session, fp32_session  # release the files before the temp dir goes
+    int8_session = open_beside(int8_path, qdq_tapped_model(int8_path))
+    fp32_session: ort.InferenceSession | None = None
+    fp32_opened = False  # opened once, on the first batch; stays None if it has none of the tensors
+    total: dict[str, _SqnrSums] = {}
+    local: dict[str, _SqnrSums] = {}
+    accs: dict[str, TensorAccumulator] = {}
+    for batch in _batches(inputs, batch_size):
+        qdq_acts = _run_saved(int8_session, batch)
+        pairs = qdq_loss_debug.create_activation_matching(qdq_acts)
+        if not fp32_opened:
+            fp32_opened = True
+            # Now we know which tensors are quantized: expose exactly those in the FP32 model.
+            produced = {o for _, _, outputs in onnx_nodes(fp32_path) for o in outputs}
+            float_names = [name for name in pairs if name in produced]
+            if float_names:
+                fp32_session = open_beside(fp32_path, expose_tensors(fp32_path, float_names, only=True))
+        float_outputs = [o.name for o in fp32_session.get_outputs()] if fp32_session is not None else []
+        float_values = fp32_session.run(float_outputs, _feed(fp32_session, batch)) if float_outputs else []
+        if stats:
+            for name, value in zip(float_outputs, float_values):
+                accs.setdefault(name, TensorAccumulator(name)).add(value, n_samples=len(batch))
+        pairs = qdq_loss_debug.create_activation_matching(
+            qdq_acts, {n: [v] for n, v in zip(float_outputs, float_values)})
+        del qdq_acts, float_values
+        for name, pair in pairs.items():
+            post = pair["post_qdq"][0]
+            local.setdefault(name, _SqnrSums()).add(pair["pre_qdq"][0], post)
+            if "float" in pair:
+                total.setdefault(name, _SqnrSums()).add(pair["float"][0], post)
+        del pairs
+    del int8_session, fp32_session
+    if not local:
+        raise MeasureError(f"{int8_path} has no QuantizeLinear/DequantizeLinear activation pairs: is it a QDQ model?")
     order = _quantize_order(int8_path)
     rows = [
         {"tensor": name, "sqnr_db": total[name].db() if name in total else None,
@@ -265,15 +305,12 @@ def onnx_tensor_stats(fp32_path: Path, tensor_names: Sequence[str], inputs: np.n
     names = list(dict.fromkeys(tensor_names))
     if not names:
         return {}
-    with tempfile.TemporaryDirectory(prefix="quantnorm-stats-") as tmp:
-        augmented = Path(tmp) / "fp32.augmented.onnx"
-        expose_tensors(Path(fp32_path), names, augmented, only=True)
-        session = _session(augmented)
-        accs = {name: TensorAccumulator(name) for name in names}
-        for batch in _batches(inputs, batch_size):
-            for name, value in zip(names, session.run(names, _feed(session, batch))):
-                accs[name].add(value, n_samples=len(batch))
-        del session
+    session = open_beside(Path(fp32_path), expose_tensors(Path(fp32_path), names, only=True))
+    accs = {name: TensorAccumulator(name) for name in names}
+    for batch in _batches(inputs, batch_size):
+        for name, value in zip(names, session.run(names, _feed(session, batch))):
+            accs[name].add(value, n_samples=len(batch))
+    del session
     return {name: acc.finish().metrics() for name, acc in accs.items()}
 
 

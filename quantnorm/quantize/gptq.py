@@ -17,14 +17,13 @@ accumulators (GPTQ's own choice): 0.4-0.8 GB for SmolLM2 or Gemma 3 270M.
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 
-from ..measure.sqnr import expose_tensors
+from ..measure.sqnr import expose_tensors, open_beside
 
 DAMP = 0.01
 BLOCK = 128
@@ -58,34 +57,33 @@ def collect_activation_stats(model_path: Path, windows: np.ndarray, *, hessians_
     rows = 0
     if not tensors:
         return hessians, abs_stats, rows
-    with tempfile.TemporaryDirectory(prefix="quantnorm-gptq-") as tmp:
-        exposed = Path(tmp) / "exposed.onnx"
-        expose_tensors(model_path, tensors, exposed)
-        session = ort.InferenceSession(str(exposed), providers=["CPUExecutionProvider"])
-        input_name = session.get_inputs()[0].name
-        for lo in range(0, len(windows), HESSIAN_BATCH):
-            batch = np.ascontiguousarray(windows[lo:lo + HESSIAN_BATCH])
-            outputs = session.run(tensors, {input_name: batch})
-            for name, x in zip(tensors, outputs, strict=True):
-                x = np.asarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
-                if name in want_max:
-                    stats = abs_stats.setdefault(name, {"max_abs": 0.0})
-                    a = np.abs(x)
-                    stats["max_abs"] = max(stats["max_abs"], float(a.max(initial=0.0)))
-                    if name in ranges:
-                        bins = np.minimum((a * (ABS_HISTOGRAM_BINS / ranges[name])).astype(np.int64),
-                                          ABS_HISTOGRAM_BINS - 1)
-                        counts = np.bincount(bins.ravel(), minlength=ABS_HISTOGRAM_BINS)
-                        stats["histogram"] = stats["histogram"] + counts if "histogram" in stats else counts
-                if name not in want_h:
-                    continue
-                h = hessians.get(name)
-                if h is None:
-                    hessians[name] = x.T @ x
-                else:
-                    h += x.T @ x
-            rows += batch.shape[0] * batch.shape[1]
-        del session
+    # The graph with the tensors tapped, on the original weights, with ORT's full optimizations
+    # (an optimizer never fuses away a graph output).
+    session = open_beside(model_path, expose_tensors(model_path, tensors, only=True), ort.SessionOptions())
+    input_name = session.get_inputs()[0].name
+    for lo in range(0, len(windows), HESSIAN_BATCH):
+        batch = np.ascontiguousarray(windows[lo:lo + HESSIAN_BATCH])
+        outputs = session.run(tensors, {input_name: batch})
+        for name, x in zip(tensors, outputs, strict=True):
+            x = np.asarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
+            if name in want_max:
+                stats = abs_stats.setdefault(name, {"max_abs": 0.0})
+                a = np.abs(x)
+                stats["max_abs"] = max(stats["max_abs"], float(a.max(initial=0.0)))
+                if name in ranges:
+                    bins = np.minimum((a * (ABS_HISTOGRAM_BINS / ranges[name])).astype(np.int64),
+                                      ABS_HISTOGRAM_BINS - 1)
+                    counts = np.bincount(bins.ravel(), minlength=ABS_HISTOGRAM_BINS)
+                    stats["histogram"] = stats["histogram"] + counts if "histogram" in stats else counts
+            if name not in want_h:
+                continue
+            h = hessians.get(name)
+            if h is None:
+                hessians[name] = x.T @ x
+            else:
+                h += x.T @ x
+        rows += batch.shape[0] * batch.shape[1]
+    del session
     return hessians, abs_stats, rows
 
 
