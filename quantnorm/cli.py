@@ -45,8 +45,10 @@ DEFAULT_TRAIN = TrainConfig()
 SWEEP_TRAINING_FLAGS = ("--d-model", "--heads", "--context", "--steps", "--batch-size", "--lr", "--corpus")
 
 
-# --model's default --latency-budget: a checkpoint's cells take seconds a run.
-MODEL_LATENCY_BUDGET_S = 20.0
+# --model's default --latency-budget: a checkpoint's cells take seconds a run (Gemma 3's FP32
+# batch of 8, 3 s on 2 cores: 5 timed runs; its INT8 ones about 9). 20 s made latency the
+# third-largest stage of Gemma 3's evaluate (266 s).
+MODEL_LATENCY_BUDGET_S = 10.0
 
 
 def training_options(required: bool, only: tuple[str, ...] | None = None):
@@ -200,7 +202,7 @@ def evaluate_options(func):
         click.option("--latency-budget", type=click.FloatRange(min=0), default=None,
                      help="Seconds of timed runs per latency cell: a cell stops before --iters once its runs "
                           "add up to this (5 runs at least; the report gives each cell's count). 0: no budget, "
-                          "all --iters runs.  [default: 20 with --model, else no budget]"),
+                          "all --iters runs.  [default: 10 with --model, else no budget]"),
         click.option("--no-outliers", is_flag=True,
                      help="Skip the activation probe and per-tensor SQNR (a sweep's residual-growth and outlier "
                           "findings need them)."),

@@ -34,7 +34,7 @@ class EvaluateConfig:
     latency_iters: int = 30
     latency_warmup: int = 5
     # Seconds of timed runs per latency cell before it stops short of latency_iters (at least
-    # measure.latency.MIN_TIMED_RUNS run); None: every iteration. The CLI sets 20 s for --model
+    # measure.latency.MIN_TIMED_RUNS run); None: every iteration. The CLI sets 10 s for --model
     # (Gemma 3's FP32 batch of 8 takes ~3 s a run on 2 cores, and 35 runs per cell made latency
     # 8 minutes of its evaluate); the default stays None so recorded sweeps resume unchanged.
     latency_seconds: float | None = None

@@ -204,13 +204,16 @@ def test_time_budget_stops_a_cell_early_and_says_so(models, tmp_path, monkeypatc
     no profile file is left behind."""
     monkeypatch.chdir(tmp_path)
     spec = SessionSpec(threads=1)
-    row = bench_model(models["qdq"], variant="qdq", spec=spec, batch=2, seq=8, warmup=2, iters=40, max_seconds=1e-9)
+    row = bench_model(models["qdq"], variant="qdq", spec=spec, batch=2, seq=8, warmup=4, iters=40, max_seconds=1e-9)
     assert row.measured and row.iterations == latency.MIN_TIMED_RUNS
     assert "5 of 40 timed runs" in row.note and "time budget" in row.note
+    assert f"{latency.MIN_WARMUP_RUNS} of 4 warm-up runs" in row.note
     assert row.node_providers and set(row.node_providers) == {"CPUExecutionProvider"}
     assert list(tmp_path.iterdir()) == []
     roomy = bench_model(models["qdq"], variant="qdq", spec=spec, batch=2, seq=8, warmup=0, iters=7, max_seconds=3600)
     assert roomy.iterations == 7 and "time budget" not in roomy.note and roomy.node_providers
+    assert "warm-up" not in bench_model(models["qdq"], variant="qdq", spec=spec, batch=2, seq=8, warmup=4, iters=5,
+                                        max_seconds=3600).note
     with pytest.raises(MeasureError, match="time budget must be > 0"):
         bench_model(models["qdq"], variant="qdq", spec=spec, batch=2, seq=8, max_seconds=0)
 
@@ -311,7 +314,7 @@ def test_seq_beyond_context_is_a_measure_error(models):
 
 
 @pytest.mark.parametrize("args, expected", [
-    (["--model", "m.gguf"], 20.0),                              # a checkpoint: 20 s a cell unless told
+    (["--model", "m.gguf"], 10.0),                              # a checkpoint: 10 s a cell unless told
     (["--model", "m.gguf", "--latency-budget", "5"], 5.0),
     (["--model", "m.gguf", "--latency-budget", "0"], None),     # 0: every iteration
 ])
@@ -325,7 +328,7 @@ def test_the_cli_default_latency_budget_applies_with_model(args, expected, monke
     monkeypatch.setattr(cli, "run_evaluate", lambda source, cfg, command: seen.setdefault("cfg", cfg) and {})
     monkeypatch.setattr(cli, "summary_lines_model", lambda results, run_dir: "")
     assert cli.main(["evaluate", *args, "--quiet"]) == 0
-    assert seen["cfg"].latency_seconds == expected and cli.MODEL_LATENCY_BUDGET_S == 20.0
+    assert seen["cfg"].latency_seconds == expected and cli.MODEL_LATENCY_BUDGET_S == 10.0
 
 
 def test_a_zoo_evaluate_has_no_default_latency_budget():

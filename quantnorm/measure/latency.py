@@ -181,6 +181,11 @@ def node_placement(path: str | os.PathLike, spec: SessionSpec, *, batch: int = 1
 
 # With a time budget, a cell still gets at least this many timed runs (p90 needs a few).
 MIN_TIMED_RUNS = 5
+# Under a time budget the warm-up stops too, once its runs add up to this share of the budget
+# (after MIN_WARMUP_RUNS, the profiled run included): Gemma 3's FP32 batch of 8 spent 16 s warming
+# up for a 20 s cell. The first runs pay for allocations and pre-packing; two are enough for that.
+WARMUP_SHARE = 0.25
+MIN_WARMUP_RUNS = 2
 
 
 def bench_model(path: str | os.PathLike, *, variant: str, spec: SessionSpec, batch: int, seq: int,
@@ -190,7 +195,8 @@ def bench_model(path: str | os.PathLike, *, variant: str, spec: SessionSpec, bat
 
     ``max_seconds``: stop timing once the timed runs add up to this much, after at least
     ``MIN_TIMED_RUNS`` of them (the row's ``iterations`` says how many ran; a 3-second Gemma 3
-    batch does not need 30 runs for a p50). ``record_placement``: the first run (a warm-up run)
+    batch does not need 30 runs for a p50); the warm-up then stops past ``WARMUP_SHARE`` of it
+    too, after ``MIN_WARMUP_RUNS`` (the note says so). ``record_placement``: the first run (a warm-up run)
     goes through ORT's profiler, which then stops, and the row records which provider ran each
     node. Returns a ``not measured`` row when the provider cannot run here; raises MeasureError
     when the file is missing or corrupt or the run fails. ``is_quantized`` None: read from the graph.
@@ -233,10 +239,18 @@ def bench_model(path: str | os.PathLike, *, variant: str, spec: SessionSpec, bat
         times: list[float] = []
         label = f"{variant} {spec.provider.replace('ExecutionProvider', '')} b{batch}x{seq}"
         with tqdm(total=warmup + iters, desc=label, disable=not progress, leave=False, unit="run") as bar:
-            for _ in range(max(warmup - record_placement, 0)):
+            warmed, warm_seconds = min(warmup, int(record_placement)), 0.0
+            bar.update(warmed)
+            while warmed < warmup:
+                if max_seconds is not None and warmed >= MIN_WARMUP_RUNS and warm_seconds >= WARMUP_SHARE * max_seconds:
+                    notes.append(f"{warmed} of {warmup} warm-up runs: stopped at {WARMUP_SHARE:g} of the time budget")
+                    bar.update(warmup - warmed)
+                    break
+                start = time.perf_counter()
                 _run(session, feed, path, batch, seq)
+                warm_seconds += time.perf_counter() - start
+                warmed += 1
                 bar.update()
-            bar.update(min(warmup, int(record_placement)))
             for _ in range(iters):
                 start = time.perf_counter()
                 _run(session, feed, path, batch, seq)
