@@ -30,8 +30,9 @@ Steps:
    k counts input tensors, so q/k/v, which share one input, go together), k = 1, 2, 4, ... and
    finally all but one tensor; a second INC loop over ``exclude_worst`` stops at the first pass.
 3. Pick: the fastest passing trial by CPU p50 latency at batch 8, or the first. With several
-   passing trials they are timed again side by side, in interleaved rounds, and the medians
-   decide (each trial's own timing came minutes apart from the others', between quantizer passes).
+   passing trials they are timed again side by side, in interleaved rounds, and each one's lowest
+   round decides (each trial's own timing came minutes apart from the others', between quantizer
+   passes).
 ``max_trials`` bounds both loops together. Every trial is recorded, passing or not.
 """
 
@@ -204,7 +205,7 @@ class Trial:
     kld_mean: float | None = None
     top1_agreement: float | None = None
     latency_p50_ms: float | None = None
-    # pick="fastest" with several passing trials: the median of their p50s timed again in
+    # pick="fastest" with several passing trials: the lowest of their p50s timed again in
     # interleaved rounds after the search (what the pick compares; None: not re-timed)
     latency_side_by_side_ms: float | None = None
     metric: float = 0.0                 # 1 / ppl_ratio: what INC's tuner saw (0: no usable model)
@@ -417,9 +418,11 @@ def _pick_latency(trial: Trial) -> tuple[float, int]:
 
 def _retime_side_by_side(trials: tuple[Trial, ...], latency_fn, rounds: int) -> tuple[Trial, ...]:
     """The passing trials timed again, in ``rounds`` interleaved rounds (A, B, C, A, B, C, ...),
-    each getting the median of its p50s. Why: each trial was timed once, minutes apart, between
-    quantizer passes; on a shared 2-core machine identical graphs timed 805 and 997 ms that way
-    (SmolLM2, rotated-pertoken-fused and its GPTQ twin), enough to pick the slower recipe."""
+    each getting the lowest of its rounds' p50s. Why: each trial was timed once, minutes apart,
+    between quantizer passes; on a shared 2-core machine identical graphs timed 805 and 997 ms that
+    way (SmolLM2, rotated-pertoken-fused and its GPTQ twin), enough to pick the slower recipe. The
+    lowest, not the median: a neighbour's load only ever adds time, and with medians of 3 rounds the
+    same two graphs still timed 887 and 685 ms."""
     passing = [t for t in trials if t.passed and t.path is not None and Path(t.path).is_file()]
     if len(passing) < 2:
         return trials
@@ -429,8 +432,8 @@ def _retime_side_by_side(trials: tuple[Trial, ...], latency_fn, rounds: int) -> 
             ms = latency_fn(Path(t.path), t.name)
             if ms is not None:
                 samples[t.index].append(ms)
-    medians = {i: float(np.median(v)) for i, v in samples.items() if v}
-    return tuple(replace(t, latency_side_by_side_ms=medians[t.index]) if t.index in medians else t for t in trials)
+    best = {i: float(min(v)) for i, v in samples.items() if v}
+    return tuple(replace(t, latency_side_by_side_ms=best[t.index]) if t.index in best else t for t in trials)
 
 
 def _tune(config_set, budget: int, cfg: SearchConfig, evaluator, TuningConfig, init_tuning,

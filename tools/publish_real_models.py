@@ -230,13 +230,18 @@ def model_section(name: str, r: dict, run_dir: Path, by_cpu: dict | None = None)
         L += ["", f"Search (`--recipes auto`, targets PPL ratio <= {s.get('target_max_ppl_ratio')}, top-1 >= "
               f"{s.get('target_min_top1')}, KL mean <= {s.get('target_max_kld')}): "
               f"{len(s.get('trials', []))} trials on {s.get('eval_windows')} windows, stopped by {s.get('stopped_by')}; "
-              f"picked **{chosen.get('name', 'none')}** (the fastest passing trial).", ""]
+              f"picked **{chosen.get('name', 'none')}** "
+              + ("(the fastest passing trial when the passing trials are timed again side by side, in "
+                 "interleaved rounds, each by its lowest round: the last column)."
+                 if any(t.get("latency_side_by_side_ms") for t in s.get("trials", []))
+                 else "(the fastest passing trial by its own p50, timed in the run; this run predates the "
+                      "side-by-side re-timing)."), ""]
         L += table(["trial", "recipe", "status", "PPL ratio", "KL mean", "top-1", "p50 ms", "p50 / FP32 (in the run)",
-                    "passed"], [
+                    "passed", "p50 ms side by side"], [
             [t["index"], t["name"], t["status"][:60], fmt(t.get("ppl_ratio")), fmt(t.get("kld_mean"), ".4f"),
              pct(t.get("top1_agreement")), fmt(t.get("latency_p50_ms"), ".0f"),
              fmt(t["latency_p50_ms"] / fp32 if t.get("latency_p50_ms") and fp32 else None, ".2f"),
-             "yes" if t.get("passed") else "no"]
+             "yes" if t.get("passed") else "no", fmt(t.get("latency_side_by_side_ms"), ".0f")]
             for t in s.get("trials", [])])
         L += goal_lines(r, run_dir, chosen, by_cpu)
     o = r.get("outliers", {})
