@@ -23,6 +23,7 @@ from tqdm import tqdm
 from ..fileio import onnx_needs_external_data, release_memory
 from . import WindowCalibrationReader, get_calibration_method
 from .entropy import ENTROPY_NUM_BINS, ENTROPY_QUANTIZED_BINS, fast_entropy_collector
+from .shape_infer import calibrator_beside, ort_loads_fast
 
 HISTOGRAM_BINS = 2048  # percentile and distribution: ORT's defaults
 SINK_POSITIONS = (0,)  # the first token: BOS, the attention sink that carries massive activations
@@ -138,15 +139,23 @@ def collect_ranges(model_path: str | Path, method: str, inputs: np.ndarray, *, o
     reader = WindowCalibrationReader(inputs, batch_size=batch_size)
     with tempfile.TemporaryDirectory(prefix="quantnorm-calib-") as tmp:
         def make_calibrator():
-            with _calibrating_inputs_only(inputs_only), _sessions_without_memory_pattern():
-                made = create_calibrator(
-                    Path(model_path), op_types, augmented_model_path=str(Path(tmp) / "augmented.onnx"),
-                    calibrate_method=calibrate_method, extra_options=extra,
-                    # the augmented copy is FP32-sized: past 2 GB it needs external data as the model does
-                    use_external_data_format=onnx_needs_external_data(model_path),
-                )
+            # The augmented model is saved beside the model, its weights referenced, not copied
+            # (``shape_infer``); where nothing can be written there, in tmp with the weights.
+            with calibrator_beside(model_path) as beside:
+                with _calibrating_inputs_only(inputs_only), _sessions_without_memory_pattern(), \
+                        ort_loads_fast(weights=beside is None):
+                    made = create_calibrator(
+                        Path(model_path), op_types, augmented_model_path=beside or str(Path(tmp) / "augmented.onnx"),
+                        calibrate_method=calibrate_method, extra_options=extra,
+                        # a copy with the weights is FP32-sized: past 2 GB it needs external data too
+                        use_external_data_format=beside is None and onnx_needs_external_data(model_path),
+                    )
             if method == "entropy":
                 made.collector = fast_entropy_collector(made)
+            elif method == "percentile":
+                made.collector = UniformAbsHistogramCollector(
+                    method="percentile", symmetric=made.symmetric, num_bins=made.num_bins,
+                    num_quantized_bins=made.num_quantized_bins, percentile=made.percentile, scenario=made.scenario)
             made.model = without_weights(made.model)
             return made
 
@@ -200,6 +209,39 @@ def without_weights(model: onnx.ModelProto) -> onnx.ModelProto:
     return onnx.helper.make_model(lean, opset_imports=model.opset_import, ir_version=model.ir_version)
 
 
+class UniformAbsHistogramCollector(HistogramCollector):
+    """ORT's percentile collector (histograms of |x|), counting with numpy's equal-bin path.
+
+    Once a tensor has a histogram, ORT counts each later chunk with ``np.histogram(x,
+    bins=edges)``: an array of edges takes numpy's general path, which sorts the data (27 s of
+    a percentile calibration of Gemma 3, whose chunks follow a MinMax pre-pass). The edges are
+    equal bins over ``[0, top]`` (``seed_histograms``, or ORT's first chunk), so ``bins=n,
+    range=(0, top)`` gives the same counts: numpy builds the same float32 edges and checks each
+    value against them. Where ORT would widen the histogram (a value past ``top``), or the edges
+    are not those equal bins, or a value is not finite, ORT's own code runs."""
+
+    def collect_absolute_value(self, name_to_arr):
+        rest = {}
+        for tensor, data in name_to_arr.items():
+            old = self.histogram_dict.get(tensor)
+            arr = np.asarray(data).ravel()
+            if old is None or arr.size == 0 or arr.dtype != old[1].dtype:
+                rest[tensor] = data
+                continue
+            hist, edges, old_min, old_max = old
+            top = float(edges[-1])
+            bins = len(edges) - 1
+            magnitude = np.absolute(arr)
+            if not (np.isfinite(magnitude).all() and float(magnitude.max()) <= top and float(edges[0]) == 0.0
+                    and np.array_equal(edges, np.linspace(0.0, top, bins + 1, dtype=edges.dtype))):
+                rest[tensor] = data
+                continue
+            counts, _ = np.histogram(magnitude, bins=bins, range=(0.0, top))
+            self.histogram_dict[tensor] = (counts + hist, edges, min(old_min, arr.min()), max(old_max, arr.max()))
+        if rest:
+            super().collect_absolute_value(rest)
+
+
 def seed_histograms(calibrator, extremes) -> None:
     """Empty histograms spanning each tensor's final range, in the layout ORT's
     ``HistogramCollector`` keeps (``collect_value``: symmetric, ``collect_absolute_value``: |x|)."""
@@ -234,7 +276,7 @@ def collect_ranges_without_positions(model_path: str | Path, inputs: np.ndarray,
     import onnxruntime as ort
     from onnxruntime.quantization.calibrate import CalibrationMethod, MinMaxCalibrater, TensorsData
 
-    with tempfile.TemporaryDirectory(prefix="quantnorm-calib-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="quantnorm-calib-") as tmp, ort_loads_fast():
         selector = MinMaxCalibrater(Path(model_path), op_types, augmented_model_path=str(Path(tmp) / "unused.onnx"))
         model = selector.model  # shape-inferred, as ORT's own calibrator sees it
         with _calibrating_inputs_only(inputs_only):

@@ -30,6 +30,7 @@ import onnx
 
 from ..calibration import get_calibration_method
 from ..calibration.ranges import collect_ranges, method_details
+from ..calibration.shape_infer import ort_loads_fast
 from ..errors import ConfigError, QuantizeError
 from ..fileio import atomic_path, onnx_needs_external_data
 from ..measure.graph_probe import graph_probe
@@ -344,7 +345,8 @@ def _run_quantizer(pre_path: Path, q_path: Path, recipe: Recipe, settings: dict,
         # on an output quantizes the logits themselves (8-bit logits cost ~1 point of top-1).
         extra["OpTypesToExcludeOutputQuantization"] = ["MatMul"]
     log: list[str] = []
-    with _quiet(log), warnings.catch_warnings(record=True) as caught:
+    # ort_loads_fast: ORT's loader without its shape-inferred copy of the model on disk (calibration.shape_infer)
+    with _quiet(log), warnings.catch_warnings(record=True) as caught, ort_loads_fast():
         warnings.simplefilter("always")
         if recipe.mode == "static":
             extra["ActivationSymmetric"] = recipe.symmetric_activations

@@ -1,0 +1,84 @@
+"""ONNX Runtime's quantizer and calibrators, loading models without two copies on disk.
+
+ORT's ``load_model_with_shape_infer`` (called by ``quantize_static``, ``quantize_dynamic`` and
+every calibrator's constructor) runs ``onnx.shape_inference.infer_shapes_path``, which writes a
+shape-inferred copy of the whole model (weights included) to disk and reads it back. Each
+calibrator then saves its augmented model, weights included, and opens a session on that file.
+On Gemma 3's 1.7 GB pre-processed graph that was 46 s per calibrator (shape inference 19 s, the
+write 9 s, serialization 9 s) against 27 s of calibration runs, and a percentile calibration built
+three of them.
+
+``ort_loads_fast`` swaps in ``load_with_shape_infer``: shape inference runs on the graph alone,
+its weights referenced in the model's own file (``onnx_wire.model_with_weights_by_reference``;
+shape inference reads dims and types, never weight values), and the values are read into the
+model only where the caller needs them (the quantizers quantize them; a calibrator never reads
+them). ``calibrator_beside`` then saves a calibrator's augmented model beside the original, so
+that its references resolve, and removes it once the session holds it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import onnx
+from onnx.external_data_helper import load_external_data_for_model
+from onnxruntime.quantization import calibrate as ort_calibrate
+from onnxruntime.quantization.quant_utils import add_infer_metadata
+
+from ..onnx_wire import model_with_weights_by_reference
+
+
+def load_with_shape_infer(model_path: str | os.PathLike, *, weights: bool = True) -> onnx.ModelProto:
+    """``model_path`` shape-inferred and marked as ORT's loader marks it (``add_infer_metadata``).
+    ``weights``: read the weight values into the model (False: they stay references into
+    ``model_path``'s file, for a copy saved in the same directory)."""
+    model_path = Path(model_path)
+    model = onnx.ModelProto.FromString(model_with_weights_by_reference(model_path))
+    model = onnx.shape_inference.infer_shapes(model)
+    add_infer_metadata(model)
+    if weights:
+        load_external_data_for_model(model, str(model_path.parent))
+    return model
+
+
+@contextlib.contextmanager
+def ort_loads_fast(*, weights: bool = True) -> Iterator[None]:
+    """While active, ORT's quantizers and calibrators load models with ``load_with_shape_infer``."""
+    # The module, not the function the package exports under the same name.
+    modules = (ort_calibrate, importlib.import_module("onnxruntime.quantization.quantize"))
+    originals = [m.load_model_with_shape_infer for m in modules]
+
+    def load(model_path):
+        return load_with_shape_infer(model_path, weights=weights)
+
+    for m in modules:
+        m.load_model_with_shape_infer = load
+    try:
+        yield
+    finally:
+        for m, original in zip(modules, originals):
+            m.load_model_with_shape_infer = original
+
+
+@contextlib.contextmanager
+def calibrator_beside(model_path: str | os.PathLike) -> Iterator[str | None]:
+    """A path for a calibrator's augmented model beside ``model_path`` (a hidden temporary name),
+    removed on exit; None where that directory cannot be written (the caller then lets ORT copy
+    the weights as it always did)."""
+    model_path = Path(model_path)
+    try:
+        fd, path = tempfile.mkstemp(prefix=f".{model_path.stem}.calib-", suffix=".onnx", dir=model_path.parent)
+    except OSError:
+        yield None
+        return
+    os.close(fd)
+    try:
+        yield path
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
