@@ -337,3 +337,23 @@ def test_a_zoo_evaluate_has_no_default_latency_budget():
 
     params = evaluate.make_context("evaluate", ["--placement", "pre", "--norm", "rms"]).params
     assert evaluate_config(dict(params), progress=False).latency_seconds is None
+
+
+def test_batch_sizes_share_one_session_and_one_placement_profile(models, tmp_path, monkeypatch):
+    """bench_grid loads each model once for all its batch sizes (a Gemma 3 FP32 load is 7 s) and
+    profiles its node placement once; every batch size still gets its own row and timed runs."""
+    monkeypatch.chdir(tmp_path)
+    opened = []
+    original = latency.make_session
+
+    def counting(*args, **kwargs):
+        opened.append(kwargs.get("profile"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(latency, "make_session", counting)
+    rows = latency.bench_grid({"qdq": models["qdq"]}, ["CPUExecutionProvider"], [1, 2, 3], 8, threads=1,
+                              warmup=1, iters=3)
+    assert opened == [True]
+    assert [r.batch for r in rows] == [1, 2, 3] and all(r.measured and r.iterations == 3 for r in rows)
+    assert all(r.node_providers == rows[0].node_providers and r.node_providers for r in rows)
+    assert list(tmp_path.iterdir()) == []

@@ -201,75 +201,90 @@ def bench_model(path: str | os.PathLike, *, variant: str, spec: SessionSpec, bat
     node. Returns a ``not measured`` row when the provider cannot run here; raises MeasureError
     when the file is missing or corrupt or the run fails. ``is_quantized`` None: read from the graph.
     """
+    return bench_batches(path, variant=variant, spec=spec, batches=[batch], seq=seq, warmup=warmup, iters=iters,
+                         is_quantized=is_quantized, progress=progress, record_placement=record_placement, seed=seed,
+                         max_seconds=max_seconds)[0]
+
+
+def bench_batches(path: str | os.PathLike, *, variant: str, spec: SessionSpec, batches: list[int], seq: int,
+                  warmup: int = 5, iters: int = 30, is_quantized: bool | None = None, progress: bool = False,
+                  record_placement: bool = True, seed: int = 0, max_seconds: float | None = None) -> list[LatencyRow]:
+    """``bench_model`` for each batch size in turn, on one session: a model is loaded (and its node
+    placement profiled, on the first batch) once, not once per batch size (7 s a load for Gemma 3's
+    FP32 graph). Each batch size gets its own warm-up, timed runs and row."""
     path = Path(path)
-    if batch < 1 or seq < 1 or warmup < 0 or iters < 1:
-        raise MeasureError(f"need batch >= 1, seq >= 1, warmup >= 0, iters >= 1; got {batch}, {seq}, {warmup}, {iters}")
+    if not batches or min(batches) < 1 or seq < 1 or warmup < 0 or iters < 1:
+        raise MeasureError(f"need batch >= 1, seq >= 1, warmup >= 0, iters >= 1; got {batches}, {seq}, {warmup}, {iters}")
     if max_seconds is not None and max_seconds <= 0:
         raise MeasureError(f"the latency time budget must be > 0 seconds, got {max_seconds}")
     if not path.is_file():
         raise MeasureError(f"model file not found: {path}")
-    base = {"provider": spec.provider, "variant": variant, "batch": batch, "seq": seq,
-            "threads": spec.threads, "size_bytes": path.stat().st_size}
+    bases = [{"provider": spec.provider, "variant": variant, "batch": batch, "seq": seq,
+              "threads": spec.threads, "size_bytes": path.stat().st_size} for batch in batches]
     reason = provider_status(spec.provider)
     if reason is not None:
-        return not_measured(reason=reason, **base)
+        return [not_measured(reason=reason, **base) for base in bases]
+    rows: list[LatencyRow] = []
     with tempfile.TemporaryDirectory(prefix="quantnorm-profile-") as tmp:
         try:
             session = make_session(path, spec, profile=record_placement, profile_prefix=Path(tmp) / "ort")
         except ProviderUnavailable as exc:
-            return not_measured(reason=str(exc), **base)
-        feed = random_input_ids(session, batch, seq, seed)
+            return [not_measured(reason=str(exc), **base) for base in bases]
         node_providers = node_ops = None
-        if record_placement:  # one profiled run, never timed; the profiler is off after it
-            _run(session, feed, path, batch, seq)
+        if record_placement:  # one profiled run of the first batch, never timed; the profiler is off after it
+            _run(session, random_input_ids(session, batches[0], seq, seed), path, batches[0], seq)
             node_providers, node_ops = _placement_from_profile(Path(session.end_profiling()))
 
         fmt = quant_format(path)
         quantized = (fmt is not None) if is_quantized is None else is_quantized
-        notes: list[str] = []
+        fixed_notes: list[str] = []
         simulated = False
         if spec.provider == CUDA and quantized and fmt != "operator":
             simulated = True
-            notes.append(_SIMULATED_NOTE)
+            fixed_notes.append(_SIMULATED_NOTE)
         if spec.provider == TENSORRT and quantized:
-            notes.append(_TENSORRT_NOTE)
+            fixed_notes.append(_TENSORRT_NOTE)
         if spec.provider != CPU:
-            notes.append(_GPU_NOTE)
+            fixed_notes.append(_GPU_NOTE)
 
-        times: list[float] = []
-        label = f"{variant} {spec.provider.replace('ExecutionProvider', '')} b{batch}x{seq}"
-        with tqdm(total=warmup + iters, desc=label, disable=not progress, leave=False, unit="run") as bar:
-            warmed, warm_seconds = min(warmup, int(record_placement)), 0.0
-            bar.update(warmed)
-            while warmed < warmup:
-                if max_seconds is not None and warmed >= MIN_WARMUP_RUNS and warm_seconds >= WARMUP_SHARE * max_seconds:
-                    notes.append(f"{warmed} of {warmup} warm-up runs: stopped at {WARMUP_SHARE:g} of the time budget")
-                    bar.update(warmup - warmed)
-                    break
-                start = time.perf_counter()
-                _run(session, feed, path, batch, seq)
-                warm_seconds += time.perf_counter() - start
-                warmed += 1
-                bar.update()
-            for _ in range(iters):
-                start = time.perf_counter()
-                _run(session, feed, path, batch, seq)
-                times.append(time.perf_counter() - start)
-                bar.update()
-                if max_seconds is not None and len(times) >= MIN_TIMED_RUNS and sum(times) >= max_seconds:
-                    break
+        for i, (batch, base) in enumerate(zip(batches, bases)):
+            feed = random_input_ids(session, batch, seq, seed)
+            notes = list(fixed_notes)
+            times: list[float] = []
+            label = f"{variant} {spec.provider.replace('ExecutionProvider', '')} b{batch}x{seq}"
+            with tqdm(total=warmup + iters, desc=label, disable=not progress, leave=False, unit="run") as bar:
+                warmed, warm_seconds = min(warmup, int(record_placement and i == 0)), 0.0
+                bar.update(warmed)
+                while warmed < warmup:
+                    if max_seconds is not None and warmed >= MIN_WARMUP_RUNS and warm_seconds >= WARMUP_SHARE * max_seconds:
+                        notes.append(f"{warmed} of {warmup} warm-up runs: stopped at {WARMUP_SHARE:g} of the time budget")
+                        bar.update(warmup - warmed)
+                        break
+                    start = time.perf_counter()
+                    _run(session, feed, path, batch, seq)
+                    warm_seconds += time.perf_counter() - start
+                    warmed += 1
+                    bar.update()
+                for _ in range(iters):
+                    start = time.perf_counter()
+                    _run(session, feed, path, batch, seq)
+                    times.append(time.perf_counter() - start)
+                    bar.update()
+                    if max_seconds is not None and len(times) >= MIN_TIMED_RUNS and sum(times) >= max_seconds:
+                        break
+            if len(times) < iters:
+                notes.append(f"{len(times)} of {iters} timed runs: stopped at the {max_seconds:g} s time budget")
+            times_ms = np.asarray(times, dtype=np.float64) * 1e3
+            p50, p90, p99 = np.percentile(times_ms, [50, 90, 99])
+            mean_s = float(times_ms.mean()) / 1e3
+            rows.append(LatencyRow(
+                **base, status=MEASURED,
+                p50_ms=float(p50), p90_ms=float(p90), p99_ms=float(p99), mean_ms=mean_s * 1e3,
+                tokens_per_s=batch * seq / mean_s, iterations=len(times), peak_rss_mb=round(peak_rss_mb(), 1),
+                node_providers=node_providers, node_ops=node_ops, simulated_int8=simulated, note="; ".join(notes),
+            ))
         del session
-    if len(times) < iters:
-        notes.append(f"{len(times)} of {iters} timed runs: stopped at the {max_seconds:g} s time budget")
-    times_ms = np.asarray(times, dtype=np.float64) * 1e3
-    p50, p90, p99 = np.percentile(times_ms, [50, 90, 99])
-    mean_s = float(times_ms.mean()) / 1e3
-    return LatencyRow(
-        **base, status=MEASURED,
-        p50_ms=float(p50), p90_ms=float(p90), p99_ms=float(p99), mean_ms=mean_s * 1e3,
-        tokens_per_s=batch * seq / mean_s, iterations=len(times), peak_rss_mb=round(peak_rss_mb(), 1),
-        node_providers=node_providers, node_ops=node_ops, simulated_int8=simulated, note="; ".join(notes),
-    )
+    return rows
 
 
 def bench_grid(models: dict[str, Path], providers: list[str], batches: list[int], seq: int, *,
@@ -283,8 +298,7 @@ def bench_grid(models: dict[str, Path], providers: list[str], batches: list[int]
     for provider in providers:
         spec = SessionSpec(provider=provider, graph_optimization_level=graph_optimization_level, threads=threads)
         for variant, path in models.items():
-            for batch in batches:
-                rows.append(bench_model(path, variant=variant, spec=spec, batch=batch, seq=seq, warmup=warmup,
-                                        iters=iters, progress=progress, record_placement=record_placement,
-                                        max_seconds=max_seconds))
+            rows += bench_batches(path, variant=variant, spec=spec, batches=list(batches), seq=seq, warmup=warmup,
+                                  iters=iters, progress=progress, record_placement=record_placement,
+                                  max_seconds=max_seconds)
     return rows
