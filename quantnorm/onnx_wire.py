@@ -8,6 +8,7 @@ a memory-mapped file and step over each initializer by its length prefix.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 from collections.abc import Iterator
@@ -55,6 +56,16 @@ def _fields(buf, start: int, end: int) -> Iterator[tuple[int, int, int, int]]:
         pos = after
 
 
+@contextlib.contextmanager
+def _mapped(path: str | os.PathLike) -> Iterator[mmap.mmap]:
+    """The file at ``path``, memory-mapped read-only (ValueError for an empty file)."""
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            raise ValueError("empty file")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            yield buf
+
+
 def onnx_nodes(path: str | os.PathLike) -> list[tuple[str, list[str], list[str]]]:
     """``(op_type, inputs, outputs)`` of every node of the model's graph, then of its local
     functions, read without parsing the initializers (see above). Subgraphs (If/Loop bodies) are
@@ -74,22 +85,19 @@ def onnx_nodes(path: str | os.PathLike) -> list[tuple[str, list[str], list[str]]
                 outputs.append(bytes(buf[a:b]).decode())
         nodes.append((op, inputs, outputs))
 
-    with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size == 0:
-            raise ValueError("empty file")
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            functions = []
-            for field, wire, a, b in _fields(buf, 0, len(buf)):
-                if wire == 2 and field == _MODEL_GRAPH:
-                    for f2, w2, a2, b2 in _fields(buf, a, b):
-                        if w2 == 2 and f2 == _GRAPH_NODE:
-                            node(buf, a2, b2)
-                elif wire == 2 and field == _MODEL_FUNCTIONS:
-                    functions.append((a, b))
-            for a, b in functions:
+    with _mapped(path) as buf:
+        functions = []
+        for field, wire, a, b in _fields(buf, 0, len(buf)):
+            if wire == 2 and field == _MODEL_GRAPH:
                 for f2, w2, a2, b2 in _fields(buf, a, b):
-                    if w2 == 2 and f2 == _FUNCTION_NODE:
+                    if w2 == 2 and f2 == _GRAPH_NODE:
                         node(buf, a2, b2)
+            elif wire == 2 and field == _MODEL_FUNCTIONS:
+                functions.append((a, b))
+        for a, b in functions:
+            for f2, w2, a2, b2 in _fields(buf, a, b):
+                if w2 == 2 and f2 == _FUNCTION_NODE:
+                    node(buf, a2, b2)
     return nodes
 
 
@@ -98,22 +106,19 @@ def external_data_locations(path: str | os.PathLike) -> set[str]:
     model that hold its weights); empty for a model whose weights are inline. Each initializer's
     raw bytes are stepped over, not read."""
     locations: set[str] = set()
-    with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size == 0:
-            raise ValueError("empty file")
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            for field, wire, a, b in _fields(buf, 0, len(buf)):
-                if not (wire == 2 and field == _MODEL_GRAPH):
+    with _mapped(path) as buf:
+        for field, wire, a, b in _fields(buf, 0, len(buf)):
+            if not (wire == 2 and field == _MODEL_GRAPH):
+                continue
+            for f2, w2, a2, b2 in _fields(buf, a, b):
+                if not (w2 == 2 and f2 == _GRAPH_INITIALIZER):
                     continue
-                for f2, w2, a2, b2 in _fields(buf, a, b):
-                    if not (w2 == 2 and f2 == _GRAPH_INITIALIZER):
+                for f3, w3, a3, b3 in _fields(buf, a2, b2):
+                    if w3 != 2 or f3 != _TENSOR_EXTERNAL_DATA:
                         continue
-                    for f3, w3, a3, b3 in _fields(buf, a2, b2):
-                        if w3 != 2 or f3 != _TENSOR_EXTERNAL_DATA:
-                            continue
-                        entry = {k: bytes(buf[x:y]).decode() for k, w4, x, y in _fields(buf, a3, b3) if w4 == 2}
-                        if entry.get(_ENTRY_KEY) == "location" and _ENTRY_VALUE in entry:
-                            locations.add(entry[_ENTRY_VALUE])
+                    entry = {k: bytes(buf[x:y]).decode() for k, w4, x, y in _fields(buf, a3, b3) if w4 == 2}
+                    if entry.get(_ENTRY_KEY) == "location" and _ENTRY_VALUE in entry:
+                        locations.add(entry[_ENTRY_VALUE])
     return locations
 
 
@@ -178,19 +183,16 @@ def model_with_weights_by_reference(path: str | os.PathLike, *, min_bytes: int =
         return bytes(kept)
 
     out = bytearray()
-    with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size == 0:
-            raise ValueError("empty file")
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            for field, wire, a, b in _fields(buf, 0, len(buf)):
-                if not (wire == 2 and field == _MODEL_GRAPH):
-                    out += _encode(field, wire, buf[a:b])
-                    continue
-                graph = bytearray()
-                for f2, w2, a2, b2 in _fields(buf, a, b):
-                    if w2 == 2 and f2 == _GRAPH_INITIALIZER:
-                        graph += _encode(f2, w2, tensor(buf, a2, b2))
-                    else:
-                        graph += _encode(f2, w2, buf[a2:b2])
-                out += _encode(field, wire, graph)
+    with _mapped(path) as buf:
+        for field, wire, a, b in _fields(buf, 0, len(buf)):
+            if not (wire == 2 and field == _MODEL_GRAPH):
+                out += _encode(field, wire, buf[a:b])
+                continue
+            graph = bytearray()
+            for f2, w2, a2, b2 in _fields(buf, a, b):
+                if w2 == 2 and f2 == _GRAPH_INITIALIZER:
+                    graph += _encode(f2, w2, tensor(buf, a2, b2))
+                else:
+                    graph += _encode(f2, w2, buf[a2:b2])
+            out += _encode(field, wire, graph)
     return bytes(out)
