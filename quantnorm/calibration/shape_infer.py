@@ -12,7 +12,11 @@ three of them.
 its weights referenced in the model's own file (``onnx_wire.model_with_weights_by_reference``;
 shape inference reads dims and types, never weight values), and the values are read into the
 model only where the caller needs them (the quantizers quantize them; a calibrator never reads
-them). ``calibrator_beside`` then saves a calibrator's augmented model beside the original, so
+them). ORT's dynamic quantizer infers shapes once more on the model it holds in memory
+(``save_and_reload_model_with_shape_infer``: a deep copy saved to disk with its weights and read
+back, 40 s on Gemma 3); ``infer_shapes_in_memory`` infers them on a copy whose large weights are
+stubs (dims and type only) and hands the result's value_info to the model itself.
+``calibrator_beside`` then saves a calibrator's augmented model beside the original, so
 that its references resolve, and removes it once the session holds it.
 """
 
@@ -46,9 +50,51 @@ def load_with_shape_infer(model_path: str | os.PathLike, *, weights: bool = True
     return model
 
 
+# Initializers at least this large are stubbed for shape inference (small ones may be shape
+# constants that inference reads: the Reshape targets, the axes of a Squeeze).
+STUB_BYTES = 1024
+
+
+def infer_shapes_in_memory(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with the value_info of shape inference and ORT's inference mark, in place (what
+    ORT's ``save_and_reload_model_with_shape_infer`` returns, without writing the model out)."""
+    skeleton = onnx.ModelProto()
+    _copy_fields(model, skeleton, skip=("graph",))
+    _copy_fields(model.graph, skeleton.graph, skip=("initializer",))   # value_info too: inference keeps it
+    for init in model.graph.initializer:
+        if init.data_location == onnx.TensorProto.EXTERNAL or len(init.raw_data) < STUB_BYTES:
+            skeleton.graph.initializer.append(init)
+            continue
+        # dims and type are all shape inference reads of a weight; a reference to nowhere keeps
+        # the stub a valid tensor without its bytes
+        stub = skeleton.graph.initializer.add(name=init.name, data_type=init.data_type, dims=init.dims,
+                                              data_location=onnx.TensorProto.EXTERNAL)
+        stub.external_data.add(key="location", value="__shape_inference_stub__")
+    inferred = onnx.shape_inference.infer_shapes(skeleton)
+    del model.graph.value_info[:]
+    model.graph.value_info.extend(inferred.graph.value_info)
+    add_infer_metadata(model)
+    return model
+
+
+def _copy_fields(src, dst, *, skip: tuple[str, ...]) -> None:
+    """Every set field of the message ``src`` but those named in ``skip``, into ``dst``."""
+    for field, value in src.ListFields():
+        if field.name in skip:
+            continue
+        # is_repeated from protobuf 5.28 on; label before it (deprecated since)
+        if (field.is_repeated if hasattr(field, "is_repeated") else field.label == field.LABEL_REPEATED):
+            getattr(dst, field.name).extend(value)
+        elif field.message_type is not None:
+            getattr(dst, field.name).CopyFrom(value)
+        else:
+            setattr(dst, field.name, value)
+
+
 @contextlib.contextmanager
 def ort_loads_fast(*, weights: bool = True) -> Iterator[None]:
-    """While active, ORT's quantizers and calibrators load models with ``load_with_shape_infer``."""
+    """While active, ORT's quantizers and calibrators load models with ``load_with_shape_infer``, and
+    its dynamic quantizer re-infers shapes with ``infer_shapes_in_memory``."""
     # The module, not the function the package exports under the same name.
     modules = (ort_calibrate, importlib.import_module("onnxruntime.quantization.quantize"))
     originals = [m.load_model_with_shape_infer for m in modules]
@@ -56,13 +102,17 @@ def ort_loads_fast(*, weights: bool = True) -> Iterator[None]:
     def load(model_path):
         return load_with_shape_infer(model_path, weights=weights)
 
+    dynamic = importlib.import_module("onnxruntime.quantization.onnx_quantizer")
+    reload_original = dynamic.save_and_reload_model_with_shape_infer
     for m in modules:
         m.load_model_with_shape_infer = load
+    dynamic.save_and_reload_model_with_shape_infer = infer_shapes_in_memory
     try:
         yield
     finally:
         for m, original in zip(modules, originals):
             m.load_model_with_shape_infer = original
+        dynamic.save_and_reload_model_with_shape_infer = reload_original
 
 
 @contextlib.contextmanager

@@ -36,6 +36,7 @@ from ..fileio import atomic_path, onnx_needs_external_data
 from ..measure.graph_probe import graph_probe
 from ..measure.placement import find_norms
 from .gptq import ABS_HISTOGRAM_BINS, collect_activation_stats, matmul_inputs, mse_clip
+from .ort_weights import ort_quantizes_weights_fast
 from .pertoken import ACT_QMAX, ACT_ZERO_POINT, EPS, quantize_per_token
 from .recipes import ONLINE_ROTATION_MARKER, Recipe
 from .sanity import sanity_check
@@ -170,7 +171,7 @@ def quantize(fp32_path: Path, recipe: Recipe, calib_inputs: np.ndarray | None, o
                 raise QuantizeError(f"recipe {recipe.name} cannot quantize {fp32_path.name}: {exc}") from exc
             problems = sanity_check(q_path, probe_inputs)
             with atomic_path(out_path, suffix=".onnx") as final_tmp:
-                shutil.copyfile(q_path, final_tmp)
+                _move(q_path, final_tmp)
             status = "ok" if not problems else f"broken: {problems[0]}"
             return QuantizeResult(recipe.name, out_path, settings, status, problems)
         try:
@@ -197,9 +198,18 @@ def quantize(fp32_path: Path, recipe: Recipe, calib_inputs: np.ndarray | None, o
         # The sanity problems name the damage (an inf scale), the warnings only hint at it: first.
         problems = sanity_check(q_path, probe_inputs) + problems
         with atomic_path(out_path, suffix=".onnx") as final_tmp:
-            shutil.copyfile(q_path, final_tmp)
+            _move(q_path, final_tmp)
     status = "ok" if not problems else f"broken: {problems[0]}"
     return QuantizeResult(recipe.name, out_path, settings, status, problems)
+
+
+def _move(src: Path, dst: Path) -> None:
+    """``src`` to ``dst``: a rename where both sit on one filesystem (the temporary directory
+    usually does), a copy where they do not (an INT8 Gemma 3 is 940 MB)."""
+    try:
+        os.replace(src, dst)
+    except OSError:
+        shutil.copyfile(src, dst)
 
 
 def _pertoken_calibration(pre_path: Path, recipe: Recipe, to_quantize: list[str], normed: dict[str, tuple[str, int]],
@@ -345,8 +355,9 @@ def _run_quantizer(pre_path: Path, q_path: Path, recipe: Recipe, settings: dict,
         # on an output quantizes the logits themselves (8-bit logits cost ~1 point of top-1).
         extra["OpTypesToExcludeOutputQuantization"] = ["MatMul"]
     log: list[str] = []
-    # ort_loads_fast: ORT's loader without its shape-inferred copy of the model on disk (calibration.shape_infer)
-    with _quiet(log), warnings.catch_warnings(record=True) as caught, ort_loads_fast():
+    # ort_loads_fast: ORT's loader without its shape-inferred copy of the model on disk (calibration.shape_infer);
+    # ort_quantizes_weights_fast: per-channel weights in one numpy pass, not one Python call per channel
+    with _quiet(log), warnings.catch_warnings(record=True) as caught, ort_loads_fast(), ort_quantizes_weights_fast():
         warnings.simplefilter("always")
         if recipe.mode == "static":
             extra["ActivationSymmetric"] = recipe.symmetric_activations
