@@ -24,7 +24,7 @@ from quantnorm.measure.sessions import (
 
 CTX = 16
 TIMING_KEYS = {"p50_ms", "p90_ms", "p99_ms", "mean_ms", "tokens_per_s", "iterations", "peak_rss_mb",
-               "node_providers", "node_ops"}
+               "node_providers", "node_ops", "op_ms"}
 CUDA_WORKS = provider_status("cuda") is None
 
 
@@ -357,3 +357,37 @@ def test_batch_sizes_share_one_session_and_one_placement_profile(models, tmp_pat
     assert [r.batch for r in rows] == [1, 2, 3] and all(r.measured and r.iterations == 3 for r in rows)
     assert all(r.node_providers == rows[0].node_providers and r.node_providers for r in rows)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_kernel_time_per_op_type_comes_from_the_warm_profiled_run(models, tmp_path, monkeypatch):
+    """op_ms: where the time goes inside ORT, read off the second of the two profiled runs (the
+    first also pays for allocations); only the first batch's row carries it."""
+    monkeypatch.chdir(tmp_path)
+    rows = latency.bench_grid({"dynamic": models["dynamic"]}, ["CPUExecutionProvider"], [2, 3], 8, threads=1,
+                              warmup=2, iters=3)
+    first, second = rows
+    ops = first.op_ms["CPUExecutionProvider"]
+    assert set(first.op_ms) == {"CPUExecutionProvider"} and second.op_ms is None
+    assert "MatMulInteger" in ops or "DynamicQuantizeMatMul" in ops or "MatMulIntegerToFloat" in ops
+    assert all(ms >= 0 for ms in ops.values()) and list(ops.values()) == sorted(ops.values(), reverse=True)
+    assert set(ops) <= set(first.node_ops["CPUExecutionProvider"])
+    assert sum(ops.values()) < first.p50_ms * 5   # one run's kernels, not the two profiled runs' sum
+    assert "op_ms" in first.to_dict() and "op_ms" not in LatencyRow(
+        provider="CPUExecutionProvider", variant="x", batch=1, seq=1, status="not measured: test").to_dict()
+
+
+def test_profile_facts_take_kernel_times_from_the_last_run_only(tmp_path):
+    import json
+
+    def node(name, op, ts, dur):
+        return {"cat": "Node", "name": f"{name}_kernel_time", "ts": ts, "dur": dur,
+                "args": {"op_name": op, "provider": "CPUExecutionProvider"}}
+
+    events = [{"cat": "Session", "name": "model_run", "ts": 0, "dur": 100}, node("a", "MatMul", 10, 90),
+              {"cat": "Session", "name": "model_run", "ts": 200, "dur": 50}, node("a", "MatMul", 210, 30),
+              node("b", "Add", 260, 4000)]   # after the run ended: not counted
+    profile = tmp_path / "p.json"
+    profile.write_text(json.dumps(events))
+    providers, per_op, op_ms = latency._profile_facts(profile)
+    assert providers == {"CPUExecutionProvider": 2} and per_op == {"CPUExecutionProvider": {"Add": 1, "MatMul": 1}}
+    assert op_ms == {"CPUExecutionProvider": {"MatMul": 0.03}}

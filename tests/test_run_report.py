@@ -111,3 +111,38 @@ def test_report_of_a_schema_2_file_differs_only_in_the_schema_it_names(tmp_path)
     run = _copy_run(src, tmp_path / "run")
     report = write_report(run, results).read_text()
     assert report == (src / "report.md").read_text().replace("(results.json schema 1)", "(results.json schema 2)")
+
+
+def test_latency_section_splits_each_variants_kernel_time():
+    """op_ms rows get a table of where the time goes (integer GEMMs, float GEMMs, (de)quantize,
+    other, in ms and shares); rows without it (older runs) get none."""
+    from quantnorm.report.sections import kernel_time_split, latency_tables
+
+    cpu = "CPUExecutionProvider"
+    fp32 = {"provider": cpu, "variant": "fp32", "batch": 8, "seq": 128, "status": "measured", "p50_ms": 100.0,
+            "p90_ms": 1, "p99_ms": 1, "tokens_per_s": 1, "op_ms": {cpu: {"MatMul": 80.0, "Add": 20.0}}}
+    int8 = {**fp32, "variant": "pertoken", "p50_ms": 50.0,
+            "op_ms": {cpu: {"MatMulIntegerToFloat": 25.0, "Add": 20.0, "QuantizeLinear": 3.0, "FusedMatMul": 2.0}}}
+    text = "\n".join(latency_tables({"latency": [fp32, int8]}))
+    assert "| `fp32` | 8 | 100.0 | 0.0 (0%) | 80.0 (80%) | 0.0 (0%) | 20.0 (20%) | MatMul 80, Add 20 |" in text
+    assert "| `pertoken` | 8 | 50.0 | 25.0 (50%) | 2.0 (4%) | 3.0 (6%) | 20.0 (40%) |" in text
+    assert kernel_time_split({"DynamicQuantizeLinear": 1.0, "Softmax": 2.0}) == {
+        "integer GEMMs": 0.0, "float GEMMs": 0.0, "(de)quantize": 1.0, "other": 2.0}
+    older = [{k: v for k, v in row.items() if k != "op_ms"} for row in (fp32, int8)]
+    assert "Kernel time" not in "\n".join(latency_tables({"latency": older}))
+
+
+def test_the_real_models_publisher_explains_a_latency_miss_from_the_profiles():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("publish_real_models", REPORTS.parent / "tools" / "publish_real_models.py")
+    publisher = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(publisher)
+    cpu = "CPUExecutionProvider"
+    fp32 = {"op_ms": {cpu: {"MatMul": 1400.0, "Add": 150.0, "Softmax": 50.0}}}
+    pick = {"op_ms": {cpu: {"MatMulIntegerToFloat": 500.0, "FusedMatMul": 90.0, "QuantizeLinear": 30.0, "Add": 180.0}}}
+    text = publisher.profile_split(fp32, pick)
+    assert "integer GEMMs took 500 ms where FP32's float GEMMs took 1400 ms" in text
+    assert "the rest of the pick took 300 ms" in text and "(de)quantize 30" in text
+    assert "which alone is 0.19 of FP32's 1600 ms of kernels" in text
+    assert publisher.profile_split(fp32, {}) == "" and publisher.profile_split(None, pick) == ""

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from quantnorm.fileio import atomic_path
 from quantnorm.report.markdown import pct, table
+from quantnorm.report.sections import kernel_time_split
 
 KEEP = ("results.json", "report.md")
 # One row per CPU kind the latency goal was read on, kept across runs on different machines: each
@@ -145,12 +146,32 @@ def miss_reason(r: dict, rows: dict, pick: dict) -> str:
                      "the weights)")
     rotated = rows.get("model.fp32.rotated.onnx")
     if rotated and pick.get("settings", {}).get("rotation") == "hadamard":
-        parts.append(f"the rotated FP32 model alone ran at {rotated['p50_ms'] / fp32:.3f} of FP32 in the same bench: "
-                     "that difference is the online Hadamard's cost")
+        parts.append(f"the rotated FP32 model alone ran at {rotated['p50_ms'] / fp32:.3f} of FP32 in the same bench")
+    split = profile_split(rows.get("model.fp32.onnx"), rows.get("model.int8.auto.onnx"))
+    if split:
+        parts.append(split)
     in_run, fp32_in_run = latency(r, pick["name"]), latency(r, "fp32")
     if in_run and fp32_in_run:
         parts.append(f"in the run's own latency stage the pick timed {in_run / fp32_in_run:.2f} of FP32")
     return (" (" + "; ".join(parts) + ")") if parts else ""
+
+
+def profile_split(fp32_row: dict | None, pick_row: dict | None) -> str:
+    """What ORT's profile of one warm run of each (bench.json's ``op_ms``) says about the ratio:
+    INT8 speeds up the integer GEMMs only; the float work around them costs what it costs in FP32."""
+    cpu = "CPUExecutionProvider"
+    fp32_ops = ((fp32_row or {}).get("op_ms") or {}).get(cpu)
+    pick_ops = ((pick_row or {}).get("op_ms") or {}).get(cpu)
+    if not fp32_ops or not pick_ops:
+        return ""
+    f, p = kernel_time_split(fp32_ops), kernel_time_split(pick_ops)
+    fp32_total, pick_total = sum(f.values()), sum(p.values())
+    rest = pick_total - p["integer GEMMs"]
+    return (f"ORT's profile of one warm run of each: the pick's integer GEMMs took {p['integer GEMMs']:.0f} ms "
+            f"where FP32's float GEMMs took {f['float GEMMs']:.0f} ms; the rest of the pick took {rest:.0f} ms "
+            f"(float GEMMs {p['float GEMMs']:.0f}: attention's two products and any online rotation; "
+            f"(de)quantize {p['(de)quantize']:.0f}; other ops {p['other']:.0f}, FP32's other ops {f['other']:.0f}), "
+            f"which alone is {rest / fp32_total:.2f} of FP32's {fp32_total:.0f} ms of kernels")
 
 
 def unscored_row(recipe: dict, notes: list[str], width: int) -> list[str]:

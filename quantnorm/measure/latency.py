@@ -35,7 +35,7 @@ NOT_MEASURED = "not measured: "
 
 # Keys that only a measured row may carry (RESULTS.md: a not-measured row has no timing keys).
 _MEASUREMENT_KEYS = ("p50_ms", "p90_ms", "p99_ms", "mean_ms", "tokens_per_s", "iterations",
-                     "peak_rss_mb", "node_providers", "node_ops")
+                     "peak_rss_mb", "node_providers", "node_ops", "op_ms")
 
 # Op types that make a graph quantized; the first group is the QDQ format (float ops between
 # Q/DQ pairs), the second the operator format (integer kernels).
@@ -69,6 +69,9 @@ class LatencyRow:
     simulated_int8: bool = False
     note: str = ""
     node_ops: dict | None = None  # {provider: {op_type: nodes}}, from the same profile
+    # {provider: {op_type: kernel ms}} of one warm profiled run of the first batch (not a timed run):
+    # where the time goes inside ORT, e.g. how much of an INT8 model is still float work
+    op_ms: dict | None = None
 
     def __post_init__(self) -> None:
         if self.status != MEASURED and not self.status.startswith(NOT_MEASURED):
@@ -143,23 +146,38 @@ def _run(session, feed: dict, path: Path, batch: int, seq: int) -> None:
 
 def _placement_from_profile(profile: Path) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
     """Which provider ran each node, read from an ORT profile's ``Node`` events."""
+    node_providers, node_ops, _ = _profile_facts(profile)
+    return node_providers, node_ops
+
+
+def _profile_facts(profile: Path) -> tuple[dict[str, int], dict[str, dict[str, int]], dict[str, dict[str, float]]]:
+    """From an ORT profile: nodes per provider, nodes per provider and op type (every run in
+    it), and kernel milliseconds per provider and op type in its last run (``model_run``)."""
     try:
         events = json.loads(profile.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise MeasureError(f"cannot read ORT profile {profile}: {exc}") from exc
+    runs = [e for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"]
+    last = max(runs, key=lambda e: e.get("ts", 0)) if runs else None
     nodes: dict[str, tuple[str, str]] = {}
+    op_us: dict[str, Counter] = {}
     for event in events:
         name = event.get("name", "")
         if event.get("cat") != "Node" or not name.endswith("_kernel_time"):
             continue
         args = event.get("args", {})
+        provider, op = args.get("provider", "unknown"), args.get("op_name", "unknown")
         # One entry per node even if a subgraph ran it several times.
-        nodes[name[: -len("_kernel_time")]] = (args.get("provider", "unknown"), args.get("op_name", "unknown"))
+        nodes[name[: -len("_kernel_time")]] = (provider, op)
+        ts = event.get("ts", 0)
+        if last is None or last["ts"] <= ts <= last["ts"] + last.get("dur", 0):
+            op_us.setdefault(provider, Counter())[op] += event.get("dur", 0)
     per_provider = Counter(provider for provider, _ in nodes.values())
     per_op: dict[str, Counter] = {}
     for provider, op in nodes.values():
         per_op.setdefault(provider, Counter())[op] += 1
-    return dict(sorted(per_provider.items())), {p: dict(sorted(c.items())) for p, c in sorted(per_op.items())}
+    op_ms = {p: {op: round(us / 1e3, 3) for op, us in c.most_common()} for p, c in sorted(op_us.items())}
+    return dict(sorted(per_provider.items())), {p: dict(sorted(c.items())) for p, c in sorted(per_op.items())}, op_ms
 
 
 def _profile_placement(path: str | os.PathLike, spec: SessionSpec, batch: int = 1,
@@ -182,10 +200,12 @@ def node_placement(path: str | os.PathLike, spec: SessionSpec, *, batch: int = 1
 # With a time budget, a cell still gets at least this many timed runs (p90 needs a few).
 MIN_TIMED_RUNS = 5
 # Under a time budget the warm-up stops too, once its runs add up to this share of the budget
-# (after MIN_WARMUP_RUNS, the profiled run included): Gemma 3's FP32 batch of 8 spent 16 s warming
+# (after MIN_WARMUP_RUNS, the profiled runs included): Gemma 3's FP32 batch of 8 spent 16 s warming
 # up for a 20 s cell. The first runs pay for allocations and pre-packing; two are enough for that.
 WARMUP_SHARE = 0.25
 MIN_WARMUP_RUNS = 2
+# profiled runs of a model's first batch: placement from both, kernel times from the second (warm)
+PROFILED_RUNS = 2
 
 
 def bench_model(path: str | os.PathLike, *, variant: str, spec: SessionSpec, batch: int, seq: int,
@@ -230,10 +250,18 @@ def bench_batches(path: str | os.PathLike, *, variant: str, spec: SessionSpec, b
             session = make_session(path, spec, profile=record_placement, profile_prefix=Path(tmp) / "ort")
         except ProviderUnavailable as exc:
             return [not_measured(reason=str(exc), **base) for base in bases]
-        node_providers = node_ops = None
-        if record_placement:  # one profiled run of the first batch, never timed; the profiler is off after it
-            _run(session, random_input_ids(session, batches[0], seq, seed), path, batches[0], seq)
-            node_providers, node_ops = _placement_from_profile(Path(session.end_profiling()))
+        node_providers = node_ops = op_ms = None
+        profiled_seconds = 0.0
+        if record_placement:
+            # Two profiled runs of the first batch, never timed (they count as warm-up); the
+            # profiler is off after them. The placement is read off both, the kernel times off the
+            # second: a first run also pays for allocations.
+            feed = random_input_ids(session, batches[0], seq, seed)
+            start = time.perf_counter()
+            for _ in range(PROFILED_RUNS):
+                _run(session, feed, path, batches[0], seq)
+            profiled_seconds = time.perf_counter() - start
+            node_providers, node_ops, op_ms = _profile_facts(Path(session.end_profiling()))
 
         fmt = quant_format(path)
         quantized = (fmt is not None) if is_quantized is None else is_quantized
@@ -253,7 +281,9 @@ def bench_batches(path: str | os.PathLike, *, variant: str, spec: SessionSpec, b
             times: list[float] = []
             label = f"{variant} {spec.provider.replace('ExecutionProvider', '')} b{batch}x{seq}"
             with tqdm(total=warmup + iters, desc=label, disable=not progress, leave=False, unit="run") as bar:
-                warmed, warm_seconds = min(warmup, int(record_placement and i == 0)), 0.0
+                profiled = record_placement and i == 0
+                warmed = min(warmup, PROFILED_RUNS if profiled else 0)
+                warm_seconds = profiled_seconds if profiled else 0.0
                 bar.update(warmed)
                 while warmed < warmup:
                     if max_seconds is not None and warmed >= MIN_WARMUP_RUNS and warm_seconds >= WARMUP_SHARE * max_seconds:
@@ -281,7 +311,8 @@ def bench_batches(path: str | os.PathLike, *, variant: str, spec: SessionSpec, b
                 **base, status=MEASURED,
                 p50_ms=float(p50), p90_ms=float(p90), p99_ms=float(p99), mean_ms=mean_s * 1e3,
                 tokens_per_s=batch * seq / mean_s, iterations=len(times), peak_rss_mb=round(peak_rss_mb(), 1),
-                node_providers=node_providers, node_ops=node_ops, simulated_int8=simulated, note="; ".join(notes),
+                node_providers=node_providers, node_ops=node_ops, op_ms=op_ms if i == 0 else None,
+                simulated_int8=simulated, note="; ".join(notes),
             ))
         del session
     return rows

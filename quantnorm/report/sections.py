@@ -89,7 +89,48 @@ def latency_tables(results: dict) -> list[str]:
         L += table(["variant", "batch", "seq", "p50 ms", "p90 ms", "p99 ms", "tokens/s", "p50 vs fp32",
                     "nodes per provider"], lines)
         L.append("")
+        L += kernel_time_table(provider, measured)
     return L
+
+
+# ORT op types by what they do in a quantized transformer (contrib ops included).
+INTEGER_GEMMS = {"MatMulInteger", "MatMulIntegerToFloat", "DynamicQuantizeMatMul", "QLinearMatMul", "QGemm",
+                 "ConvInteger", "QLinearConv", "QAttention", "MatMulNBits"}
+FLOAT_GEMMS = {"MatMul", "FusedMatMul", "Gemm", "Conv", "FusedConv", "Attention", "MultiHeadAttention",
+               "GroupQueryAttention"}
+QUANTIZE_OPS = {"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear"}
+
+
+def kernel_time_split(op_ms: dict[str, float]) -> dict[str, float]:
+    """A profiled run's kernel milliseconds: integer GEMMs, float GEMMs (attention's products, an
+    online rotation, any MatMul left in float), (de)quantization, everything else."""
+    split = {"integer GEMMs": 0.0, "float GEMMs": 0.0, "(de)quantize": 0.0, "other": 0.0}
+    for op, ms in op_ms.items():
+        key = ("integer GEMMs" if op in INTEGER_GEMMS else "float GEMMs" if op in FLOAT_GEMMS
+               else "(de)quantize" if op in QUANTIZE_OPS else "other")
+        split[key] += ms
+    return split
+
+
+def kernel_time_table(provider: str, measured: list) -> list[str]:
+    """Where each variant's time goes inside ORT, from one warm profiled run of its first batch."""
+    lines = []
+    for r in measured:
+        op_ms = (r.row.get("op_ms") or {}).get(provider)
+        if not op_ms:
+            continue
+        total = sum(op_ms.values())
+        split = kernel_time_split(op_ms)
+        top = ", ".join(f"{op} {ms:.0f}" for op, ms in list(op_ms.items())[:4])
+        lines.append([f"`{r.variant}`", r.batch, fmt(total, ".1f"),
+                      *[f"{ms:.1f} ({ms / total:.0%})" if total else "–" for ms in split.values()], top])
+    if not lines:
+        return []
+    return ["Kernel time per kind of op in one warm profiled run of the first batch (ORT's profiler; not a timed "
+            "run, and the profiler adds a little per node). INT8 speeds up only the integer GEMMs' share: the "
+            "float work around them runs as in FP32.", "",
+            *table(["variant", "batch", "kernel ms", "integer GEMMs", "float GEMMs", "(de)quantize", "other",
+                    "largest op types (ms)"], lines), ""]
 
 
 def sqnr_tables(results: dict) -> list[str]:
