@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import onnx
-from onnx import numpy_helper
 
 NATIVE_NORMS = {"LayerNormalization": "layer", "RMSNormalization": "rms", "SimplifiedLayerNormalization": "rms"}
 PASS_THROUGH = ("Cast", "Identity")
@@ -68,7 +67,6 @@ class _Graph:
         self.nodes = list(g.node)
         self.consts = {i.name for i in g.initializer}
         self.consts |= {n.output[0] for n in self.nodes if n.op_type == "Constant"}
-        self._values = {i.name: i for i in g.initializer}
         self.producer = {o: n for n in self.nodes for o in n.output}
         self.consumers: dict[str, list[onnx.NodeProto]] = {}
         for n in self.nodes:
@@ -78,16 +76,6 @@ class _Graph:
 
     def is_const(self, name: str) -> bool:
         return name in self.consts or name == ""
-
-    def const_value(self, name: str):
-        if name in self._values:
-            return numpy_helper.to_array(self._values[name])
-        node = self.producer.get(name)
-        if node is not None and node.op_type == "Constant":
-            for a in node.attribute:
-                if a.name == "value":
-                    return numpy_helper.to_array(a.t)
-        return None
 
     def source(self, name: str) -> str:
         """Back through Cast/Identity to the tensor they copy."""

@@ -35,6 +35,7 @@ from ..errors import ConfigError, QuantizeError
 from ..fileio import atomic_path, onnx_needs_external_data
 from ..measure.graph_probe import graph_probe
 from ..measure.placement import find_norms
+from ..onnx_wire import model_with_weights_by_reference
 from .gptq import ABS_HISTOGRAM_BINS, collect_activation_stats, matmul_inputs, mse_clip
 from .ort_weights import ort_quantizes_weights_fast
 from .pertoken import ACT_QMAX, ACT_ZERO_POINT, EPS, quantize_per_token
@@ -138,7 +139,9 @@ def quantize(fp32_path: Path, recipe: Recipe, calib_inputs: np.ndarray | None, o
         carriers: list[str] = []
         if recipe.carriers is not None:   # before our copy of the graph: the probe loads its own
             carriers, settings["carriers_found"] = find_carriers(pre_path, calib_inputs)
-        model = onnx.load(str(pre_path))
+        # the graph alone: nodes, names and shapes are all that is read here (Gemma 3's
+        # pre-processed graph holds 1.7 GB of weights)
+        model = onnx.ModelProto.FromString(model_with_weights_by_reference(pre_path))
         graph = model.graph
 
         excluded = resolve_exclusions(graph, recipe.excluded)
