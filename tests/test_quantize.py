@@ -370,3 +370,27 @@ def test_gptq_rounding_lowers_the_weight_error_the_calibration_activations_see(t
     ref = logits(fp32)
     err = {n: float(np.mean((logits(q.path) - ref) ** 2)) for n, q in runs.items()}
     assert err["pertoken-fused-gptq"] < err["pertoken-fused"], err
+
+
+@pytest.mark.parametrize("external", [False, True])
+def test_the_preprocessed_graph_reads_the_optimized_weights_where_they_are(tmp_path_factory, tmp_path, monkeypatch,
+                                                                           external):
+    """``_preprocess`` writes the graph alone: its weights stay in optimized.onnx (past the external
+    data threshold: optimized.onnx.data) beside it, not in a second copy; the graph carries ONNX's
+    inferred shapes and runs as the FP32 model does."""
+    from quantnorm.onnx_wire import external_data_locations
+    from quantnorm.quantize import ort_backend
+
+    fp32 = zoo_onnx(tmp_path_factory, "pre", "rms", 2, 18)
+    if external:
+        monkeypatch.setenv("QUANTNORM_EXTERNAL_DATA_BYTES", "1000")
+    pre = ort_backend._preprocess(fp32, tmp_path / "preprocessed.onnx")
+    kept = sorted(p.name for p in tmp_path.iterdir())
+    assert kept == (["optimized.onnx", "optimized.onnx.data", "preprocessed.onnx"] if external
+                    else ["optimized.onnx", "preprocessed.onnx"])
+    graph = onnx.load(str(pre), load_external_data=False).graph
+    assert not [i.name for i in graph.initializer if len(i.raw_data) >= 1024]   # no weight copied
+    assert sum(i.data_location == TensorProto.EXTERNAL for i in graph.initializer) >= 8
+    assert set(external_data_locations(pre)) <= {"optimized.onnx", "optimized.onnx.data"}
+    assert len(graph.value_info) > 0
+    np.testing.assert_allclose(onnx_logits(pre, PROBE), onnx_logits(fp32, PROBE), rtol=1e-5, atol=1e-5)

@@ -313,13 +313,13 @@ PREPROCESS_STEPS = "ORT basic optimization + onnx shape inference (symbolic shap
 
 def _preprocess(src: Path, dst: Path) -> Path:
     """What ORT's ``quant_pre_process(skip_symbolic_shape=True)`` does, file to file: ORT's basic
-    graph optimization, then ONNX's shape inference (``infer_shapes_path``, the form for graphs
-    past 2 GB). Written here because ``quant_pre_process`` first loads the whole model into Python
+    graph optimization, then ONNX's shape inference. Written here because ``quant_pre_process`` first loads the whole model into Python
     and keeps it alive while ORT loads and optimizes its own copy: one FP32-sized copy more at the
     memory peak of every recipe (1 GB for Gemma 3 270M). Symbolic shape inference is skipped: it
     fails on the dynamo exporter's graphs ("Incomplete symbolic shape inference", ORT 1.31), and
-    ONNX's shape inference gives every weight MatMul its shapes. An FP32 graph past 2 GB stays in
-    external data (``<dst dir>/optimized.onnx.data``, beside ``dst``). Returns ``dst``."""
+    ONNX's shape inference gives every weight MatMul its shapes. ``dst`` is the graph alone: its
+    weights stay in ``optimized.onnx`` beside it (a graph past 2 GB: ``optimized.onnx.data``), read
+    where they are, so that directory must stay whole. Returns ``dst``."""
     import onnxruntime as ort
 
     optimized = dst.with_name("optimized.onnx")
@@ -333,12 +333,14 @@ def _preprocess(src: Path, dst: Path) -> Path:
                                                  "optimized.onnx.data")
             session = ort.InferenceSession(str(src), options, providers=["CPUExecutionProvider"])
             del session
-            onnx.shape_inference.infer_shapes_path(str(optimized), str(dst))
+            # Shape inference on the graph alone: dst references the weights in optimized.onnx (or
+            # its .data file) in the same directory, where infer_shapes_path wrote and read back a
+            # second copy of them (1.7 GB for Gemma 3).
+            graph = onnx.ModelProto.FromString(model_with_weights_by_reference(optimized))
+            onnx.save(onnx.shape_inference.infer_shapes(graph), str(dst))
         except Exception as exc:
             raise QuantizeError(f"pre-processing {src.name} for quantization failed (ORT's optimizer or ONNX "
                                 f"shape inference): {exc}") from exc
-    if optimized.stat().st_size and not onnx_needs_external_data(src):
-        optimized.unlink()   # inline: dst holds everything; external: dst reads optimized.onnx.data
     return dst
 
 
