@@ -69,8 +69,8 @@ class LatencyRow:
     simulated_int8: bool = False
     note: str = ""
     node_ops: dict | None = None  # {provider: {op_type: nodes}}, from the same profile
-    # {provider: {op_type: kernel ms}} of one warm profiled run of the first batch (not a timed run):
-    # where the time goes inside ORT, e.g. how much of an INT8 model is still float work
+    # {provider: {op_type: kernel ms}} of one warm profiled run of the first batch (not a timed run;
+    # CPU rows only): where the time goes inside ORT, e.g. how much of an INT8 model is still float work
     op_ms: dict | None = None
 
     def __post_init__(self) -> None:
@@ -262,6 +262,8 @@ def bench_batches(path: str | os.PathLike, *, variant: str, spec: SessionSpec, b
                 _run(session, feed, path, batches[0], seq)
             profiled_seconds = time.perf_counter() - start
             node_providers, node_ops, op_ms = _profile_facts(Path(session.end_profiling()))
+            if spec.provider != CPU:
+                op_ms = None   # a GPU kernel's profile entry times its launch, not its run
 
         fmt = quant_format(path)
         quantized = (fmt is not None) if is_quantized is None else is_quantized
