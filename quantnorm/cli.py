@@ -23,7 +23,7 @@ from .evaluate import evaluate as run_evaluate
 from .export import export_onnx, write_onnx_dir
 from .fileio import write_json_atomic
 from .gate import Policy, append_summary, load_policy, run_gate, write_error_outputs, write_junit
-from .measure.latency import bench_grid
+from .measure.latency import bench_rounds
 from .measure.sessions import PROVIDERS, resolve_providers
 from .models import NORMS, PLACEMENTS, ModelConfig
 from .portable import PKG_PREFIX, portable_args, resolve_arg
@@ -398,8 +398,11 @@ def export(run_dir, opset, onnx_dir):
 @click.option("--warmup", type=int, default=5, show_default=True, help="Untimed warm-up runs per cell.")
 @click.option("--threads", type=int, default=None, help="Intra-op threads. [default: ORT's]")
 @click.option("--opt-level", default="all", show_default=True, help="Graph optimization: disable, basic, extended, all.")
+@click.option("--rounds", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Time every cell this many times, interleaved across the models, and keep each cell's "
+                   "lowest p50 (a neighbour's load only adds time; the note lists every round).")
 @click.option("--json", "json_out", type=click.Path(path_type=Path), default=None, help="Also write the rows as JSON.")
-def bench(models, providers, batches, seq, iters, warmup, threads, opt_level, json_out):
+def bench(models, providers, batches, seq, iters, warmup, threads, opt_level, rounds, json_out):
     """Latency of ONNX models (p50/p90/p99, tokens/s) per execution provider and batch size."""
     if not models:
         raise click.UsageError("give at least one .onnx file")
@@ -409,8 +412,8 @@ def bench(models, providers, batches, seq, iters, warmup, threads, opt_level, js
     names = resolve_providers(_csv(providers)) if providers else \
         [p for p in PROVIDERS.values() if p in ort.get_available_providers()]
     variants = {path.name: path for path in models}
-    rows = bench_grid(variants, names, list(_int_csv(batches, "--batches")), seq, threads=threads,
-                      graph_optimization_level=opt_level, warmup=warmup, iters=iters, progress=True)
+    rows = bench_rounds(variants, names, list(_int_csv(batches, "--batches")), seq, rounds=rounds, threads=threads,
+                        graph_optimization_level=opt_level, warmup=warmup, iters=iters, progress=True)
     click.echo(f"{'model':<40} {'provider':<10} {'batch':>5} {'p50 ms':>9} {'p90 ms':>9} {'p99 ms':>9} {'tokens/s':>11}")
     for r in rows:
         short = r.provider.replace("ExecutionProvider", "")

@@ -391,3 +391,49 @@ def test_profile_facts_take_kernel_times_from_the_last_run_only(tmp_path):
     providers, per_op, op_ms = latency._profile_facts(profile)
     assert providers == {"CPUExecutionProvider": 2} and per_op == {"CPUExecutionProvider": {"Add": 1, "MatMul": 1}}
     assert op_ms == {"CPUExecutionProvider": {"MatMul": 0.03}}
+
+
+def test_bench_rounds_interleave_the_models_and_keep_each_cells_lowest_round(models, tmp_path, monkeypatch):
+    """rounds=3: A, B, A, B, A, B; each cell is its fastest round, the note lists all three, and the
+    placement and kernel times come from the first (the only profiled) round."""
+    from dataclasses import replace
+
+    monkeypatch.chdir(tmp_path)
+    order, slow = [], iter([0.0, 0.05, 0.0, 0.0, 0.05, 0.0])   # seconds added to each cell in turn
+    real = latency.bench_batches
+
+    def traced(path, **kwargs):
+        order.append((kwargs["variant"], kwargs["record_placement"]))
+        rows = real(path, **kwargs)
+        extra = next(slow) * 1e3
+        return [replace(r, p50_ms=r.p50_ms + extra) for r in rows]
+
+    monkeypatch.setattr(latency, "bench_batches", traced)
+    paths = {"fp32": models["fp32"], "dynamic": models["dynamic"]}
+    rows = latency.bench_rounds(paths, ["CPUExecutionProvider"], [2], 8, rounds=3, threads=1, warmup=1, iters=3)
+    assert order == [("fp32", True), ("dynamic", True), ("fp32", False), ("dynamic", False),
+                     ("fp32", False), ("dynamic", False)]
+    fp32, dyn = rows
+    assert "lowest p50 of 3 interleaved rounds" in fp32.note and fp32.note.count(",") >= 2
+    assert fp32.p50_ms < 50 and dyn.p50_ms < 50   # the slowed rounds (+50 ms) are never the one kept
+    assert fp32.node_providers and fp32.op_ms and dyn.op_ms
+    with pytest.raises(MeasureError, match="at least one round"):
+        latency.bench_rounds(paths, ["CPUExecutionProvider"], [2], 8, rounds=0)
+
+
+def test_bench_cli_rounds(models, tmp_path, monkeypatch):
+    import json
+
+    from click.testing import CliRunner
+
+    from quantnorm.cli import cli
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(cli, ["bench", str(models["dynamic"]), "--providers", "cpu", "--batches", "1",
+                                      "--seq", "8", "--iters", "2", "--warmup", "1", "--threads", "1",
+                                      "--rounds", "2", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    (row,) = json.loads(out.read_text())
+    assert "lowest p50 of 2 interleaved rounds" in row["note"] and row["op_ms"]
+    bad = CliRunner().invoke(cli, ["bench", str(models["dynamic"]), "--rounds", "0"])
+    assert bad.exit_code == 2 and "--rounds" in bad.output

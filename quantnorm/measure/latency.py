@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -335,3 +335,32 @@ def bench_grid(models: dict[str, Path], providers: list[str], batches: list[int]
                                   iters=iters, progress=progress, record_placement=record_placement,
                                   max_seconds=max_seconds)
     return rows
+
+
+def bench_rounds(models: dict[str, Path], providers: list[str], batches: list[int], seq: int, *, rounds: int,
+                 **grid) -> list[LatencyRow]:
+    """``bench_grid`` ``rounds`` times over, interleaved (A, B, C, A, B, C, ...), each cell keeping
+    the round with the lowest p50; its note lists every round's p50. Why: on a shared machine a
+    neighbour's load only ever adds time, and it comes and goes; SmolLM2's INT8 pick timed 676 and
+    974 ms minutes apart in one session while its FP32 model stayed within 6%. The node placement
+    and kernel times are profiled in the first round only."""
+    if rounds < 1:
+        raise MeasureError(f"need at least one round, got {rounds}")
+    placement = grid.pop("record_placement", True)
+    per_round = [bench_grid(models, providers, batches, seq, record_placement=placement and r == 0, **grid)
+                 for r in range(rounds)]
+    if rounds == 1:
+        return per_round[0]
+    out = []
+    for cells in zip(*per_round, strict=True):
+        first = cells[0]
+        measured = [c for c in cells if c.measured]
+        if not measured:
+            out.append(first)
+            continue
+        best = min(measured, key=lambda c: c.p50_ms)
+        p50s = ", ".join(f"{c.p50_ms:.1f}" for c in measured)
+        note = "; ".join(n for n in (best.note, f"lowest p50 of {len(measured)} interleaved rounds ({p50s} ms)") if n)
+        out.append(replace(best, note=note, node_providers=first.node_providers, node_ops=first.node_ops,
+                           op_ms=first.op_ms))
+    return out
