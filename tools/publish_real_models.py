@@ -10,6 +10,7 @@ Run:  python tools/publish_real_models.py RUNS_DIR reports/real-models
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -242,8 +243,12 @@ def model_section(name: str, r: dict, run_dir: Path, by_cpu: dict | None = None)
     if bench.is_file():
         rows = [b for b in json.loads(bench.read_text()) if b.get("status") == "measured"]
         base = next((b["p50_ms"] for b in rows if b["variant"] == "model.fp32.onnx"), None)
+        iters = rows[0].get("iterations") if rows else None
+        found = re.search(r"lowest p50 of (\d+) interleaved rounds", rows[0].get("note", "")) if rows else None
+        how = (f"{iters} timed runs" + (f" per round, {found.group(1)} rounds interleaved across the models, each "
+                                        "model's lowest round kept" if found else ""))
         L += ["", "Latency measured again with `quantnorm bench` (each model alone, one after the other, batch 8 x 128 "
-              "tokens, 20 timed runs; the command is in `tools/real_models.sh`):", ""]
+              f"tokens, {how}; the command is in `tools/real_models.sh`):", ""]
         L += table(["model", "p50 ms", "p90 ms", "tokens/s", "p50 / FP32"], [
             [b["variant"].removeprefix("model.").removesuffix(".onnx"), f"{b['p50_ms']:.0f}", f"{b['p90_ms']:.0f}",
              f"{b['tokens_per_s']:,.0f}", fmt(b["p50_ms"] / base if base else None, ".3f")] for b in rows])
