@@ -95,6 +95,13 @@ def merge_latency_by_cpu(target: Path, r: dict, run_dir: Path) -> dict:
     return rows
 
 
+def bench_rounds(row: dict) -> int | None:
+    """How many interleaved rounds a ``quantnorm bench --rounds`` row kept the lowest of (its note
+    says so), None for a one-pass row."""
+    found = re.search(r"lowest p50 of (\d+) interleaved rounds", row.get("note", ""))
+    return int(found.group(1)) if found else None
+
+
 def by_cpu_sentence(by_cpu: dict) -> str:
     """The latency goal per CPU kind measured (issue 15), and the kinds not measured."""
     if not by_cpu:
@@ -123,7 +130,7 @@ def goal_lines(r: dict, run_dir: Path, chosen: dict, by_cpu: dict | None = None)
         rows = {b["variant"]: b for b in json.loads(bench.read_text()) if b.get("status") == "measured"}
         if "model.fp32.onnx" in rows and "model.int8.auto.onnx" in rows:
             ratio = rows["model.int8.auto.onnx"]["p50_ms"] / rows["model.fp32.onnx"]["p50_ms"]
-    rounds = "interleaved rounds" in (rows.get("model.int8.auto.onnx", {}).get("note", "") if ratio else "")
+    rounds = ratio is not None and bench_rounds(rows["model.int8.auto.onnx"]) is not None
     speed = ("not measured (no bench.json)" if ratio is None else
              f"{ratio:.3f} in the side-by-side bench" + (" (each model's lowest p50 of its interleaved rounds)"
                                                           if rounds else "")
@@ -244,9 +251,9 @@ def model_section(name: str, r: dict, run_dir: Path, by_cpu: dict | None = None)
         rows = [b for b in json.loads(bench.read_text()) if b.get("status") == "measured"]
         base = next((b["p50_ms"] for b in rows if b["variant"] == "model.fp32.onnx"), None)
         iters = rows[0].get("iterations") if rows else None
-        found = re.search(r"lowest p50 of (\d+) interleaved rounds", rows[0].get("note", "")) if rows else None
-        how = (f"{iters} timed runs" + (f" per round, {found.group(1)} rounds interleaved across the models, each "
-                                        "model's lowest round kept" if found else ""))
+        rounds = bench_rounds(rows[0]) if rows else None
+        how = (f"{iters} timed runs" + (f" per round, {rounds} rounds interleaved across the models, each "
+                                        "model's lowest round kept" if rounds else ""))
         L += ["", "Latency measured again with `quantnorm bench` (each model alone, one after the other, batch 8 x 128 "
               f"tokens, {how}; the command is in `tools/real_models.sh`):", ""]
         L += table(["model", "p50 ms", "p90 ms", "tokens/s", "p50 / FP32"], [
