@@ -35,9 +35,9 @@ from .report.plots import plot_activation_heatmap
 from .results import header as results_header
 from .runs import FP32_ONNX_FILE, PLOTS_DIR, RESULTS_FILE, RunDir, int8_onnx_file
 from .search import keep_trial_model, search_recipes
-from .smoothquant import fp32_latency_cost
 from .sources.base import DETECTED, ModelSource, SearchScoring
 from .sources.zoo import ZooSource, ensure_trained
+from .transforms.smoothquant import fp32_latency_cost
 
 __all__ = ["AUTO", "EvaluateConfig", "ensure_trained", "evaluate"]  # ensure_trained: the sweep's and the CLI's
 

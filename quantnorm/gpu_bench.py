@@ -429,7 +429,7 @@ def prepare_extra(cfg: GpuBenchConfig) -> list[ModelGroup]:
 
 def _load_windows(path: Path) -> tuple[np.ndarray, np.ndarray | None]:
     """``--windows``: a .npz with ``inputs`` [n, seq] (and ``targets`` of the same shape: the
-    source's own protocol windows, e.g. quantnorm.hf.data's eval_inputs/eval_targets), or a .npy
+    source's own protocol windows, e.g. quantnorm.sources.tokenized's eval_inputs/eval_targets), or a .npy
     of token windows [n, seq + 1] whose next tokens are the targets."""
     try:
         loaded = np.load(path)

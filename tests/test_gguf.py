@@ -1,4 +1,4 @@
-"""GGUF files as a model source (quantnorm.hf.gguf): finding, joining, provenance, end to end.
+"""GGUF files as a model source (quantnorm.sources.gguf): finding, joining, provenance, end to end.
 
 The files are written in the test with the gguf package's writer (tests/gguf_helpers.py).
 """
@@ -12,7 +12,7 @@ from gguf_helpers import split_into_parts, write_tiny_gemma3_gguf, write_tiny_ll
 
 from quantnorm.cli import main
 from quantnorm.errors import ConfigError
-from quantnorm.hf.gguf import SOURCE_FILE, gguf_checkpoint, is_gguf_path, resolve_gguf
+from quantnorm.sources.gguf import SOURCE_FILE, gguf_checkpoint, is_gguf_path, resolve_gguf
 
 
 @pytest.fixture(scope="module")

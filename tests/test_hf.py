@@ -24,11 +24,11 @@ from quantnorm.evaluate import (
     EvaluateConfig,  # noqa: E402
     evaluate,  # noqa: E402
 )
-from quantnorm.hf.data import make_windows, mlm_windows, prepare_hf_data, special_tokens  # noqa: E402
-from quantnorm.hf.export import export_hf_onnx, make_wrapper, onnx_outputs, output_names, torch_outputs  # noqa: E402
-from quantnorm.hf.loader import ARCHITECTURES, inspect_checkpoint, load_checkpoint, verify_placement  # noqa: E402
-from quantnorm.hf.metrics import compare_tokens, cosine_rows, nearest_neighbours  # noqa: E402
+from quantnorm.measure.token_metrics import compare_tokens, cosine_rows, nearest_neighbours  # noqa: E402
 from quantnorm.sources import HFOptions, HFSource  # noqa: E402
+from quantnorm.sources.hf_export import export_hf_onnx, make_wrapper, onnx_outputs, output_names, torch_outputs  # noqa: E402
+from quantnorm.sources.hf_loader import ARCHITECTURES, inspect_checkpoint, load_checkpoint, verify_placement  # noqa: E402
+from quantnorm.sources.tokenized import make_windows, mlm_windows, prepare_hf_data, special_tokens  # noqa: E402
 
 
 def run_hf(opts: HFOptions, cfg) -> tuple[dict, Path]:
@@ -262,8 +262,8 @@ def test_data_splits_are_disjoint_and_recorded(tiny):
 
 
 def test_default_eval_windows_shrink_with_the_vocabulary(tiny, monkeypatch):
-    from quantnorm.hf import data as hf_data_module
-    from quantnorm.hf.data import AUTO_EVAL_WINDOWS, default_eval_windows
+    from quantnorm.sources import tokenized as hf_data_module
+    from quantnorm.sources.tokenized import AUTO_EVAL_WINDOWS, default_eval_windows
     # 128 windows up to a 131k vocabulary; Gemma 3's 262k gets 64 (8,192 tokens); never below 16
     assert default_eval_windows(128, 49_152) == 128 and default_eval_windows(128, 262_144) == 64
     assert default_eval_windows(128, 10**9) == 16
@@ -342,7 +342,7 @@ def test_export_parity(tiny, tmp_path, name):
 
 def test_torchscript_fallback_when_dynamo_fails(tiny, tmp_path, monkeypatch):
     """dynamo first; when it raises, TorchScript at opset 17 (works for BERT, not for causal models)."""
-    import quantnorm.hf.export as hf_export
+    import quantnorm.module_export as hf_export
 
     real = hf_export._export_once
 
@@ -407,7 +407,7 @@ def test_parity_gate_rejects_a_mismatch(causal_run, tiny):
     """The gate compares every output with PyTorch: a model computing something else is refused."""
     import torch
 
-    from quantnorm.hf.export import _parity
+    from quantnorm.module_export import _parity
 
     _, run_dir = causal_run
     wrapper = make_wrapper(load_checkpoint(tiny["llama"]))
@@ -485,8 +485,8 @@ FOLDABILITY = {
 def test_smoothquant_foldability_per_architecture(tiny, name):
     """The fold rule read off each architecture's dataflow, and the smoothed model computes the
     original outputs; a head tied to the token embedding is untied, not the embedding scaled."""
-    from quantnorm.hf.smoothquant import fold_rule, is_hf_norm
-    from quantnorm.smoothquant import smooth_module
+    from quantnorm.sources.hf_fold import fold_rule, is_hf_norm
+    from quantnorm.transforms.smoothquant import smooth_module
 
     loaded = load_checkpoint(tiny[name])
     wrapper = make_wrapper(loaded)
@@ -516,8 +516,8 @@ def torch_equal(a, b) -> bool:
 
 def test_gemma_norms_need_the_one_plus_fold(tiny):
     """Gemma's norms compute (1 + w) * x_hat: folding 1/s as w / s changes the model (caught)."""
-    from quantnorm.hf.smoothquant import is_hf_norm
-    from quantnorm.smoothquant import divide_norm_affine, smooth_module
+    from quantnorm.sources.hf_fold import is_hf_norm
+    from quantnorm.transforms.smoothquant import divide_norm_affine, smooth_module
 
     loaded = load_checkpoint(tiny["gemma2"])
     ids = np.random.default_rng(0).integers(5, VOCAB - 5, size=(4, 12))

@@ -52,7 +52,10 @@ def test_the_real_tree_keeps_every_contract():
     ("report/stats.py", "from quantnorm.report import findings",
      ["The report package: the reports > their parts > the helpers BROKEN"]),
     # A model source reaching up into the pipeline.
-    ("hf/loader.py", "from quantnorm.sweep import run_sweep", ["A model source never imports the pipeline BROKEN"]),
+    ("sources/hf_loader.py", "from quantnorm.sweep import run_sweep", ["A model source never imports the pipeline BROKEN"]),
+    # A transform reaching into a model source (transforms serve every source).
+    ("transforms/rotation.py", "from quantnorm.sources import hf_loader",
+     ["A transform never imports a model source or the pipeline BROKEN"]),
     # A basic reaching up into a stage (the hardware <-> measure.sessions cycle).
     ("hardware.py", "from quantnorm.measure.sessions import provider_status",
      ["quantnorm.hardware is not allowed to import quantnorm.measure"]),

@@ -7,9 +7,9 @@ import numpy as np
 import torch
 import transformers
 
-from quantnorm.hf.export import export_hf_onnx, make_wrapper
-from quantnorm.hf.loader import ARCHITECTURES
 from quantnorm.measure.graph_probe import graph_probe
+from quantnorm.sources.hf_export import export_hf_onnx, make_wrapper
+from quantnorm.sources.hf_loader import ARCHITECTURES
 
 BOS, CH_IN, HIDDEN_UNIT, CH_OUT = 1, 5, 7, 3
 
@@ -67,7 +67,7 @@ def test_planted_massive_activation_is_found_where_it_is_born(tmp_path):
 
 
 def test_fp16_check_names_a_planted_value_past_65504():
-    from quantnorm.hf.fp16 import fp16_check
+    from quantnorm.measure.fp16_check import fp16_check
 
     model = planted_llama()
     with torch.no_grad():
@@ -88,7 +88,7 @@ def test_fp16_check_names_a_planted_value_past_65504():
 
 
 def test_fp16_check_passes_a_model_without_large_values():
-    from quantnorm.hf.fp16 import fp16_check
+    from quantnorm.measure.fp16_check import fp16_check
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -105,7 +105,7 @@ def test_fp16_check_fp32_residual_fix_survives_a_stream_that_only_the_sum_overfl
     """Blocks 1 and 2 each add about 40,000 to one channel on BOS: every sublayer output fits float16,
     their sum (the residual stream, ~80,000) does not. Pure float16 overflows; float16 compute with a
     float32 residual stream stays finite and close to FP32."""
-    from quantnorm.hf.fp16 import FP32_RESIDUAL, fp16_check
+    from quantnorm.measure.fp16_check import FP32_RESIDUAL, fp16_check
 
     model = planted_llama()
     layers = model.model.layers

@@ -241,7 +241,7 @@ def _true_mse(x, clip):
 
 @pytest.mark.parametrize("shape", ["gaussian", "uniform"])
 def test_mse_clip_is_the_clip_of_least_squared_error(shape):
-    from quantnorm.quantize.gptq import ABS_HISTOGRAM_BINS, mse_clip
+    from quantnorm.transforms.gptq import ABS_HISTOGRAM_BINS, mse_clip
 
     rng = np.random.default_rng(3)
     x = rng.standard_normal(200_000) if shape == "gaussian" else rng.uniform(-3, 3, 200_000)

@@ -9,10 +9,10 @@ import transformers
 from test_hf import save_tiny
 
 from quantnorm.export import export_onnx
-from quantnorm.hf.export import export_hf_onnx, make_wrapper, output_names
-from quantnorm.hf.loader import load_checkpoint
 from quantnorm.measure.placement import detect_placement
 from quantnorm.models import CausalLM, ModelConfig
+from quantnorm.sources.hf_export import export_hf_onnx, make_wrapper, output_names
+from quantnorm.sources.hf_loader import load_checkpoint
 
 EXPECTED = {"gpt2": ("pre", "layer"), "llama": ("pre", "rms"), "qwen2": ("pre", "rms"),
             "gemma3_text": ("peri", "rms"), "olmo2": ("output-norm", "rms"), "bert": ("post", "layer")}

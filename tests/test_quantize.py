@@ -339,8 +339,8 @@ def test_gptq_rounding_lowers_the_weight_error_the_calibration_activations_see(t
     weight error is below round-to-nearest's for every MatMul, and so is its logit error."""
     import onnxruntime as ort
 
-    from quantnorm.quantize.gptq import gptq_quantize, output_error
     from quantnorm.quantize.pertoken import weight_scales
+    from quantnorm.transforms.gptq import gptq_quantize, output_error
 
     rng = np.random.default_rng(3)
     w = (rng.standard_normal((48, 40)) * 0.1).astype(np.float32)

@@ -1,4 +1,4 @@
-"""Hadamard rotation of a Pre-RMSNorm checkpoint (quantnorm.hf.rotation): exact in FP32, and it
+"""Hadamard rotation of a Pre-RMSNorm checkpoint (quantnorm.transforms.rotation): exact in FP32, and it
 shrinks per-token INT8 error where outlier channels are planted."""
 
 import numpy as np
@@ -7,8 +7,9 @@ import torch
 import transformers
 
 from quantnorm.errors import ConfigError
-from quantnorm.hf.loader import ARCHITECTURES
-from quantnorm.hf.rotation import (
+from quantnorm.quantize.pertoken import fake_quantize_rows
+from quantnorm.sources.hf_loader import ARCHITECTURES
+from quantnorm.transforms.rotation import (
     OnlineHadamard,
     hadamard,
     hadamard_factors,
@@ -17,7 +18,6 @@ from quantnorm.hf.rotation import (
     rotation_support,
     split_for_online,
 )
-from quantnorm.quantize.pertoken import fake_quantize_rows
 
 
 class Wrapper(torch.nn.Module):
@@ -135,7 +135,7 @@ def tiny_gemma(seed=0):
 
 
 def test_online_rotation_is_exact_for_peri_ln_and_shrinks_per_token_error():
-    from quantnorm.hf.rotation import rotate_linear_inputs
+    from quantnorm.transforms.rotation import rotate_linear_inputs
 
     wrapper = tiny_gemma()
     ids = torch.randint(0, 64, (2, 16))
@@ -177,8 +177,8 @@ def test_zoo_online_rotation_is_exact_for_every_placement_and_keeps_the_hadamard
 
 
 def test_zoo_online_rotation_shrinks_per_token_error_of_a_planted_outlier_channel():
-    from quantnorm.hf.rotation import rotate_every_linear_input
     from quantnorm.models import CausalLM, ModelConfig
+    from quantnorm.transforms.rotation import rotate_every_linear_input
 
     torch.manual_seed(0)
     model = CausalLM(ModelConfig(placement="pre", norm="rms", n_layers=2, d_model=32, n_heads=2, context=16)).eval()

@@ -15,7 +15,7 @@ from quantnorm.export import export_onnx
 from quantnorm.measure.sessions import SessionSpec
 from quantnorm.models import CausalLM, ModelConfig
 from quantnorm.search import SearchConfig, default_space, fallback_ks, recipe_space_config, search_recipes
-from quantnorm.smoothquant import SmoothedModels
+from quantnorm.transforms.smoothquant import SmoothedModels
 
 CONTEXT = 16
 RNG = np.random.default_rng(1)

@@ -8,12 +8,12 @@ import onnx
 import pytest
 import torch
 
-from quantnorm import smoothquant as sq
+from quantnorm.transforms import smoothquant as sq
 from quantnorm.errors import ConfigError, QuantizeError
 from quantnorm.measure.sessions import SessionSpec
 from quantnorm.models import PLACEMENTS, CausalLM, ModelConfig
 from quantnorm.quantize import get_recipe
-from quantnorm.smoothquant import (
+from quantnorm.transforms.smoothquant import (
     SmoothedLinear,
     export_smoothed,
     fp32_latency_cost,

@@ -36,10 +36,11 @@ from ..fileio import atomic_path, onnx_needs_external_data
 from ..measure.graph_probe import graph_probe
 from ..measure.placement import find_norms
 from ..onnx_wire import model_with_weights_by_reference
-from .gptq import ABS_HISTOGRAM_BINS, collect_activation_stats, matmul_inputs, mse_clip
+from ..transforms.gptq import ABS_HISTOGRAM_BINS, collect_activation_stats, matmul_inputs, mse_clip
+from ..transforms.rotation import ONLINE_ROTATION_MARKER
 from .ort_weights import ort_quantizes_weights_fast
 from .pertoken import ACT_QMAX, ACT_ZERO_POINT, EPS, quantize_per_token
-from .recipes import ONLINE_ROTATION_MARKER, Recipe
+from .recipes import Recipe
 from .sanity import sanity_check
 
 DEFAULT_CALIB_BATCH = 4

@@ -29,7 +29,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from ..measure.fake_quant import ACT_QMAX, ACT_ZERO_POINT, EPS, fake_quantize_rows
-from .gptq import BLOCK, DAMP, gptq_quantize, output_error
+from ..transforms.gptq import BLOCK, DAMP, gptq_quantize, output_error
 
 __all__ = ["ACT_QMAX", "ACT_ZERO_POINT", "EPS", "fake_quantize_rows", "quantize_per_token", "weight_scales"]
 

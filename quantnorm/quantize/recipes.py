@@ -20,11 +20,8 @@ MODES = ("static", "dynamic", "pertoken")
 #           stay FP32, so the attention scores and the softmax are never calibrated (PITFALLS.md 1).
 # "all":    ONNX Runtime's default op list (Add, Mul, MatMul, Softmax, Where, Gather, ...).
 OP_SCOPES = ("matmul", "all")
-# Modules of this name are online rotations inside the FP32 model (quantnorm.hf.rotation): their
-# MatMuls multiply by a constant Hadamard matrix and are never quantized by any recipe.
-ONLINE_ROTATION_MARKER = "online_hadamard"
 # "hadamard": the residual stream rotated and folded (QuaRot, Pre-RMSNorm); "online": every
-# Linear's input rotated in the graph (exact for any placement; quantnorm.hf.rotation).
+# Linear's input rotated in the graph (exact for any placement; quantnorm.transforms.rotation).
 ROTATIONS = (None, "hadamard", "online")
 PERTOKEN_KERNELS = ("standard", "ort-fused")
 CARRIER_MODES = (None, "fp32", "pertoken")
@@ -52,10 +49,10 @@ class Recipe:
     percentile: float = 99.999   # percentile calibration only
     excluded: tuple[str, ...] = ()  # node names or fnmatch patterns kept in FP32 (mixed precision)
     # SmoothQuant migration strength; None = no smoothing. A recipe with an alpha quantizes the
-    # smoothed FP32 model (quantnorm.smoothquant.export_smoothed), not the plain export.
+    # smoothed FP32 model (quantnorm.transforms.smoothquant.export_smoothed), not the plain export.
     smoothquant_alpha: float | None = None
     # "hadamard": quantize the rotated FP32 model (residual stream rotated, online Hadamard before
-    # each down-projection; quantnorm.hf.rotation), not the plain export. None: no rotation.
+    # each down-projection; quantnorm.transforms.rotation), not the plain export. None: no rotation.
     rotation: str | None = None
     # pertoken only: "standard" ONNX ops (MatMulInteger + Muls, any runtime) or ORT's fused
     # com.microsoft.MatMulIntegerToFloat ("ort-fused").

@@ -16,11 +16,11 @@ from pathlib import Path
 
 from ..data import BUILTIN_PYDOC
 from ..errors import ConfigError
-from ..hf.data import AUTO_EVAL_WINDOWS
-from ..hf.gguf import is_gguf_path
 from .base import ModelSource, SearchScoring, SourceData
+from .gguf import is_gguf_path
 from .hf import HFOptions, HFSource, gguf_source
 from .onnx_dir import ONNX_FILE, OnnxDirSource, OnnxOptions
+from .tokenized import AUTO_EVAL_WINDOWS
 from .zoo import ZooSource
 
 __all__ = ["HFOptions", "HFSource", "ModelSource", "OnnxDirSource", "OnnxOptions", "SearchScoring", "SourceData",

@@ -34,7 +34,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..errors import ConfigError
-from ..hf.loader import DETECTED
+from .hf_loader import DETECTED
 
 __all__ = ["DETECTED", "ModelSource", "NoTransforms", "SearchScoring", "SourceData"]
 

@@ -1,10 +1,10 @@
 """The Hugging Face source: a local checkpoint directory, or a GGUF file dequantized into one.
 
-load (local files only, ``quantnorm.hf.loader``) -> tokenize the corpus splits with the model's own
+load (local files only, ``quantnorm.sources.hf_loader``) -> tokenize the corpus splits with the model's own
 tokenizer -> export the wrapper with the parity gate. Accuracy is token-level for causal LMs (PPL
 ratio, KL, top-1 over next tokens) and embedding agreement for encoders (plus the masked positions
 for an encoder with an MLM head). SmoothQuant recipes smooth the checkpoint with the zoo's fold
-rule (``quantnorm.hf.smoothquant``); rotation recipes rotate it (``quantnorm.hf.rotation``).
+rule (``quantnorm.sources.hf_fold``); rotation recipes rotate it (``quantnorm.transforms.rotation``).
 ``--recipes auto`` scores trials over tokens: next tokens for causal LMs, the masked positions
 for MLM encoders; an encoder without an MLM head has no perplexity to target and is refused.
 """
@@ -20,16 +20,16 @@ import numpy as np
 
 from ..data import BUILTIN_PYDOC
 from ..errors import ConfigError
-from ..hf.data import AUTO_EVAL_WINDOWS, mlm_windows, prepare_hf_data
-from ..hf.export import export_hf_onnx, make_wrapper, output_names
-from ..hf.fp16 import fp16_check
-from ..hf.gguf import gguf_checkpoint, resolve_gguf
-from ..hf.loader import DETECTED, load_checkpoint
-from ..hf.metrics import compare_tokens, encoder_compare, encoder_outputs
-from ..hf.smoothquant import HFSmoothedModels
+from ..measure.fp16_check import fp16_check
+from ..measure.token_metrics import compare_tokens, encoder_compare, encoder_outputs
 from ..portable import portable_path
 from ..runs import check_out_dir
 from .base import SearchScoring, SourceData
+from .gguf import gguf_checkpoint, resolve_gguf
+from .hf_export import export_hf_onnx, make_wrapper, output_names
+from .hf_fold import HFSmoothedModels
+from .hf_loader import DETECTED, load_checkpoint
+from .tokenized import AUTO_EVAL_WINDOWS, mlm_windows, prepare_hf_data
 
 FP16_CHECK_WINDOWS = 4  # torch float16 on a CPU is slow; the overflow shows on any window with BOS
 
@@ -124,7 +124,7 @@ def token_search_scoring(kind: str, data: SourceData, mlm) -> SearchScoring:
 
 
 def hf_data(data, mlm) -> SourceData:
-    """``SourceData`` of ``quantnorm.hf.data.HFData`` (with the MLM protocol when scored)."""
+    """``SourceData`` of ``quantnorm.sources.tokenized.HFData`` (with the MLM protocol when scored)."""
     describe = data.describe()
     if mlm is not None:
         describe["mlm"] = {"mask_fraction": 0.15, "seed": 0, "n_scored": int(mlm[1].sum()),
@@ -226,7 +226,7 @@ class HFSource:
             "architectures": list(files.config.get("architectures") or []),
             "model_class": type(self.loaded.model).__name__,
             **spec.describe(),
-            "detected_from": "config.json model_type (quantnorm.hf.loader.ARCHITECTURES)",
+            "detected_from": "config.json model_type (quantnorm.sources.hf_loader.ARCHITECTURES)",
             "placement_check": self.loaded.placement_check,
             "n_layers": len(self.loaded.layers),
             "d_model": d_model,

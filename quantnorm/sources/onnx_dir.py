@@ -40,12 +40,12 @@ from ..data import BUILTIN_PYDOC
 from ..errors import ConfigError, ExportError
 from ..export import count_norm_ops
 from ..fileio import atomic_path, external_data_file, save_onnx
-from ..hf.data import AUTO_EVAL_WINDOWS, prepare_hf_data
-from ..hf.loader import DETECTED, NORM_FORMULAS, TOKENIZER_FILES, load_tokenizer, pooling_mode, read_config_json
 from ..portable import portable_path
 from ..runs import check_out_dir
 from .base import NoTransforms, SearchScoring
 from .hf import TokenAccuracy, default_out_dir, hf_data, token_namer, token_search_scoring
+from .hf_loader import DETECTED, NORM_FORMULAS, TOKENIZER_FILES, load_tokenizer, pooling_mode, read_config_json
+from .tokenized import AUTO_EVAL_WINDOWS, prepare_hf_data
 
 ONNX_FILE = "model.onnx"
 INPUT_IDS = "input_ids"

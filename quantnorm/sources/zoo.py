@@ -17,13 +17,14 @@ from ..calibration import calibration_windows
 from ..data import PreparedData, evaluation_windows, prepare_data
 from ..errors import ConfigError, ExportError, QuantizeError
 from ..export import export_onnx
-from ..hf.rotation import RotatedExport, online_plan, rotate_every_linear_input
 from ..measure.accuracy import compare, run_logits
 from ..measure.diagnostics import diagnostics
 from ..measure.sessions import SessionSpec, make_session
+from ..module_export import max_output_diff
 from ..runs import TRAIN_SUMMARY_FILE, RunDir, check_out_dir
-from ..smoothquant import DEFAULT_PARITY_TOLERANCE, SmoothedModels, max_output_diff, torch_logits
 from ..train import RunConfig, load_model, train
+from ..transforms.rotation import RotatedExport, online_plan, rotate_every_linear_input
+from ..transforms.smoothquant import DEFAULT_PARITY_TOLERANCE, SmoothedModels, torch_logits
 from .base import SearchScoring, SourceData
 
 ROTATED_ONLINE_ONNX_FILE = "model.fp32.rotated-online.onnx"
@@ -62,7 +63,7 @@ class ZooTransforms(SmoothedModels):
             return super().fp32_for(recipe, default)
         if form != "online":
             raise ConfigError(f"recipe {recipe.name}: the residual-stream rotation (form a) folds the norm weights "
-                              "of a Pre-RMSNorm Llama-family checkpoint (quantnorm.hf.rotation); a zoo model takes "
+                              "of a Pre-RMSNorm Llama-family checkpoint (quantnorm.transforms.rotation); a zoo model takes "
                               "the online form, online-rotated-pertoken-fused")
         if form not in self.rotated:
             self.rotated[form] = export_online_rotated(self.model, self.parity_inputs,

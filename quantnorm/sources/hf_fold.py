@@ -1,6 +1,6 @@
 """SmoothQuant for Hugging Face checkpoints: the zoo's fold rule on the real model's dataflow.
 
-``quantnorm.smoothquant.smooth_module`` does the work; this module says what a norm is in a
+``quantnorm.transforms.smoothquant.smooth_module`` does the work; this module says what a norm is in a
 Hugging Face model and how 1/s goes into it:
 
 - norms: ``nn.LayerNorm`` (GPT-2, BERT) and every ``*RMSNorm`` class (LLaMA, Mistral, Qwen2,
@@ -33,7 +33,9 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ConfigError
-from ..smoothquant import (
+from ..module_export import export_matching_original
+from ..transforms.rotation import rotate_and_export
+from ..transforms.smoothquant import (
     DEFAULT_PARITY_TOLERANCE,
     SmoothedModels,
     SmoothQuantPlan,
@@ -41,8 +43,7 @@ from ..smoothquant import (
     divide_norm_one_plus,
     smooth_module,
 )
-from .export import WRAPPER_ATTR, export_matching_original
-from .rotation import rotate_and_export
+from .hf_export import WRAPPER_ATTR
 
 ROTATED_ONNX_FILE = "model.fp32.rotated.onnx"
 
@@ -108,7 +109,7 @@ class HFSmoothedModels(SmoothedModels):
         super().__init__(None, calib_inputs, parity_inputs, out_dir, opset=opset)
         self._weights = weights
         self.outputs, self.max_positions = outputs, max_positions
-        self.rotated: dict = {}  # rotation form -> its rotated FP32 export (quantnorm.hf.rotation), on first use
+        self.rotated: dict = {}  # rotation form -> its rotated FP32 export (quantnorm.transforms.rotation), on first use
 
     @property
     def loaded(self):

@@ -63,13 +63,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .errors import ConfigError, ExportError, QuantizeError
-from .export import export_onnx, torch_outputs
-from .measure.accuracy import run_logits
-from .measure.latency import bench_model
-from .measure.sessions import SessionSpec, make_session
-from .models import CausalLM
-from .models.norms import NORMS
+from ..errors import ConfigError, ExportError, QuantizeError
+from ..export import export_onnx, torch_outputs
+from ..measure.accuracy import run_logits
+from ..measure.latency import bench_model
+from ..measure.sessions import SessionSpec, make_session
+from ..models import CausalLM
+from ..models.norms import NORMS
+from ..module_export import max_output_diff
 
 SCALE_MIN = 1e-5
 SCALE_MAX = 1e5
@@ -372,7 +373,7 @@ def smooth_module(model: nn.Module, calib_inputs: np.ndarray, alpha: float = DEF
                   parity_tolerance: float = DEFAULT_PARITY_TOLERANCE,
                   relative_parity: bool = False, strip_prefix: str = "") -> tuple[nn.Module, SmoothQuantPlan]:
     """SmoothQuant any module whose ``forward(ids)`` returns logits or a tuple of outputs (the
-    zoo's models; the Hugging Face wrappers of ``quantnorm.hf.export``).
+    zoo's models; the Hugging Face wrappers of ``quantnorm.sources.hf_export``).
 
     ``is_norm``: which modules are norms (default: the zoo's); ``fold(norm, s)``: how 1/s goes
     into a norm's parameters (``divide_norm_affine``; Gemma's ``(1 + w)`` norms need
@@ -450,24 +451,6 @@ def max_abs_logit_diff(a: nn.Module, b: nn.Module, inputs: np.ndarray, *, relati
     """max |a - b| over every output; with ``relative`` each output's is divided by
     ``max(1, max |a|)`` (the scale-aware gate of the Hugging Face export)."""
     return max_output_diff(torch_outputs(a, inputs), torch_outputs(b, inputs), relative=relative)
-
-
-def max_output_diff(reference: list[np.ndarray], other: list[np.ndarray], *, relative: bool = False) -> float:
-    """max |reference - other| over matching outputs; with ``relative`` each output's is divided by
-    ``max(1, max |reference|)``. NaN (a broken model) propagates: it fails every gate."""
-    worst = 0.0
-    for ref, got in zip(reference, other, strict=True):
-        # float64 one leading slice at a time (a window of a 262k vocabulary's logits, not the batch);
-        # np.max over the list keeps a NaN
-        d = float(np.max([np.max(np.abs(r.astype(np.float64) - g.astype(np.float64)))
-                          for r, g in zip(np.atleast_1d(ref), np.atleast_1d(got), strict=True)]))
-        if relative:
-            d /= max(1.0, float(np.max(np.abs(ref))))
-        if not d <= worst:
-            worst = d
-        if np.isnan(worst):
-            break
-    return worst
 
 
 # ---------------------------------------------------------------------------------------------
@@ -560,6 +543,6 @@ class SmoothedModels:
         """The FP32 model ``recipe`` quantizes: the smoothed export for a SmoothQuant recipe."""
         if getattr(recipe, "rotation", None) is not None:
             raise ConfigError(f"recipe {recipe.name}: this source makes no rotated export (rotation lives in the "
-                              "checkpoint and zoo sources' transforms, quantnorm.hf.rotation)")
+                              "checkpoint and zoo sources' transforms, quantnorm.transforms.rotation)")
         alpha = getattr(recipe, "smoothquant_alpha", None)
         return default if alpha is None else self.get(alpha).path

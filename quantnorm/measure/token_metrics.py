@@ -20,7 +20,7 @@ import math
 import numpy as np
 
 from ..errors import MeasureError
-from ..measure.accuracy import pair_stats, ppl_result
+from .accuracy import pair_stats, ppl_result
 
 LOGIT_BUDGET_BYTES = 256 * 1024 * 1024  # float64 log-probs of one batch, both models
 

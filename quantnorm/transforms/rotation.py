@@ -35,8 +35,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from ..quantize.recipes import ONLINE_ROTATION_MARKER
-from .export import export_matching_original
+from ..module_export import export_matching_original
 
 ROTATABLE_FAMILIES = ("llama", "mistral", "qwen2")
 PALEY_PRIMES = (11, 19, 23, 43, 47, 59, 67, 71, 79, 83)  # q = 3 mod 4: Hadamard order q + 1
@@ -46,6 +45,10 @@ DEFAULT_PARITY_TOLERANCE = 1e-3   # relative to each output's scale, as the Smoo
 
 # ---------------------------------------------------------------------------------------------
 # Hadamard matrices
+
+# Modules of this name are online rotations inside the FP32 model: their MatMuls multiply by a
+# constant Hadamard matrix, and no recipe quantizes them (quantize.ort_backend skips the name).
+ONLINE_ROTATION_MARKER = "online_hadamard"
 
 
 def sylvester(n: int) -> np.ndarray:

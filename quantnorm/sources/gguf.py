@@ -36,7 +36,7 @@ from pathlib import Path
 from ..errors import ConfigError
 from ..fileio import atomic_path, write_json_atomic
 from ..portable import owning_distribution
-from .loader import dtype_kwarg, one_line, quiet_transformers, require_transformers
+from .hf_loader import dtype_kwarg, one_line, quiet_transformers, require_transformers
 
 GGUF_MAGIC = b"GGUF"
 PART_RE = re.compile(r"^(?P<stem>.+\.gguf)\.part(?P<index>\d+)$")

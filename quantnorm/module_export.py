@@ -1,13 +1,9 @@
-"""Hugging Face model -> ONNX, through a wrapper with the zoo's interface and the zoo's parity gate.
+"""Any torch module that maps ``input_ids`` to named outputs -> ONNX, with the parity gate.
 
-Wrappers (input ``input_ids`` int64 ``[batch, seq]``, both axes dynamic, no attention mask: every
-window is full length, so the mask would be all ones):
-
-- causal LMs: ``logits`` ``[batch, seq, vocab]`` (float32), like the zoo's models;
-- encoders: ``last_hidden_state`` ``[batch, seq, hidden]`` and ``sentence_embedding``
-  ``[batch, hidden]`` (the checkpoint's sentence-transformers pooling, mean by default), plus
-  ``logits`` ``[batch, seq, vocab]`` when the checkpoint has an MLM head. The first output is
-  3-D with batch and sequence leading, so the quantizer's sanity check runs on it unchanged.
+The zoo's models export through ``quantnorm.export``; a checkpoint's wrapper (a Hugging Face
+model behind ``sources.hf_export.make_wrapper``), and a transform's rotated or smoothed copy of
+it, export here. A wrapper may name a ``node_prefix`` (its own attribute holding the model, with
+the dot) that is dropped from the front of every node name.
 
 Exporter: ``torch.onnx.export(dynamo=True)`` at the requested opset (18 by default) first; if it
 raises, the TorchScript exporter (``dynamo=False``) at opset 17. ``results.json`` records which
@@ -23,12 +19,11 @@ so the fallback only ever helps encoders; a causal model the dynamo exporter rej
 ``ExportError`` naming both failures.
 
 Parity (a failure is an ``ExportError`` and no file is left): every output of the ONNX model on
-ONNX Runtime's CPU provider against the wrapper in PyTorch, on the parity windows and again on a
+ONNX Runtime's CPU provider against the module in PyTorch, on the parity windows and again on a
 shorter prefix of them with another batch size (so both dynamic axes are exercised). The gate is
 ``max |delta| <= tolerance * max(1, max |reference|)``: relative to the output's scale, because
 a real checkpoint's logits or hidden states reach tens where the zoo's stay near one.
 """
-
 from __future__ import annotations
 
 import os
@@ -38,8 +33,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from ..errors import ConfigError, ExportError
-from ..export import (
+from .errors import ConfigError, ExportError
+from .export import (
     count_norm_ops,
     finish_onnx_file,
     parameter_bytes,
@@ -47,63 +42,13 @@ from ..export import (
     rename_nodes_by_module,
     torch_outputs,
 )
-from ..fileio import atomic_path, needs_external_data
-from ..measure.sessions import SessionSpec, make_session
-from ..smoothquant import max_output_diff
+from .fileio import atomic_path, needs_external_data
+from .measure.sessions import SessionSpec, make_session
 
 DEFAULT_OPSET = 18
 FALLBACK_OPSET = 17
 DEFAULT_TOLERANCE = 1e-4
 INPUT_NAME = "input_ids"
-WRAPPER_ATTR = "model"  # the wrapper's attribute holding the HF model (stripped from node names)
-
-
-def output_names(kind: str, mlm_head: bool = False) -> tuple[str, ...]:
-    if kind == "causal":
-        return ("logits",)
-    return ("last_hidden_state", "sentence_embedding") + (("logits",) if mlm_head else ())
-
-
-def make_wrapper(loaded):
-    """The export/measurement module for a ``LoadedCheckpoint`` (see the module doc)."""
-    import torch
-    from torch import nn
-
-    spec, files = loaded.spec, loaded.files
-
-    class CausalLMWrapper(nn.Module):
-        def __init__(self, model):
-            super().__init__()
-            self.model = model
-
-        def forward(self, input_ids):
-            return self.model(input_ids=input_ids, use_cache=False).logits
-
-    class EncoderWrapper(nn.Module):
-        def __init__(self, model, pooling: str, mlm_head: bool):
-            super().__init__()
-            self.model = model
-            self.pooling = pooling
-            self.mlm_head = mlm_head
-
-        def forward(self, input_ids):
-            hidden = self.model.base_model(input_ids=input_ids).last_hidden_state
-            if self.pooling == "cls":
-                pooled = hidden[:, 0]
-            elif self.pooling == "max":
-                pooled = hidden.amax(dim=1)
-            else:  # mean over all tokens: every window is full length (attention mask all ones)
-                pooled = hidden.mean(dim=1)
-            if self.mlm_head:
-                return hidden, pooled, self.model.cls(hidden)
-            return hidden, pooled
-
-    if spec.kind == "causal":
-        wrapper = CausalLMWrapper(loaded.model)
-    else:
-        wrapper = EncoderWrapper(loaded.model, files.pooling, files.mlm_head)
-    assert hasattr(wrapper, WRAPPER_ATTR)
-    return wrapper.eval().to(torch.float32)
 
 
 def onnx_outputs(path: Path, inputs: np.ndarray, batch_size: int = 8, session=None) -> list[np.ndarray]:
@@ -115,7 +60,7 @@ def onnx_outputs(path: Path, inputs: np.ndarray, batch_size: int = 8, session=No
 
 
 @dataclass(frozen=True)
-class HFExportResult:
+class ModuleExportResult:
     path: Path
     opset: int
     exporter: str                         # "dynamo" | "torchscript"
@@ -142,9 +87,9 @@ class HFExportResult:
         }
 
 
-def export_hf_onnx(wrapper, out_path: Path, parity_inputs: np.ndarray, *, outputs: tuple[str, ...],
+def export_module_onnx(wrapper, out_path: Path, parity_inputs: np.ndarray, *, outputs: tuple[str, ...],
                    max_positions: int | None, opset: int = DEFAULT_OPSET,
-                   tolerance: float = DEFAULT_TOLERANCE) -> HFExportResult:
+                   tolerance: float = DEFAULT_TOLERANCE) -> ModuleExportResult:
     """Export ``wrapper`` to ``out_path`` (dynamo first, TorchScript as the fallback) and prove
     that the file computes the wrapper's outputs. Atomic: on failure no file is left."""
     if opset < FALLBACK_OPSET:
@@ -169,12 +114,12 @@ def export_hf_onnx(wrapper, out_path: Path, parity_inputs: np.ndarray, *, output
         if exporter is None:
             raise ExportError("torch.onnx.export failed with both exporters: "
                               + "; ".join(f"{a['exporter']} opset {a['opset']}: {a['status']}" for a in attempts))
-        model = finish_onnx_file(tmp, _name_nodes, out_path)
+        model = finish_onnx_file(tmp, lambda m: _name_nodes(m, getattr(wrapper, "node_prefix", "")), out_path)
         norm_ops = count_norm_ops(model)
         del model   # the graph's Python copy (1 GB for Gemma 3) is not needed while the parity session runs
 
         diffs, shapes = _parity(wrapper, tmp, parity_inputs, outputs, tolerance, used_opset)
-    return HFExportResult(out_path, used_opset, exporter, diffs, tolerance, tuple(outputs), attempts, norm_ops, shapes)
+    return ModuleExportResult(out_path, used_opset, exporter, diffs, tolerance, tuple(outputs), attempts, norm_ops, shapes)
 
 
 def _export_once(wrapper, tmp: Path, parity_inputs: np.ndarray, outputs, max_positions, dynamo: bool,
@@ -198,11 +143,12 @@ def _export_once(wrapper, tmp: Path, parity_inputs: np.ndarray, outputs, max_pos
                               input_names=[INPUT_NAME], output_names=list(outputs), dynamic_axes=axes)
 
 
-def _name_nodes(model: onnx.ModelProto) -> None:
-    """Nodes named after the HF module they came from (``model.layers.0.mlp.down_proj/MatMul``):
-    the zoo's renaming, then the wrapper's own attribute dropped from the front."""
+def _name_nodes(model: onnx.ModelProto, prefix: str) -> None:
+    """Nodes named after the module they came from (``model.layers.0.mlp.down_proj/MatMul``): the
+    zoo's renaming, then the wrapper's own attribute (its ``node_prefix``) dropped from the front."""
     rename_nodes_by_module(model)
-    prefix = WRAPPER_ATTR + "."
+    if not prefix:
+        return
     names = {n.name for n in model.graph.node}
     for node in model.graph.node:
         if node.name.startswith(prefix):
@@ -252,13 +198,31 @@ def _short(exc: BaseException) -> str:
     return (text[:300] + "...") if len(text) > 300 else text or type(exc).__name__
 
 
+def max_output_diff(reference: list[np.ndarray], other: list[np.ndarray], *, relative: bool = False) -> float:
+    """max |reference - other| over matching outputs; with ``relative`` each output's is divided by
+    ``max(1, max |reference|)``. NaN (a broken model) propagates: it fails every gate."""
+    worst = 0.0
+    for ref, got in zip(reference, other, strict=True):
+        # float64 one leading slice at a time (a window of a 262k vocabulary's logits, not the batch);
+        # np.max over the list keeps a NaN
+        d = float(np.max([np.max(np.abs(r.astype(np.float64) - g.astype(np.float64)))
+                          for r, g in zip(np.atleast_1d(ref), np.atleast_1d(got), strict=True)]))
+        if relative:
+            d /= max(1.0, float(np.max(np.abs(ref))))
+        if not d <= worst:
+            worst = d
+        if np.isnan(worst):
+            break
+    return worst
+
+
 def export_matching_original(transformed, original, out_path: Path, parity_inputs: np.ndarray, *, what: str,
                              outputs: tuple[str, ...], max_positions: int | None, opset: int, tolerance: float):
     """Export ``transformed`` (a smoothed or rotated copy of ``original``) with the export's own parity
     gate, then prove the ONNX file computes the *original* outputs (relative to each output's
     scale). Returns (export result, that relative difference); a mismatch leaves no file."""
     out_path = Path(out_path)
-    exported = export_hf_onnx(transformed, out_path, parity_inputs, outputs=outputs, max_positions=max_positions,
+    exported = export_module_onnx(transformed, out_path, parity_inputs, outputs=outputs, max_positions=max_positions,
                               opset=opset)
     diff = max_output_diff(torch_outputs(original, parity_inputs), onnx_outputs(out_path, parity_inputs),
                            relative=True)

@@ -26,7 +26,7 @@ import math
 
 import numpy as np
 
-from ..measure.accuracy import pair_stats
+from .accuracy import pair_stats
 
 FP16_MAX = 65504.0
 CLIP_VALUE = 32752.0  # the community Gemma 3 270M ONNX export's residual clip
