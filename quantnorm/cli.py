@@ -22,10 +22,11 @@ from .evaluate import ensure_trained
 from .evaluate import evaluate as run_evaluate
 from .export import export_onnx, write_onnx_dir
 from .fileio import write_json_atomic
-from .gate import Policy, append_summary, load_policy, run_gate, write_error_outputs, write_junit
+from .gate import append_summary, load_policy, report_junit, report_markdown, run_gate, write_error_outputs, write_junit
 from .measure.latency import bench_rounds
 from .measure.sessions import PROVIDERS, resolve_providers
 from .models import NORMS, PLACEMENTS, ModelConfig
+from .policy import DEFAULT_POLICY, Policy
 from .portable import PKG_PREFIX, portable_args, resolve_arg
 from .quantize import DEFAULT_RECIPES, RECIPES
 from .report import write_comparison, write_findings, write_report
@@ -168,14 +169,13 @@ def evaluate_options(func):
         click.option("--sq-alpha", type=float, default=None,
                      help="SmoothQuant migration strength alpha in [0, 1] for the smoothquant recipe (not for "
                           "smoothquant@ALPHA names, which keep theirs). [default: 0.5]"),
-        click.option("--max-ppl-ratio", type=float, default=1.01, show_default=True,
-                     help="--recipes auto: the target INT8/FP32 perplexity ratio the search must reach."),
-        click.option("--min-top1", type=float, default=None,
-                     help="With --recipes auto: a model passes only if its top-1 agreement with FP32 is at least "
-                          "this (e.g. 0.99). [default: not required]"),
-        click.option("--max-kld", type=float, default=None,
-                     help="With --recipes auto: a model passes only if its mean KL divergence from FP32 is at most "
-                          "this (e.g. 0.007). [default: not required]"),
+        click.option("--max-ppl-ratio", type=float, default=DEFAULT_POLICY.max_ppl_ratio, show_default=True,
+                     help="--recipes auto: the INT8/FP32 perplexity ratio a model must reach (the gate's default too)."),
+        click.option("--min-top1", type=float, default=DEFAULT_POLICY.min_top1, show_default=True,
+                     help="--recipes auto: the top-1 agreement with FP32 a model must reach (the gate's default too)."),
+        click.option("--max-kld", type=float, default=DEFAULT_POLICY.max_kld, show_default=True,
+                     help="--recipes auto: the mean KL divergence from FP32 a model must stay under (the gate's "
+                          "default too)."),
         click.option("--search-space", default=None,
                      help="With --recipes auto: the comma-separated recipes the search tries, in order "
                           "(weight-MatMul recipes only). [default: every weight-MatMul recipe of `quantnorm recipes`]"),
@@ -446,10 +446,10 @@ def recipes():
 @click.argument("inputs", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("--policy", type=click.Path(path_type=Path), default=None,
               help="TOML policy file ([gate] table; see examples/gate-policy.toml). Flags override it.")
-@click.option("--max-ppl-ratio", type=float, default=None, help="Max INT8/FP32 perplexity ratio. [default: 1.01]")
-@click.option("--max-kld", type=float, default=None, help="Max mean KL(FP32 || INT8) in nats. [default: 0.01]")
+@click.option("--max-ppl-ratio", type=float, default=None, help=f"Max INT8/FP32 perplexity ratio. [default: {DEFAULT_POLICY.max_ppl_ratio:g}]")
+@click.option("--max-kld", type=float, default=None, help=f"Max mean KL(FP32 || INT8) in nats. [default: {DEFAULT_POLICY.max_kld:g}]")
 @click.option("--max-kld-p99", type=float, default=None, help="Max 99th-percentile KL in nats. [default: off]")
-@click.option("--min-top1", type=float, default=None, help="Min top-1 agreement, a fraction. [default: 0.98]")
+@click.option("--min-top1", type=float, default=None, help=f"Min top-1 agreement, a fraction. [default: {DEFAULT_POLICY.min_top1:g}]")
 @click.option("--max-latency-ratio", type=float, default=None,
               help="Max INT8 p50 / FP32 p50 latency (same provider and batch). [default: off]")
 @click.option("--require-provider", multiple=True,
@@ -478,12 +478,12 @@ def gate(ctx, inputs, policy, require_provider, recipes, summary, junit, **thres
     except QuantnormError as exc:  # fail closed in the CI artifacts too; main() prints it, exit 2
         write_error_outputs(str(exc), summary=summary, junit=junit)
         raise
-    text = result.markdown()
+    text = report_markdown(result)
     click.echo(text, nl=False)
     if summary is not None:
         append_summary(summary, text)
     if junit is not None:
-        write_junit(junit, result.junit_xml())
+        write_junit(junit, report_junit(result))
     if not result.passed:
         ctx.exit(1)
 

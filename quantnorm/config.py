@@ -13,6 +13,7 @@ import onnxruntime as ort
 from . import serial
 from .errors import ConfigError
 from .measure.sessions import PROVIDERS, SessionSpec, resolve_providers
+from .policy import DEFAULT_POLICY
 from .quantize import DEFAULT_RECIPES, get_recipe, with_exclusions
 from .quantize.recipes import ALPHA_SEPARATOR
 from .search import SearchConfig
@@ -44,9 +45,10 @@ class EvaluateConfig:
     outliers: bool = True
     progress: bool = True
     sq_alpha: float | None = None       # overrides the alpha of SmoothQuant recipes
-    max_ppl_ratio: float = 1.01         # the search's target (--recipes auto)
-    min_top1: float | None = None       # the search's optional top-1 agreement floor
-    max_kld: float | None = None        # the search's optional mean-KL ceiling
+    # the search's targets (--recipes auto): the acceptance policy's, which the gate applies too
+    max_ppl_ratio: float = DEFAULT_POLICY.max_ppl_ratio
+    min_top1: float | None = DEFAULT_POLICY.min_top1     # None: not required
+    max_kld: float | None = DEFAULT_POLICY.max_kld       # None: not required
     search_pick: str = "fastest"        # the search's pick: fastest or first passing model
     search_space: tuple[str, ...] | None = None  # the search's recipes (None: every weight-MatMul recipe)
     exclude: tuple[str, ...] = ()       # node names / fnmatch patterns kept in FP32 by every recipe

@@ -28,6 +28,7 @@ Schema versions (:data:`READABLE_SCHEMAS`; :func:`load` refuses any other):
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -283,3 +284,190 @@ def diagnostics(results: dict | None) -> tuple[list[dict] | None, list[float] | 
     cos = d.get("block_cosine")
     cos = list(cos) if isinstance(cos, list) else None
     return rows or None, cos or None
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation: the fail-closed check the gate runs on every results.json before judging it.
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def describe_bad(value: Any) -> str:
+    if isinstance(value, float):
+        return f"is {value} (not a finite number)"
+    return f"is {value!r} (not a number)"
+
+
+# ---------------------------------------------------------------------------------------------
+# Well-formed and physically possible: what a results.json must be before any check is judged.
+# A value outside these ranges cannot come from a measurement (a tampered, truncated or
+# hand-edited file, or a bug upstream), so the gate refuses to judge it (exit 2) rather than
+# turning it into a pass or an ordinary failure.
+
+
+_ROUNDING = 1e-6  # float32 arithmetic can put a cosine at 1 + 1e-7 or a KL of equal distributions at -1e-9
+
+
+@dataclass(frozen=True)
+class _Range:
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False   # lo itself is impossible (a ratio of 0)
+    integer: bool = False
+    why: str = ""
+
+    def problem(self, value: float) -> str | None:
+        if self.integer and not isinstance(value, int):
+            return f"must be an integer ({self.why})"
+        if self.lo is not None and (value <= self.lo if self.lo_open else value < self.lo - _ROUNDING):
+            return f"is impossible: {self.why}"
+        if self.hi is not None and value > self.hi + _ROUNDING:
+            return f"is impossible: {self.why}"
+        return None
+
+
+_FRACTION = _Range(0.0, 1.0, why="a fraction lies in [0, 1]")
+_COSINE = _Range(-1.0, 1.0, why="a cosine lies in [-1, 1]")
+_KL = _Range(0.0, why="a KL divergence is >= 0")
+_COUNT = _Range(0, integer=True, why="a count is a non-negative integer")
+
+# accuracy keys with a physical range; any other numeric accuracy key must still be finite
+ACCURACY_RANGES: dict[str, _Range] = {
+    "ppl_fp32": _Range(1.0, why="a perplexity is >= 1"),
+    "ppl_int8": _Range(1.0, why="a perplexity is >= 1"),
+    "ppl_ratio": _Range(0.0, lo_open=True, why="a ratio of perplexities is > 0"),
+    "bits_per_byte_fp32": _Range(0.0, why="a cross-entropy is >= 0"),
+    "bits_per_byte_int8": _Range(0.0, why="a cross-entropy is >= 0"),
+    "kld_mean": _KL, "kld_p99": _KL, "kld_max": _KL,
+    "top1_agreement": _FRACTION, "nn_agreement": _FRACTION,
+    "cosine_mean": _COSINE, "cosine_p1": _COSINE, "cosine_min": _COSINE,
+    "token_cosine_mean": _COSINE, "token_cosine_p1": _COSINE,
+    "n_scored": _COUNT, "n_passages": _COUNT,
+}
+_POSITIVE_MS = _Range(0.0, lo_open=True, why="a latency is > 0 ms")
+LATENCY_RANGES: dict[str, _Range] = {
+    "p50_ms": _POSITIVE_MS, "p90_ms": _POSITIVE_MS, "p99_ms": _POSITIVE_MS, "mean_ms": _POSITIVE_MS,
+    "tokens_per_s": _Range(0.0, lo_open=True, why="a throughput is > 0"),
+    "batch": _Range(1, integer=True, why="a batch size is an integer >= 1"),
+    "seq": _Range(1, integer=True, why="a sequence length is an integer >= 1"),
+}
+OK_STATUS, BROKEN_PREFIX, NOT_MEASURED_PREFIX = OK, "broken: ", "not measured: "
+# a recipe that does not apply to this model (e.g. a rotation the architecture does not support):
+# like a broken one it has no accuracy block and never passes, but it is not a malformed entry
+NOT_APPLICABLE_PREFIX = "not applicable: "
+_NOT_OK_PREFIXES = (BROKEN_PREFIX, NOT_APPLICABLE_PREFIX)
+
+
+def _check_contract(results: Any, source: str) -> None:
+    """ResultsError unless ``results`` is a results.json object of a schema_version and a model
+    source this module reads."""
+    check_schema(results, source)
+    source_kind(results, source)
+
+
+def _malformed(source: str, field: str, problem: str) -> ResultsError:
+    return ResultsError(f"{source}: {field} {problem}")
+
+
+def _number(value: Any, source: str, field: str, rule: _Range | None) -> None:
+    """``value`` must be a finite number inside ``rule``; otherwise ResultsError naming ``field``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _malformed(source, field, f"is {value!r}, not a number")
+    if not math.isfinite(value):
+        raise _malformed(source, field, f"is {value}, not a finite number")
+    problem = rule.problem(value) if rule is not None else None
+    if problem:
+        raise _malformed(source, field, f"= {value!r} {problem}")
+
+
+def _validate_accuracy(accuracy: Any, source: str, field: str) -> None:
+    if not isinstance(accuracy, dict):
+        raise _malformed(source, field, f"must be an object, got {type(accuracy).__name__}")
+    for key, value in accuracy.items():
+        rule = ACCURACY_RANGES.get(key)
+        if rule is not None or isinstance(value, float):  # unknown keys may be text, but never NaN
+            _number(value, source, f"{field}.{key}", rule)
+    if all(is_number(accuracy.get(k)) for k in ("ppl_fp32", "ppl_int8", "ppl_ratio")):
+        expected = accuracy["ppl_int8"] / accuracy["ppl_fp32"]
+        if abs(accuracy["ppl_ratio"] - expected) > _ROUNDING * max(1.0, expected):
+            raise _malformed(source, f"{field}.ppl_ratio", f"= {accuracy['ppl_ratio']!r} is not ppl_int8 / ppl_fp32 "
+                             f"= {expected:.6g}")
+    for key in ("kld_mean", "kld_p99"):
+        if is_number(accuracy.get(key)) and is_number(accuracy.get("kld_max")) and \
+                accuracy[key] > accuracy["kld_max"] + _ROUNDING:
+            raise _malformed(source, f"{field}.{key}", f"= {accuracy[key]!r} exceeds kld_max = {accuracy['kld_max']!r}")
+
+
+def _validate_recipes(entries: Any, source: str) -> None:
+    if not isinstance(entries, list):
+        raise _malformed(source, "recipes", "is missing" if entries is None else
+                         f"must be a list, got {type(entries).__name__}")
+    seen: dict[str, int] = {}
+    for i, entry in enumerate(entries):
+        field = f"recipes[{i}]"
+        if not isinstance(entry, dict):
+            raise _malformed(source, field, f"must be an object, got {type(entry).__name__}")
+        name = entry.get("name")
+        if not isinstance(name, str) or not name.strip():
+            raise _malformed(source, f"{field}.name", f"must be a non-empty string, got {name!r}")
+        if name == FP32_VARIANT:
+            raise _malformed(source, f"{field}.name", f"{name!r} is the FP32 baseline's name, not a recipe's")
+        if name in seen:
+            raise _malformed(source, f"{field}.name", f"{name!r} duplicates recipes[{seen[name]}] (which one "
+                             f"would be gated?)")
+        seen[name] = i
+        status = entry.get("status", OK_STATUS)
+        if not isinstance(status, str) or not (status == OK_STATUS or status.startswith(_NOT_OK_PREFIXES)):
+            raise _malformed(source, f"{field}.status", f"is {status!r}: must be {OK_STATUS!r}, "
+                             f"'{BROKEN_PREFIX}<reason>' or '{NOT_APPLICABLE_PREFIX}<reason>'")
+        if "accuracy" in entry:  # a broken recipe may carry numbers; they must still be possible ones
+            _validate_accuracy(entry["accuracy"], source, f"{field}.accuracy")
+        elif status == OK_STATUS:
+            raise _malformed(source, f"{field}.accuracy", f"is missing for recipe {name!r} whose status is 'ok'")
+
+
+def _validate_latency(rows: Any, source: str) -> None:
+    if rows is None:  # absent: a policy that needs latency fails its checks (missing), nothing to refuse
+        return
+    if not isinstance(rows, list):
+        raise _malformed(source, "latency", f"must be a list, got {type(rows).__name__}")
+    seen: dict[tuple, int] = {}
+    for i, row in enumerate(rows):
+        field = f"latency[{i}]"
+        if not isinstance(row, dict):
+            raise _malformed(source, field, f"must be an object, got {type(row).__name__}")
+        for key in ("provider", "variant"):
+            if not isinstance(row.get(key), str) or not row[key].strip():
+                raise _malformed(source, f"{field}.{key}", f"must be a non-empty string, got {row.get(key)!r}")
+        for key in ("batch", "seq"):
+            if key in row:
+                _number(row[key], source, f"{field}.{key}", LATENCY_RANGES[key])
+        status = row.get("status")
+        if status == MEASURED:
+            if "p50_ms" not in row:
+                raise _malformed(source, f"{field}.p50_ms", "is missing in a measured row")
+            for key, rule in LATENCY_RANGES.items():
+                if key in row and key not in ("batch", "seq"):
+                    _number(row[key], source, f"{field}.{key}", rule)
+            pcts = [row[k] for k in ("p50_ms", "p90_ms", "p99_ms") if k in row]
+            if pcts != sorted(pcts):
+                raise _malformed(source, field, f"percentiles are not ordered (p50 <= p90 <= p99): {pcts}")
+        elif not (isinstance(status, str) and status.startswith(NOT_MEASURED_PREFIX)):
+            raise _malformed(source, f"{field}.status", f"is {status!r}: must be {MEASURED!r} or "
+                             f"'{NOT_MEASURED_PREFIX}<reason>'")
+        key = (row["provider"], row["variant"], row.get("batch"), row.get("seq"))
+        if key in seen:
+            raise _malformed(source, field, f"duplicates latency[{seen[key]}] (same provider, variant, batch, seq)")
+        seen[key] = i
+
+
+def validate_results(results: Any, source: str = "results") -> None:
+    """ResultsError (a GateError: exit code 2) unless ``results`` is a well-formed results.json of a
+    supported schema whose every gated number is finite and physically possible. The message is one
+    line naming ``source`` and the field."""
+    _check_contract(results, source)
+    _validate_recipes(results.get("recipes"), source)
+    _validate_latency(results.get("latency"), source)
+

@@ -56,13 +56,14 @@ from .measure.accuracy import compare
 from .measure.latency import bench_model
 from .measure.sessions import ReopenableSession, make_session
 from .measure.sqnr import activation_sqnr
+from .policy import DEFAULT_POLICY, Policy, accuracy_accepted
 from .quantize import RECIPES, Recipe, get_recipe, quantize, with_exclusions
 from .quantize.recipes import ALPHA_SEPARATOR
 
 PICKS = ("fastest", "first")
 FRAMEWORK = "quantnorm_onnxruntime"   # our name in INC's config registry
 ALGO = "quantnorm_recipe"
-DEFAULT_MAX_PPL_RATIO = 1.01
+DEFAULT_MAX_PPL_RATIO = DEFAULT_POLICY.max_ppl_ratio
 
 
 def default_space() -> tuple[str, ...]:
@@ -139,9 +140,10 @@ def _quiet_inc() -> Iterator[None]:
 
 @dataclass(frozen=True)
 class SearchConfig:
-    max_ppl_ratio: float = DEFAULT_MAX_PPL_RATIO
-    min_top1: float | None = None             # also require this top-1 agreement (None: PPL ratio only)
-    max_kld: float | None = None              # also require this mean KL divergence (None: not required)
+    # the acceptance policy's accuracy targets (quantnorm.policy: the gate's defaults too)
+    max_ppl_ratio: float = DEFAULT_POLICY.max_ppl_ratio
+    min_top1: float | None = DEFAULT_POLICY.min_top1     # None: not required
+    max_kld: float | None = DEFAULT_POLICY.max_kld       # None: not required
     pick: str = "fastest"                     # "fastest" or "first"
     max_trials: int | None = None             # None: the whole space and the whole fallback
     space: tuple[str, ...] | None = None      # recipe names; None: default_space()
@@ -177,6 +179,11 @@ class SearchConfig:
 
     def recipes(self) -> tuple[str, ...]:
         return default_space() if self.space is None else tuple(self.space)
+
+    def policy(self) -> Policy:
+        """The acceptance policy a trial must meet: the gate's, with these accuracy targets."""
+        return Policy(max_ppl_ratio=self.max_ppl_ratio, max_kld=self.max_kld, min_top1=self.min_top1,
+                      collapse_margin=None)
 
     @property
     def tolerable_loss(self) -> float:
@@ -302,15 +309,16 @@ class _Runner:
                 acc = self.scorer(self.fp32_session, make_session(q.path, self.spec), self.eval_inputs,
                                   self.eval_targets)
                 latency = self.latency_fn(q.path, recipe.name)
-                top1_ok = (self.cfg.min_top1 is None or acc.top1_agreement >= self.cfg.min_top1) and \
-                    (self.cfg.max_kld is None or acc.kld_mean <= self.cfg.max_kld)
+                passed = accuracy_accepted(self.cfg.policy(), {
+                    "ppl_ratio": acc.ppl_ratio, "kld_mean": acc.kld_mean, "top1_agreement": acc.top1_agreement})
+                others_ok = accuracy_accepted(self.cfg.policy(), {
+                    "kld_mean": acc.kld_mean, "top1_agreement": acc.top1_agreement}, skip=("max_ppl_ratio",))
                 # A trial below the top-1 floor (or above the KL ceiling) scores 0, so INC's own
-                # pass rule (metric vs tolerable_loss) and ours agree: every target must hold.
-                metric = 1.0 / acc.ppl_ratio if acc.ppl_ratio > 0 and top1_ok else 0.0
+                # pass rule (metric vs tolerable_loss) and the policy agree: every target must hold.
+                metric = 1.0 / acc.ppl_ratio if acc.ppl_ratio > 0 and others_ok else 0.0
                 trial = Trial(**common, status="ok", settings=q.settings, ppl_ratio=acc.ppl_ratio,
                               kld_mean=acc.kld_mean, top1_agreement=acc.top1_agreement, latency_p50_ms=latency,
-                              metric=metric, passed=acc.ppl_ratio <= self.cfg.max_ppl_ratio and top1_ok,
-                              path=q.path)
+                              metric=metric, passed=passed, path=q.path)
         except QuantnormError as exc:  # quantize, measure, export (smoothing) or config
             # One recipe failing is a finding of the search, not the end of it.
             trial = Trial(**common, status=f"error: {exc}")

@@ -8,11 +8,11 @@ import onnx
 import pytest
 import torch
 
-from quantnorm.transforms import smoothquant as sq
 from quantnorm.errors import ConfigError, QuantizeError
 from quantnorm.measure.sessions import SessionSpec
 from quantnorm.models import PLACEMENTS, CausalLM, ModelConfig
 from quantnorm.quantize import get_recipe
+from quantnorm.transforms import smoothquant as sq
 from quantnorm.transforms.smoothquant import (
     SmoothedLinear,
     export_smoothed,
