@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # GPU numbers in one command: installs the GPU libraries (from a folder of wheels or the
-# registry), then runs `python -m quantnorm.gpu_bench` (FP32/FP16/INT8 on CUDA and TensorRT, CPU
-# as reference), which writes reports/gpu/results.json and report.md and prints a table.
+# registry), then runs the one pipeline, `quantnorm evaluate`, with the GPU providers: a small zoo
+# model trained here, its FP32 export, the FP16 variant and INT8 recipes (the TensorRT-style
+# signed symmetric one among them), accuracy against FP32 and latency on the CPU, CUDA and
+# TensorRT providers, written to reports/gpu/ (results.json, report.md, plots/).
 #
-#   bash benchmarks/gpu.sh [--wheels DIR | --online | --no-install] [gpu_bench options...]
+#   bash benchmarks/gpu.sh [--wheels DIR | --online | --no-install] [quantnorm evaluate flags...]
 #   bash benchmarks/gpu.sh --download DIR [--python-version 3.11]   # on a machine with a registry
 #
 # --wheels DIR   install offline: pip install --no-index --find-links DIR (parts made by
@@ -17,12 +19,15 @@
 #                (GPU_DOWNLOAD=minimal: the onnxruntime-gpu and TensorRT wheels alone, no dependencies)
 # --split DIR    only the splitting, for a folder filled by hand
 #
+# Any other flag goes to `quantnorm evaluate` after the defaults below (click keeps the last value
+# of a flag, so `--steps 400` or `--out DIR` replace the default; `--model PATH` evaluates a real
+# checkpoint with the same providers and variants).
+#
 # Only what is missing is installed, into .gpu-site/ (first on PYTHONPATH): the preinstalled
 # PyTorch and CUDA libraries are reused, a preinstalled CPU onnxruntime is shadowed, not removed.
-# The benchmark runs in the repository root: relative paths given to it (--out, --onnx, --windows)
-# are read from there. A package that cannot be installed is reported and skipped: its rows read
-# "not measured: <why>", and the rest is still measured. Without a GPU every GPU row says
-# "not measured: no CUDA device" and the script exits 0.
+# A package that cannot be installed is reported and skipped: its provider's rows read
+# "not measured: <why>", and the rest is still measured. Without a GPU every CUDA and TensorRT
+# row says "not measured: no CUDA device" and the script exits 0.
 set -uo pipefail
 export PIP_ROOT_USER_ACTION=ignore  # root is the norm on GPU nodes; the target folder is ours
 
@@ -41,7 +46,11 @@ TRT_PKGS=("${TRT_SPEC:-tensorrt-cu13-libs>=10.13,<11}")
 PART_SIZE="${GPU_PART_SIZE:-60M}"
 SPLIT_OVER="${GPU_SPLIT_OVER:-$((60 * 1024 * 1024))}"
 
-invocation="bash benchmarks/gpu.sh $*"   # results.json records the command that produced it
+# The run: about 6 minutes of one GPU with its 16 cores (training is most of it); 150 steps train
+# a pre/rms model well below the unigram baseline, so its accuracy figures mean something.
+EVALUATE_DEFAULTS=(--placement pre --norm rms --steps 150 --out reports/gpu
+                   --recipes fp16,static-minmax-matmul-symact,dynamic --providers cpu,cuda,tensorrt
+                   --batches 1,8,32 --iters 50)
 mode=auto wheels="" download="" split_dir="" pyver="" args=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -52,19 +61,18 @@ while [[ $# -gt 0 ]]; do
     --split) split_dir="$(realpath -m "$2")"; shift 2 ;;
     --python-version) pyver="$2"; shift 2 ;;
     -h|--help) sed -n '2,/^set -uo/p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'; echo
-               cd "$REPO" && PYTHONPATH="$REPO" exec "$PY" -m quantnorm.gpu_bench --help ;;
+               echo "Defaults handed to quantnorm evaluate: ${EVALUATE_DEFAULTS[*]}"; exit 0 ;;
     *) args+=("$1"); shift ;;
   esac
 done
 
-# What the benchmark imports besides torch (preinstalled on the GPU machine; a registry would pull
-# a multi-GB build) and onnxruntime (the GPU build comes next), with pyproject.toml's version
-# ranges. The rest of quantnorm's dependencies (neural-compressor, matplotlib, ...) serve other
-# commands and are not needed here.
+# What quantnorm imports besides torch (preinstalled on the GPU machine; a registry would pull a
+# multi-GB build) and onnxruntime (the GPU build comes next), with pyproject.toml's version ranges.
 project_deps() {
   "$PY" - "$REPO/pyproject.toml" <<'EOF'
 import re, sys
-needed = {"onnx", "onnxscript", "numpy", "click", "safetensors", "tqdm"}
+needed = {"onnx", "onnxscript", "numpy", "scipy", "click", "safetensors", "tqdm", "matplotlib",
+          "neural-compressor", "py-cpuinfo", "psutil", "prettytable", "pydantic"}
 text = open(sys.argv[1], encoding="utf-8").read()
 block = re.search(r"^dependencies = \[(.*?)^\]", text, re.S | re.M).group(1)
 for spec in re.findall(r'"([^"]+)"', block):
@@ -199,7 +207,4 @@ for f in "${failed[@]}"; do
   echo "gpu.sh: could not install $f (the providers that need it will read not measured)" >&2
 done
 cd "$REPO"
-# What this script did, for results.json (and the reason of a provider that then cannot load).
-export QUANTNORM_GPU_INSTALL="mode=$mode;failed=$(IFS='|'; echo "${failed[*]}")"
-export QUANTNORM_GPU_COMMAND="$invocation"
-exec "$PY" -m quantnorm.gpu_bench "${args[@]}"
+exec "$PY" -m quantnorm.cli evaluate "${EVALUATE_DEFAULTS[@]}" "${args[@]}"

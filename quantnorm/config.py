@@ -97,7 +97,9 @@ class EvaluateConfig:
         # an explicit NAME@ALPHA keeps its own alpha; --sq-alpha sets the others
         if self.sq_alpha is not None and recipe.smoothquant_alpha is not None and ALPHA_SEPARATOR not in name:
             recipe = replace(recipe, smoothquant_alpha=self.sq_alpha)
-        if self.exclude:  # mixed precision: the variant gets its own name (<recipe>-mixed-<hash>)
+        # mixed precision: the variant gets its own name (<recipe>-mixed-<hash>); the FP16 variant
+        # has no INT8 to keep nodes out of
+        if self.exclude and recipe.mode != "fp16":
             recipe = with_exclusions(recipe, self.exclude)
         return recipe
 

@@ -10,6 +10,7 @@ takes an ONNX Runtime session, and the sessions depend on this module, not the r
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import os
 import platform
 import re
@@ -100,3 +101,39 @@ def gpu_device_present() -> bool:
     if gpu_names():
         return True
     return Path("/dev/nvidia0").exists() or any(Path("/proc/driver/nvidia/gpus").glob("*"))
+
+
+# The GPU libraries whose versions a GPU number depends on (onnxruntime-gpu's CUDA and TensorRT
+# providers load them by soname at run time).
+GPU_LIBRARY_DISTS = ("onnxruntime-gpu", "tensorrt", "tensorrt-cu13", "tensorrt-cu13-libs", "tensorrt-cu12",
+                     "tensorrt-cu12-libs", "nvidia-cudnn-cu13", "nvidia-cudnn-cu12", "nvidia-cublas",
+                     "nvidia-cublas-cu12", "nvidia-cuda-runtime", "nvidia-cuda-runtime-cu12", "nvidia-curand",
+                     "nvidia-curand-cu12")
+
+
+@functools.lru_cache(maxsize=1)
+def gpu_details() -> dict | None:
+    """Each GPU's name, driver, memory and compute capability (nvidia-smi) and the installed GPU
+    libraries' versions; None where no GPU is listed."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        proc = subprocess.run([exe, "--query-gpu=name,driver_version,memory.total,compute_cap",
+                               "--format=csv,noheader"], capture_output=True, text=True, timeout=20, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    rows = [line.strip() for line in proc.stdout.splitlines() if line.strip()] if proc.returncode == 0 else []
+    if not rows:
+        return None
+    gpus = []
+    for row in rows:
+        parts = [p.strip() for p in row.split(",")] + [""] * 4
+        gpus.append({"name": parts[0], "driver": parts[1], "memory": parts[2], "compute_capability": parts[3]})
+    libraries = {}
+    for dist in GPU_LIBRARY_DISTS:
+        try:
+            libraries[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return {"gpus": gpus, "libraries": libraries}

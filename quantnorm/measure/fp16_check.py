@@ -28,7 +28,7 @@ import numpy as np
 
 from .accuracy import pair_stats
 
-FP16_MAX = 65504.0
+FP16_MAX = float(np.finfo(np.float16).max)  # 65504: float16's largest finite value
 CLIP_VALUE = 32752.0  # the community Gemma 3 270M ONNX export's residual clip
 MAX_LISTED = 12
 FP32_RESIDUAL = "float16 compute, float32 residual stream"
@@ -162,3 +162,44 @@ def fp16_check(loaded, inputs: np.ndarray, targets: np.ndarray) -> dict:
                "every module and block output of the FP32 forward; ONNX Runtime's CPU provider computes float16 "
                "in float32, so no fp16 ONNX graph is timed or scored here",
     }
+
+
+def graph_fp16_range(fp32_path, window: np.ndarray, top: int = 5) -> dict:
+    """Which float tensors of an FP32 ONNX graph pass float16's largest value on one window [1, seq].
+
+    The graph-level twin of ``fp32_overflow_scan`` for any source (no torch module needed): every
+    float tensor is exposed as an output of one CPU session without graph optimization (so each
+    exists as written). On a GPU an RMSNorm whose square overflows gives finite but wrong numbers
+    (x * rsqrt(inf) = 0), so this names the tensors before any GPU runs. A failure to run is
+    recorded as "not measured: why", not raised: the check is a diagnosis.
+    """
+    import onnx
+    import onnxruntime as ort
+
+    model = onnx.load(str(fp32_path))
+    inferred = onnx.shape_inference.infer_shapes(model)
+    floats = {vi.name for vi in inferred.graph.value_info if vi.type.tensor_type.elem_type == onnx.TensorProto.FLOAT}
+    existing = {o.name for o in model.graph.output}
+    names = [o for node in model.graph.node for o in node.output if o in floats and o not in existing]
+    model.graph.output.extend(onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None) for n in names)
+    names += [o.name for o in model.graph.output[: len(existing)]
+              if o.type.tensor_type.elem_type == onnx.TensorProto.FLOAT]
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    opts.log_severity_level = 3
+    try:
+        session = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+        values = session.run(names, {session.get_inputs()[0].name: np.ascontiguousarray(window, dtype=np.int64)})
+    except Exception as exc:  # noqa: BLE001
+        return {"status": f"not measured: {' '.join(str(exc).split())[:200]}"}
+    peaks = {n: float(np.max(np.abs(v))) if v.size else 0.0 for n, v in zip(names, values)}
+    # Attention masks built from float32's lowest value (Hugging Face's causal mask) are sentinels,
+    # not activations: the conversion clips that constant to -65504 and the softmax still gives 0.
+    sentinel = float(np.finfo(np.float32).max) / 2
+    masks = [n for n, m in peaks.items() if m >= sentinel]
+    real = {n: m for n, m in peaks.items() if m < sentinel or np.isnan(m)}
+    over = sorted(((n, m) for n, m in real.items() if not m <= FP16_MAX), key=lambda item: -item[1])
+    largest = max(real.items(), key=lambda item: item[1]) if real else (None, 0.0)
+    return {"status": "measured", "windows": 1, "tensors": len(peaks), "fp16_max": FP16_MAX,
+            "largest": {"tensor": largest[0], "max_abs": largest[1]}, "n_over": len(over),
+            "over": [{"tensor": n, "max_abs": m} for n, m in over[:top]], "mask_sentinels": len(masks)}

@@ -35,7 +35,7 @@ NOT_MEASURED = "not measured: "
 
 # Keys that only a measured row may carry (RESULTS.md: a not-measured row has no timing keys).
 _MEASUREMENT_KEYS = ("p50_ms", "p90_ms", "p99_ms", "mean_ms", "tokens_per_s", "iterations",
-                     "peak_rss_mb", "node_providers", "node_ops", "op_ms")
+                     "peak_rss_mb", "node_providers", "node_ops", "op_ms", "load_s")
 
 # Op types that make a graph quantized; the first group is the QDQ format (float ops between
 # Q/DQ pairs), the second the operator format (integer kernels).
@@ -45,7 +45,9 @@ _INTEGER_OPS = {"MatMulInteger", "DynamicQuantizeLinear", "QLinearMatMul", "QLin
 
 _SIMULATED_NOTE = ("CUDA EP has INT8 kernels only for QuantizeLinear/DequantizeLinear/MatMulInteger: "
                    "the QDQ graph runs as simulated quantization (float math between Q/DQ)")
-_TENSORRT_NOTE = "TensorRT runs INT8 only where it builds INT8 engines from the Q/DQ nodes: see node_providers"
+_TENSORRT_NOTE = ("TensorRT runs INT8 only where it builds INT8 engines from the Q/DQ nodes: see node_providers; "
+                  "ORT's own graph optimizations off (TensorRT optimizes what it takes)")
+_TENSORRT_FLOAT_NOTE = "ORT's own graph optimizations off (TensorRT optimizes what it takes)"
 _GPU_NOTE = "includes host<->device copies of input_ids and logits"
 
 
@@ -72,6 +74,9 @@ class LatencyRow:
     # {provider: {op_type: kernel ms}} of one warm profiled run of the first batch (not a timed run;
     # CPU rows only): where the time goes inside ORT, e.g. how much of an INT8 model is still float work
     op_ms: dict | None = None
+    # seconds to create the session (read the model; where the provider compiles the graph, e.g.
+    # TensorRT's engine build, that too): the first batch's row only
+    load_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.status != MEASURED and not self.status.startswith(NOT_MEASURED):
@@ -246,78 +251,124 @@ def bench_batches(path: str | os.PathLike, *, variant: str, spec: SessionSpec, b
         return [not_measured(reason=reason, **base) for base in bases]
     rows: list[LatencyRow] = []
     with tempfile.TemporaryDirectory(prefix="quantnorm-profile-") as tmp:
+        start = time.perf_counter()
         try:
             session = make_session(path, spec, profile=record_placement, profile_prefix=Path(tmp) / "ort")
         except ProviderUnavailable as exc:
             return [not_measured(reason=str(exc), **base) for base in bases]
-        node_providers = node_ops = op_ms = None
-        profiled_seconds = 0.0
+        load_s = round(time.perf_counter() - start, 3)
+        facts = _Profile()
         if record_placement:
-            # Two profiled runs of the first batch, never timed (they count as warm-up); the
-            # profiler is off after them. The placement is read off both, the kernel times off the
-            # second: a first run also pays for allocations.
-            feed = random_input_ids(session, batches[0], seq, seed)
-            start = time.perf_counter()
-            for _ in range(PROFILED_RUNS):
-                _run(session, feed, path, batches[0], seq)
-            profiled_seconds = time.perf_counter() - start
-            node_providers, node_ops, op_ms = _profile_facts(Path(session.end_profiling()))
-            if spec.provider != CPU:
-                op_ms = None   # a GPU kernel's profile entry times its launch, not its run
-
-        fmt = quant_format(path)
-        quantized = (fmt is not None) if is_quantized is None else is_quantized
-        fixed_notes: list[str] = []
-        simulated = False
-        if spec.provider == CUDA and quantized and fmt != "operator":
-            simulated = True
-            fixed_notes.append(_SIMULATED_NOTE)
-        if spec.provider == TENSORRT and quantized:
-            fixed_notes.append(_TENSORRT_NOTE)
-        if spec.provider != CPU:
-            fixed_notes.append(_GPU_NOTE)
-
+            facts = _profile_first_batch(session, path, spec, batches[0], seq, seed)
+        fixed_notes, simulated = _provider_notes(path, spec, is_quantized)
         for i, (batch, base) in enumerate(zip(batches, bases)):
-            feed = random_input_ids(session, batch, seq, seed)
-            notes = list(fixed_notes)
-            times: list[float] = []
-            label = f"{variant} {spec.provider.replace('ExecutionProvider', '')} b{batch}x{seq}"
-            with tqdm(total=warmup + iters, desc=label, disable=not progress, leave=False, unit="run") as bar:
-                profiled = record_placement and i == 0
-                warmed = min(warmup, PROFILED_RUNS if profiled else 0)
-                warm_seconds = profiled_seconds if profiled else 0.0
-                bar.update(warmed)
-                while warmed < warmup:
-                    if max_seconds is not None and warmed >= MIN_WARMUP_RUNS and warm_seconds >= WARMUP_SHARE * max_seconds:
-                        notes.append(f"{warmed} of {warmup} warm-up runs: stopped at {WARMUP_SHARE:g} of the time budget")
-                        bar.update(warmup - warmed)
-                        break
-                    start = time.perf_counter()
-                    _run(session, feed, path, batch, seq)
-                    warm_seconds += time.perf_counter() - start
-                    warmed += 1
-                    bar.update()
-                for _ in range(iters):
-                    start = time.perf_counter()
-                    _run(session, feed, path, batch, seq)
-                    times.append(time.perf_counter() - start)
-                    bar.update()
-                    if max_seconds is not None and len(times) >= MIN_TIMED_RUNS and sum(times) >= max_seconds:
-                        break
-            if len(times) < iters:
-                notes.append(f"{len(times)} of {iters} timed runs: stopped at the {max_seconds:g} s time budget")
-            times_ms = np.asarray(times, dtype=np.float64) * 1e3
-            p50, p90, p99 = np.percentile(times_ms, [50, 90, 99])
-            mean_s = float(times_ms.mean()) / 1e3
-            rows.append(LatencyRow(
-                **base, status=MEASURED,
-                p50_ms=float(p50), p90_ms=float(p90), p99_ms=float(p99), mean_ms=mean_s * 1e3,
-                tokens_per_s=batch * seq / mean_s, iterations=len(times), peak_rss_mb=round(peak_rss_mb(), 1),
-                node_providers=node_providers, node_ops=node_ops, op_ms=op_ms if i == 0 else None,
-                simulated_int8=simulated, note="; ".join(notes),
-            ))
+            timing = _Timing(warmup, iters, max_seconds, progress,
+                             f"{variant} {spec.provider.replace('ExecutionProvider', '')} b{batch}x{seq}")
+            times, notes = timing.run(session, path, batch, seq, seed,
+                                      facts.seconds if record_placement and i == 0 else None)
+            rows.append(_measured_row(base, times, batch, seq, fixed_notes + notes, simulated,
+                                      facts if i == 0 else _Profile(facts.node_providers, facts.node_ops),
+                                      load_s if i == 0 else None))
         del session
     return rows
+
+
+@dataclass
+class _Profile:
+    """What ORT's profile of the first batch says: nodes per provider and op type, kernel times."""
+
+    node_providers: dict | None = None
+    node_ops: dict | None = None
+    op_ms: dict | None = None
+    seconds: float = 0.0   # the profiled runs' wall time: they count as warm-up
+
+
+def _profile_first_batch(session, path: Path, spec: SessionSpec, batch: int, seq: int, seed: int) -> _Profile:
+    """Two profiled runs of the first batch, never timed (they count as warm-up); the profiler is
+    off after them. The placement is read off both, the kernel times off the second: a first run
+    also pays for allocations."""
+    feed = random_input_ids(session, batch, seq, seed)
+    start = time.perf_counter()
+    for _ in range(PROFILED_RUNS):
+        _run(session, feed, path, batch, seq)
+    seconds = time.perf_counter() - start
+    node_providers, node_ops, op_ms = _profile_facts(Path(session.end_profiling()))
+    if spec.provider != CPU:
+        op_ms = None   # a GPU kernel's profile entry times its launch, not its run
+    return _Profile(node_providers, node_ops, op_ms, seconds)
+
+
+def _provider_notes(path: Path, spec: SessionSpec, is_quantized: bool | None) -> tuple[list[str], bool]:
+    """The notes every row of this model on this provider carries, and whether its INT8 is simulated."""
+    fmt = quant_format(path)
+    quantized = (fmt is not None) if is_quantized is None else is_quantized
+    notes: list[str] = []
+    simulated = spec.provider == CUDA and quantized and fmt != "operator"
+    if simulated:
+        notes.append(_SIMULATED_NOTE)
+    if spec.provider == TENSORRT:
+        notes.append(_TENSORRT_NOTE if quantized else _TENSORRT_FLOAT_NOTE)
+    if spec.provider != CPU:
+        notes.append(_GPU_NOTE)
+    return notes, simulated
+
+
+@dataclass
+class _Timing:
+    """Warm-up then timed runs of one batch size, each stopped early by the time budget."""
+
+    warmup: int
+    iters: int
+    max_seconds: float | None
+    progress: bool
+    label: str
+
+    def run(self, session, path: Path, batch: int, seq: int, seed: int,
+            profiled_seconds: float | None) -> tuple[list[float], list[str]]:
+        feed = random_input_ids(session, batch, seq, seed)
+        notes: list[str] = []
+        times: list[float] = []
+        with tqdm(total=self.warmup + self.iters, desc=self.label, disable=not self.progress, leave=False,
+                  unit="run") as bar:
+            warmed = min(self.warmup, PROFILED_RUNS if profiled_seconds is not None else 0)
+            warm_seconds = profiled_seconds or 0.0
+            bar.update(warmed)
+            while warmed < self.warmup:
+                if self.max_seconds is not None and warmed >= MIN_WARMUP_RUNS and \
+                        warm_seconds >= WARMUP_SHARE * self.max_seconds:
+                    notes.append(f"{warmed} of {self.warmup} warm-up runs: stopped at {WARMUP_SHARE:g} of the "
+                                 f"time budget")
+                    bar.update(self.warmup - warmed)
+                    break
+                start = time.perf_counter()
+                _run(session, feed, path, batch, seq)
+                warm_seconds += time.perf_counter() - start
+                warmed += 1
+                bar.update()
+            for _ in range(self.iters):
+                start = time.perf_counter()
+                _run(session, feed, path, batch, seq)
+                times.append(time.perf_counter() - start)
+                bar.update()
+                if self.max_seconds is not None and len(times) >= MIN_TIMED_RUNS and sum(times) >= self.max_seconds:
+                    break
+        if len(times) < self.iters:
+            notes.append(f"{len(times)} of {self.iters} timed runs: stopped at the {self.max_seconds:g} s time budget")
+        return times, notes
+
+
+def _measured_row(base: dict, times: list[float], batch: int, seq: int, notes: list[str], simulated: bool,
+                  facts: _Profile, load_s: float | None) -> LatencyRow:
+    times_ms = np.asarray(times, dtype=np.float64) * 1e3
+    p50, p90, p99 = np.percentile(times_ms, [50, 90, 99])
+    mean_s = float(times_ms.mean()) / 1e3
+    return LatencyRow(
+        **base, status=MEASURED,
+        p50_ms=float(p50), p90_ms=float(p90), p99_ms=float(p99), mean_ms=mean_s * 1e3,
+        tokens_per_s=batch * seq / mean_s, iterations=len(times), peak_rss_mb=round(peak_rss_mb(), 1),
+        node_providers=facts.node_providers, node_ops=facts.node_ops, op_ms=facts.op_ms,
+        simulated_int8=simulated, note="; ".join(notes), load_s=load_s,
+    )
 
 
 def bench_grid(models: dict[str, Path], providers: list[str], batches: list[int], seq: int, *,

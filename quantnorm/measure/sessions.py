@@ -26,7 +26,7 @@ import onnxruntime as ort
 
 from ..errors import ConfigError, MeasureError
 from ..fileio import atomic_path, release_memory
-from ..hardware import available_cpus, cpu_flags, cpu_has_vnni, cpu_model, gpu_device_present, gpu_names
+from ..hardware import available_cpus, cpu_flags, cpu_has_vnni, cpu_model, gpu_details, gpu_device_present, gpu_names
 
 PROVIDERS: dict[str, str] = {
     "cpu": "CPUExecutionProvider",
@@ -275,6 +275,9 @@ def hardware_info(threads: int | None = None, *, probe_providers: bool = True) -
         "gpu": ", ".join(names) if names else None,
         "os": platform.platform(),
     }
+    details = gpu_details() if names else None
+    if details is not None:
+        info["gpu_details"] = details
     if probe_providers:
         # "usable" or the reason: get_available_providers() lists what the wheel was built with,
         # not what works here (pitfall 3).
@@ -311,13 +314,19 @@ def make_session(path: str | os.PathLike, spec: SessionSpec, *, profile: bool = 
     if status is not None:
         raise ProviderUnavailable(f"{spec.provider} is unavailable: {status}")
     opts = spec.session_options()
+    providers = spec.providers
+    if spec.provider == TENSORRT:
+        providers = [(TENSORRT, tensorrt_options(path)), *providers[1:]]
+        # TensorRT optimizes what it takes; ORT's own fusions could hide the Q/DQ pattern it
+        # builds INT8 engines from (the latency row's note says so).
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     if profile:
         opts.enable_profiling = True
         if profile_prefix is not None:
             opts.profile_file_prefix = str(profile_prefix)
     try:
         # enable_fallback=0: a provider error raises instead of silently retrying on the CPU.
-        session = ort.InferenceSession(str(path), opts, providers=spec.providers, enable_fallback=0)
+        session = ort.InferenceSession(str(path), opts, providers=providers, enable_fallback=0)
     except Exception as exc:
         kind = type(exc).__name__
         if kind in _MODEL_ERRORS or spec.provider == CPU:
@@ -330,6 +339,21 @@ def make_session(path: str | os.PathLike, spec: SessionSpec, *, profile: bool = 
     if not actual or actual[0] != spec.provider:
         raise ProviderUnavailable(f"{spec.provider} was requested for {path} but ONNX Runtime loaded {actual}")
     return session
+
+
+def tensorrt_options(path: str | os.PathLike) -> dict[str, str]:
+    """TensorRT's precision flags for the model at ``path``: ``trt_int8_enable`` for a Q/DQ graph
+    (TensorRT builds real INT8 engines from its Q/DQ pairs), ``trt_fp16_enable`` for a float16
+    graph; an FP32 graph gets neither (TensorRT would otherwise keep FP32 kernels anyway)."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    ops = {n.op_type for n in model.graph.node}
+    if ops & {"QuantizeLinear", "DequantizeLinear"}:
+        return {"trt_int8_enable": "True"}
+    if any(t.data_type == onnx.TensorProto.FLOAT16 for t in model.graph.initializer):
+        return {"trt_fp16_enable": "True"}
+    return {}
 
 
 class ReopenableSession:

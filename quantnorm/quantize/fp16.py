@@ -35,8 +35,7 @@ from onnx import TensorProto, helper, inliner, numpy_helper
 
 from ..errors import QuantizeError
 from ..fileio import atomic_path
-
-FP16_MAX = float(np.finfo(np.float16).max)  # 65504
+from ..measure.fp16_check import FP16_MAX
 
 
 def _to_fp16_tensor(tensor: onnx.TensorProto) -> onnx.TensorProto:

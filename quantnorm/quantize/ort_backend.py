@@ -33,11 +33,13 @@ from ..calibration.ranges import collect_ranges, method_details
 from ..calibration.shape_infer import ort_loads_fast
 from ..errors import ConfigError, QuantizeError
 from ..fileio import atomic_path, onnx_needs_external_data
+from ..measure.fp16_check import graph_fp16_range
 from ..measure.graph_probe import graph_probe
 from ..measure.placement import find_norms
 from ..onnx_wire import model_with_weights_by_reference
 from ..transforms.gptq import ABS_HISTOGRAM_BINS, collect_activation_stats, matmul_inputs, mse_clip
 from ..transforms.rotation import ONLINE_ROTATION_MARKER
+from .fp16 import convert_fp16
 from .ort_weights import ort_quantizes_weights_fast
 from .pertoken import ACT_QMAX, ACT_ZERO_POINT, EPS, quantize_per_token
 from .recipes import Recipe
@@ -130,6 +132,8 @@ def quantize(fp32_path: Path, recipe: Recipe, calib_inputs: np.ndarray | None, o
     if recipe.mode == "static" and (calib_inputs is None or len(calib_inputs) == 0):
         raise ConfigError(f"recipe {recipe.name} is static and needs calibration windows (got none)")
     settings = recipe.settings(vnni)
+    if recipe.mode == "fp16":
+        return _fp16_variant(fp32_path, recipe, out_path, probe_inputs, settings)
 
     with tempfile.TemporaryDirectory(prefix="quantnorm-quant-") as tmp_dir, \
             contextlib.ExitStack() as own:
@@ -203,6 +207,18 @@ def quantize(fp32_path: Path, recipe: Recipe, calib_inputs: np.ndarray | None, o
         problems = sanity_check(q_path, probe_inputs) + problems
         with atomic_path(out_path, suffix=".onnx") as final_tmp:
             _move(q_path, final_tmp)
+    status = "ok" if not problems else f"broken: {problems[0]}"
+    return QuantizeResult(recipe.name, out_path, settings, status, problems)
+
+
+def _fp16_variant(fp32_path: Path, recipe: Recipe, out_path: Path, probe_inputs: np.ndarray,
+                  settings: dict) -> QuantizeResult:
+    """The float16 copy of the FP32 model, checked like an INT8 one (finite outputs on the probe
+    windows), with the FP32 tensors that pass float16's range on one window: the CPU provider
+    computes float16 in float32 and hides an overflow that a GPU would show."""
+    convert_fp16(fp32_path, out_path)
+    settings["fp16_range"] = graph_fp16_range(fp32_path, probe_inputs[:1])
+    problems = sanity_check(out_path, probe_inputs)
     status = "ok" if not problems else f"broken: {problems[0]}"
     return QuantizeResult(recipe.name, out_path, settings, status, problems)
 

@@ -14,7 +14,9 @@ from ..errors import ConfigError
 
 # "pertoken": weights INT8 per output channel offline, activations quantized per row (token) at
 #             run time with standard ONNX ops (quantize/pertoken.py); the massive-activation remedy.
-MODES = ("static", "dynamic", "pertoken")
+# "fp16": no integers at all: every float tensor in float16 (the GPU precision), a variant measured
+# beside the INT8 recipes (its file still goes by the recipe name: model.int8.fp16.onnx).
+MODES = ("static", "dynamic", "pertoken", "fp16")
 # "matmul": only MatMuls whose second input is a weight initializer (the Linear layers and the
 #           LM head). Activation x activation MatMuls (q @ k^T, probs @ v) and everything else
 #           stay FP32, so the attention scores and the softmax are never calibrated (PITFALLS.md 1).
@@ -76,6 +78,10 @@ class Recipe:
             raise ConfigError(f"recipe {self.name}: mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.op_scope not in OP_SCOPES:
             raise ConfigError(f"recipe {self.name}: op_scope must be one of {', '.join(OP_SCOPES)}, got {self.op_scope!r}")
+        if self.mode == "fp16" and (self.per_channel or self.symmetric_activations or self.reduce_range is not False
+                                    or self.op_scope != "all"):
+            raise ConfigError(f"recipe {self.name}: an fp16 variant converts the whole graph (op_scope 'all') and "
+                              "has no INT8 settings (per_channel, symmetric_activations, reduce_range off)")
         if self.mode == "static":
             if self.calibration not in CALIBRATION_METHODS:
                 raise ConfigError(
@@ -126,6 +132,8 @@ class Recipe:
 
     def op_types(self) -> list[str]:
         """The op types handed to ONNX Runtime: MatMul, or its whole default list for this mode."""
+        if self.mode == "fp16":
+            return []
         if self.op_scope == "matmul":
             return ["MatMul"]
         from onnxruntime.quantization.registry import IntegerOpsRegistry, QDQRegistry, QLinearOpsRegistry
@@ -136,6 +144,10 @@ class Recipe:
 
     def settings(self, vnni: bool) -> dict:
         """The ``recipes[].settings`` object of results.json (everything needed to redo it)."""
+        if self.mode == "fp16":
+            return {"format": "FP16", "mode": "fp16", "weight_type": "float16", "activation_type": "float16",
+                    "conversion": "quantnorm.quantize.fp16 (float32 graph inputs and outputs)",
+                    "excluded_nodes": list(self.excluded)}
         static = self.mode == "static"
         out = {
             "format": "QDQ" if static else ("QOperator" if self.mode == "dynamic" else
@@ -173,6 +185,9 @@ class Recipe:
     def describe(self) -> str:
         """One line saying what the recipe does (``quantnorm recipes``), built from the fields so
         that a new recipe describes itself."""
+        if self.mode == "fp16":
+            return ("FP16: every float tensor in float16, float32 inputs and outputs (the GPU precision; "
+                    "the CPU provider computes it in float32)")
         if self.mode == "dynamic":
             parts = ["dynamic: INT8 weights, activations quantized per batch at run time"]
         elif self.mode == "pertoken":
@@ -265,6 +280,8 @@ _RECIPE_LIST = [
            rotation="hadamard", pertoken_kernel="ort-fused", norm_inputs="calibrated", weight_rounding="gptq"),
     # The baseline on the SmoothQuant-smoothed FP32 model (outliers moved into the weights).
     _static("smoothquant", "minmax", smoothquant_alpha=0.5),
+    # Not INT8: the float16 variant GPUs run, beside the INT8 recipes on the same windows.
+    Recipe("fp16", "fp16", None, False, "all", False, False),
 ]
 RECIPES: dict[str, Recipe] = {r.name: r for r in _RECIPE_LIST}
 
