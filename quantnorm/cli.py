@@ -6,7 +6,9 @@ Every error a user can fix becomes one line on stderr and exit code 2 (traceback
 from __future__ import annotations
 
 import shlex
+import signal
 import sys
+import threading
 import traceback
 from dataclasses import replace
 from pathlib import Path
@@ -568,12 +570,24 @@ def findings(sweep_dir, collapse_margin):
     click.echo(text)
 
 
+class Terminated(BaseException):
+    """SIGTERM, turned into an exception so that every ``finally`` and context manager on the way
+    out runs (atomic writes drop their temporary files, the FP32 outputs cache its folder). A
+    BaseException, like KeyboardInterrupt: no ``except Exception`` on the way swallows it."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console entry point: one-line errors and exit code 2 for anything a user can fix."""
     global _invocation
     argv = sys.argv[1:] if argv is None else list(argv)
     _invocation = argv
     debug = "--debug" in argv
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if on_main_thread else None
     try:
         result = cli.main(args=_resolve_packaged(argv), prog_name="quantnorm", standalone_mode=False)
         return result if isinstance(result, int) else 0
@@ -595,6 +609,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         click.echo("error: interrupted", err=True)
         return 130
+    except Terminated:
+        click.echo("error: terminated (SIGTERM); nothing half-written was left", err=True)
+        return 128 + signal.SIGTERM
+    finally:
+        if on_main_thread:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
 if __name__ == "__main__":

@@ -16,11 +16,12 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import psutil
 from tqdm import tqdm
 
 from .config import AUTO, EvaluateConfig
 from .errors import ConfigError, QuantizeError
-from .fileio import release_memory, write_json_atomic
+from .fileio import release_memory, sweep_stale_temporaries, write_json_atomic
 from .hardware import cpu_has_vnni
 from .measure.graph_probe import graph_probe
 from .measure.latency import bench_grid
@@ -64,6 +65,8 @@ def evaluate(source: ModelSource | RunDir, cfg: EvaluateConfig, *, command: str)
     with stage("prepare"):
         source.prepare(cfg)
     data, run_dir = source.data, Path(source.run_dir)
+    # what a run stopped by a signal (SIGKILL, a power cut) could not clean up
+    sweep_stale_temporaries(run_dir, older_than=psutil.Process().create_time())
     vnni = cpu_has_vnni()
     spec = SessionSpec(graph_optimization_level=cfg.graph_optimization_level, threads=cfg.threads)
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -29,7 +31,9 @@ def atomic_path(target: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
     """Yield a temporary path in the target's directory; rename it onto the target on success."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=suffix + ".tmp", dir=target.parent)
+    # the PID in the name: the next run can tell a file of a dead process from a live one's
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.{os.getpid()}-", suffix=suffix + ".tmp",
+                                    dir=target.parent)
     os.close(fd)
     tmp = Path(tmp_name)
     try:
@@ -40,6 +44,53 @@ def atomic_path(target: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+# What an interrupted run can leave in a run directory: atomic_path's temporary files
+# (".<name>.<pid>-<random><suffix>.tmp") and the FP32 outputs cache (".fp32-outputs-<pid>-<random>/").
+STALE_PATTERNS = (".*.tmp", ".fp32-outputs-*")
+_PID_IN_NAME = re.compile(r"^\.(?:fp32-outputs-|.+\.)(\d+)-")
+
+
+def temporary_owner_alive(name: str) -> bool | None:
+    """Whether the process named in a temporary's name still runs (None: the name holds no PID)."""
+    match = _PID_IN_NAME.match(name)
+    if match is None:
+        return None
+    pid = int(match.group(1))
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # another user's live process
+        return True
+    return True
+
+
+def sweep_stale_temporaries(directory: str | os.PathLike, *, older_than: float) -> list[Path]:
+    """Remove what an interrupted run left in ``directory`` (STALE_PATTERNS): a temporary whose
+    process is gone, or, for a name without a PID, one made before ``older_than`` (a time.time()
+    value). Returns what was removed."""
+    directory = Path(directory)
+    removed: list[Path] = []
+    if not directory.is_dir():
+        return removed
+    for pattern in STALE_PATTERNS:
+        for path in directory.glob(pattern):
+            try:
+                alive = temporary_owner_alive(path.name)
+                if alive or (alive is None and path.lstat().st_mtime >= older_than):
+                    continue
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    path.unlink()
+            except OSError:
+                continue
+            removed.append(path)
+    return removed
 
 
 def write_text_atomic(target: str | os.PathLike, text: str) -> None:

@@ -410,7 +410,7 @@ class ReplayedSession:
     def __init__(self, session, parent: str | os.PathLike, *, max_bytes: int = 32 << 30,
                  keep_free_bytes: int = 4 << 30):
         self.session = session
-        self._folder = tempfile.TemporaryDirectory(prefix=".fp32-outputs-", dir=parent)
+        self._folder = tempfile.TemporaryDirectory(prefix=f".fp32-outputs-{os.getpid()}-", dir=parent)
         self.folder: Path | None = Path(self._folder.name)
         self.max_bytes, self.keep_free_bytes = int(max_bytes), int(keep_free_bytes)
         self.recorded_bytes = 0
