@@ -28,6 +28,7 @@ Schema versions (:data:`READABLE_SCHEMAS`; :func:`load` refuses any other):
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -35,6 +36,7 @@ from typing import Any
 
 from . import __version__
 from .errors import RunDirError
+from .fileio import write_json_atomic
 from .measure.sessions import hardware_info
 from .runs import RESULTS_FILE
 
@@ -105,6 +107,62 @@ def load(path: str | Path) -> dict:
     check_schema(results, str(path))
     source_kind(results, str(path))
     return results
+
+
+# ------------------------------------------------------------------------------------ the writer
+
+
+class ResultsBuilder:
+    """results.json as the pipeline's stages fill it; :meth:`write` is the one place the file is
+    written. The file's keys come in one order whatever order the stages run in: the header, the
+    model source's sections, ``export``, ``recipes``, ``latency``, ``file_sizes_bytes``, the
+    optional sections in the order they were added (search, rotation, smoothquant, the probe's,
+    a source's extras), and ``stage_seconds`` last."""
+
+    def __init__(self, command: str, threads: int | None) -> None:
+        self.command, self.threads = command, threads
+        self.recipes: list[dict] = []       # the recipe entries, appended as each recipe (or the search) ends
+        self._source: dict = {}
+        self._export: dict | None = None
+        self._latency: list[dict] = []
+        self._file_sizes: dict[str, int] = {}
+        self._sections: dict[str, Any] = {}
+
+    def source(self, sections: dict) -> None:
+        """The model source's sections (``model``, ``data``, ``train``, ...)."""
+        self._source.update(sections)
+
+    def export(self, section: dict) -> None:
+        self._export = section
+
+    def add_recipe(self, entry: dict) -> None:
+        self.recipes.append(entry)
+
+    def latency(self, rows: list[dict]) -> None:
+        self._latency = list(rows)
+
+    def file_sizes(self, paths: dict[str, Path]) -> None:
+        """``file_sizes_bytes``: each model file's size, by variant (``fp32``, then each recipe)."""
+        self._file_sizes = {name: Path(path).stat().st_size for name, path in paths.items()}
+
+    def section(self, name: str, value: Any) -> None:
+        """An optional section (``search``, ``rotation``, ``smoothquant``, ``outliers``, ...)."""
+        self._sections[name] = value
+
+    def sections(self, values: dict[str, Any]) -> None:
+        self._sections.update(values)
+
+    def build(self, stage_seconds: dict[str, float]) -> dict:
+        """The results.json object; the header (time, hardware) is taken now, when the run ends."""
+        return {**header(self.command, self.threads), **self._source, "export": self._export,
+                "recipes": self.recipes, "latency": self._latency, "file_sizes_bytes": self._file_sizes,
+                **self._sections, "stage_seconds": stage_seconds}
+
+    def write(self, run_dir: str | Path, stage_seconds: dict[str, float]) -> dict:
+        """Write ``run_dir``/results.json atomically; return what was written."""
+        results = self.build(stage_seconds)
+        write_json_atomic(Path(run_dir) / RESULTS_FILE, results)
+        return results
 
 
 # ------------------------------------------------------------------------------------ the run
@@ -283,3 +341,173 @@ def diagnostics(results: dict | None) -> tuple[list[dict] | None, list[float] | 
     cos = d.get("block_cosine")
     cos = list(cos) if isinstance(cos, list) else None
     return rows or None, cos or None
+
+
+# ------------------------------------------------------------------------------------ validation
+# Well-formed and physically possible: what a results.json must be before any check is judged.
+# A value outside these ranges cannot come from a measurement (a tampered, truncated or
+# hand-edited file, or a bug upstream), so the gate refuses to judge it (exit 2) rather than
+# turning it into a pass or an ordinary failure.
+
+_ROUNDING = 1e-6  # float32 arithmetic can put a cosine at 1 + 1e-7 or a KL of equal distributions at -1e-9
+
+
+@dataclass(frozen=True)
+class _Range:
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False   # lo itself is impossible (a ratio of 0)
+    integer: bool = False
+    why: str = ""
+
+    def problem(self, value: float) -> str | None:
+        if self.integer and not isinstance(value, int):
+            return f"must be an integer ({self.why})"
+        if self.lo is not None and (value <= self.lo if self.lo_open else value < self.lo - _ROUNDING):
+            return f"is impossible: {self.why}"
+        if self.hi is not None and value > self.hi + _ROUNDING:
+            return f"is impossible: {self.why}"
+        return None
+
+
+_FRACTION = _Range(0.0, 1.0, why="a fraction lies in [0, 1]")
+_COSINE = _Range(-1.0, 1.0, why="a cosine lies in [-1, 1]")
+_KL = _Range(0.0, why="a KL divergence is >= 0")
+_COUNT = _Range(0, integer=True, why="a count is a non-negative integer")
+
+# accuracy keys with a physical range; any other numeric accuracy key must still be finite
+ACCURACY_RANGES: dict[str, _Range] = {
+    "ppl_fp32": _Range(1.0, why="a perplexity is >= 1"),
+    "ppl_int8": _Range(1.0, why="a perplexity is >= 1"),
+    "ppl_ratio": _Range(0.0, lo_open=True, why="a ratio of perplexities is > 0"),
+    "bits_per_byte_fp32": _Range(0.0, why="a cross-entropy is >= 0"),
+    "bits_per_byte_int8": _Range(0.0, why="a cross-entropy is >= 0"),
+    "kld_mean": _KL, "kld_p99": _KL, "kld_max": _KL,
+    "top1_agreement": _FRACTION, "nn_agreement": _FRACTION,
+    "cosine_mean": _COSINE, "cosine_p1": _COSINE, "cosine_min": _COSINE,
+    "token_cosine_mean": _COSINE, "token_cosine_p1": _COSINE,
+    "n_scored": _COUNT, "n_passages": _COUNT,
+}
+_POSITIVE_MS = _Range(0.0, lo_open=True, why="a latency is > 0 ms")
+LATENCY_RANGES: dict[str, _Range] = {
+    "p50_ms": _POSITIVE_MS, "p90_ms": _POSITIVE_MS, "p99_ms": _POSITIVE_MS, "mean_ms": _POSITIVE_MS,
+    "tokens_per_s": _Range(0.0, lo_open=True, why="a throughput is > 0"),
+    "batch": _Range(1, integer=True, why="a batch size is an integer >= 1"),
+    "seq": _Range(1, integer=True, why="a sequence length is an integer >= 1"),
+}
+OK_STATUS, BROKEN_PREFIX, NOT_MEASURED_PREFIX = OK, "broken: ", "not measured: "
+# a recipe that does not apply to this model (e.g. a rotation the architecture does not support):
+# like a broken one it has no accuracy block and never passes, but it is not a malformed entry
+NOT_APPLICABLE_PREFIX = "not applicable: "
+_NOT_OK_PREFIXES = (BROKEN_PREFIX, NOT_APPLICABLE_PREFIX)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _malformed(source: str, field: str, problem: str) -> ResultsError:
+    return ResultsError(f"{source}: {field} {problem}")
+
+
+def _number(value: Any, source: str, field: str, rule: _Range | None) -> None:
+    """``value`` must be a finite number inside ``rule``; otherwise ResultsError naming ``field``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _malformed(source, field, f"is {value!r}, not a number")
+    if not math.isfinite(value):
+        raise _malformed(source, field, f"is {value}, not a finite number")
+    problem = rule.problem(value) if rule is not None else None
+    if problem:
+        raise _malformed(source, field, f"= {value!r} {problem}")
+
+
+def _validate_accuracy(accuracy: Any, source: str, field: str) -> None:
+    if not isinstance(accuracy, dict):
+        raise _malformed(source, field, f"must be an object, got {type(accuracy).__name__}")
+    for key, value in accuracy.items():
+        rule = ACCURACY_RANGES.get(key)
+        if rule is not None or isinstance(value, float):  # unknown keys may be text, but never NaN
+            _number(value, source, f"{field}.{key}", rule)
+    if all(_is_number(accuracy.get(k)) for k in ("ppl_fp32", "ppl_int8", "ppl_ratio")):
+        expected = accuracy["ppl_int8"] / accuracy["ppl_fp32"]
+        if abs(accuracy["ppl_ratio"] - expected) > _ROUNDING * max(1.0, expected):
+            raise _malformed(source, f"{field}.ppl_ratio", f"= {accuracy['ppl_ratio']!r} is not ppl_int8 / ppl_fp32 "
+                             f"= {expected:.6g}")
+    for key in ("kld_mean", "kld_p99"):
+        if _is_number(accuracy.get(key)) and _is_number(accuracy.get("kld_max")) and \
+                accuracy[key] > accuracy["kld_max"] + _ROUNDING:
+            raise _malformed(source, f"{field}.{key}", f"= {accuracy[key]!r} exceeds kld_max = {accuracy['kld_max']!r}")
+
+
+def _validate_recipes(entries: Any, source: str) -> None:
+    if not isinstance(entries, list):
+        raise _malformed(source, "recipes", "is missing" if entries is None else
+                         f"must be a list, got {type(entries).__name__}")
+    seen: dict[str, int] = {}
+    for i, entry in enumerate(entries):
+        field = f"recipes[{i}]"
+        if not isinstance(entry, dict):
+            raise _malformed(source, field, f"must be an object, got {type(entry).__name__}")
+        name = entry.get("name")
+        if not isinstance(name, str) or not name.strip():
+            raise _malformed(source, f"{field}.name", f"must be a non-empty string, got {name!r}")
+        if name == FP32_VARIANT:
+            raise _malformed(source, f"{field}.name", f"{name!r} is the FP32 baseline's name, not a recipe's")
+        if name in seen:
+            raise _malformed(source, f"{field}.name", f"{name!r} duplicates recipes[{seen[name]}] (which one "
+                             f"would be gated?)")
+        seen[name] = i
+        status = entry.get("status", OK_STATUS)
+        if not isinstance(status, str) or not (status == OK_STATUS or status.startswith(_NOT_OK_PREFIXES)):
+            raise _malformed(source, f"{field}.status", f"is {status!r}: must be {OK_STATUS!r}, "
+                             f"'{BROKEN_PREFIX}<reason>' or '{NOT_APPLICABLE_PREFIX}<reason>'")
+        if "accuracy" in entry:  # a broken recipe may carry numbers; they must still be possible ones
+            _validate_accuracy(entry["accuracy"], source, f"{field}.accuracy")
+        elif status == OK_STATUS:
+            raise _malformed(source, f"{field}.accuracy", f"is missing for recipe {name!r} whose status is 'ok'")
+
+
+def _validate_latency(rows: Any, source: str) -> None:
+    if rows is None:  # absent: a policy that needs latency fails its checks (missing), nothing to refuse
+        return
+    if not isinstance(rows, list):
+        raise _malformed(source, "latency", f"must be a list, got {type(rows).__name__}")
+    seen: dict[tuple, int] = {}
+    for i, row in enumerate(rows):
+        field = f"latency[{i}]"
+        if not isinstance(row, dict):
+            raise _malformed(source, field, f"must be an object, got {type(row).__name__}")
+        for key in ("provider", "variant"):
+            if not isinstance(row.get(key), str) or not row[key].strip():
+                raise _malformed(source, f"{field}.{key}", f"must be a non-empty string, got {row.get(key)!r}")
+        for key in ("batch", "seq"):
+            if key in row:
+                _number(row[key], source, f"{field}.{key}", LATENCY_RANGES[key])
+        status = row.get("status")
+        if status == MEASURED:
+            if "p50_ms" not in row:
+                raise _malformed(source, f"{field}.p50_ms", "is missing in a measured row")
+            for key, rule in LATENCY_RANGES.items():
+                if key in row and key not in ("batch", "seq"):
+                    _number(row[key], source, f"{field}.{key}", rule)
+            pcts = [row[k] for k in ("p50_ms", "p90_ms", "p99_ms") if k in row]
+            if pcts != sorted(pcts):
+                raise _malformed(source, field, f"percentiles are not ordered (p50 <= p90 <= p99): {pcts}")
+        elif not (isinstance(status, str) and status.startswith(NOT_MEASURED_PREFIX)):
+            raise _malformed(source, f"{field}.status", f"is {status!r}: must be {MEASURED!r} or "
+                             f"'{NOT_MEASURED_PREFIX}<reason>'")
+        key = (row["provider"], row["variant"], row.get("batch"), row.get("seq"))
+        if key in seen:
+            raise _malformed(source, field, f"duplicates latency[{seen[key]}] (same provider, variant, batch, seq)")
+        seen[key] = i
+
+
+def validate(results: Any, source: str = "results") -> None:
+    """ResultsError unless ``results`` is a well-formed results.json of a readable schema and a known
+    model source whose every gated number (recipes' accuracy, latency rows) is finite and physically
+    possible. The message is one line naming ``source`` and the field. The gate calls it before it
+    judges a run: a value no measurement can produce is refused (exit 2), never passed or failed."""
+    check_schema(results, source)
+    source_kind(results, source)
+    _validate_recipes(results.get("recipes"), source)
+    _validate_latency(results.get("latency"), source)
