@@ -1,0 +1,265 @@
+"""The acceptance policy: when an INT8 model is good enough to deploy. One set of thresholds (PPL
+ratio, KL, top-1 agreement, latency ratio, the training status's collapse margin) with one set of
+defaults, read by the accuracy-aware search (``--recipes auto`` keeps only a model the policy
+accepts) and by the gate (``quantnorm gate`` judges a run by it), so that the search never picks a
+recipe the gate then fails under the same policy.
+
+A :class:`Policy` is frozen and validated when built (a bad value is a PolicyError, a ConfigError:
+exit 2). :func:`load_policy` reads the TOML file the gate and ``evaluate --policy`` take (a
+``[gate]`` table or top-level keys; see examples/gate-policy.toml)::
+
+    [gate]
+    max_ppl_ratio = 1.01        # accuracy.ppl_ratio      <= this
+    max_kld = 0.01              # accuracy.kld_mean       <= this
+    max_kld_p99 = 0.05          # accuracy.kld_p99        <= this   (optional)
+    min_top1 = 0.98             # accuracy.top1_agreement >= this
+    max_latency_ratio = 1.0     # INT8 p50 / FP32 p50     <= this   (optional)
+    require_provider = ["cpu"]  # providers that must have measured latency rows
+    recipes = []                # [] = the best recipe must pass; a list = each listed must pass
+    collapse_margin = 0.8       # a trained model's eval bits/byte must be this far below the unigram baseline
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+from .measure.sessions import normalize_provider
+from .train_status import DEFAULT_COLLAPSE_MARGIN
+
+
+class PolicyError(ConfigError):
+    """The acceptance policy (file or flags) has an unknown key, a wrong type or an invalid value."""
+
+
+_FLOAT_KEYS = ("max_ppl_ratio", "max_kld", "max_kld_p99", "min_top1", "max_latency_ratio", "collapse_margin")
+_LIST_KEYS = ("require_provider", "recipes")
+
+
+def short_provider(provider: str) -> str:
+    return provider.replace("ExecutionProvider", "")
+
+
+def normalize_provider_name(name: str) -> str:
+    """``cpu``/``cuda``/``tensorrt`` or an ORT provider name -> the ORT name (PolicyError if unknown)."""
+    try:
+        return normalize_provider(name)
+    except ConfigError as exc:
+        raise PolicyError(f"require_provider: {exc}") from None
+
+
+# The accuracy thresholds: (policy key, accuracy key, "<=" or ">="). The search and the gate both
+# judge a model's accuracy by this one table.
+ACCURACY_LIMITS = (
+    ("max_ppl_ratio", "ppl_ratio", "<="),
+    ("max_kld", "kld_mean", "<="),
+    ("max_kld_p99", "kld_p99", "<="),
+    ("min_top1", "top1_agreement", ">="),
+)
+
+
+def within(value: float, op: str, threshold: float) -> bool:
+    return value <= threshold if op == "<=" else value >= threshold
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The acceptance thresholds (the search's targets and the gate's checks). ``None`` disables a
+    check (kld p99 and latency ratio are off by default)."""
+
+    max_ppl_ratio: float | None = 1.01
+    max_kld: float | None = 0.01
+    max_kld_p99: float | None = None
+    min_top1: float | None = 0.98
+    max_latency_ratio: float | None = None
+    require_provider: tuple[str, ...] = ()
+    recipes: tuple[str, ...] = ()
+    collapse_margin: float | None = DEFAULT_COLLAPSE_MARGIN   # None: no training-status check
+
+    def __post_init__(self) -> None:
+        for key in _FLOAT_KEYS:
+            value = getattr(self, key)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise PolicyError(f"policy key {key!r} must be a number (float), got {type(value).__name__}")
+            if not math.isfinite(value):
+                raise PolicyError(f"policy key {key!r} must be a finite number, got {value}")
+            object.__setattr__(self, key, float(value))
+        for key in ("max_ppl_ratio", "max_latency_ratio"):
+            value = getattr(self, key)
+            if value is not None and value <= 0:
+                raise PolicyError(f"policy key {key!r} must be > 0, got {value}")
+        for key in ("max_kld", "max_kld_p99", "collapse_margin"):
+            value = getattr(self, key)
+            if value is not None and value < 0:
+                raise PolicyError(f"policy key {key!r} must be >= 0, got {value}")
+        if self.min_top1 is not None and not 0.0 <= self.min_top1 <= 1.0:
+            raise PolicyError(f"policy key 'min_top1' must be in [0, 1] (a fraction, not %), got {self.min_top1}")
+        for key in _LIST_KEYS:
+            value = getattr(self, key)
+            if isinstance(value, str) or not isinstance(value, (list, tuple)) or \
+                    not all(isinstance(v, str) and v.strip() for v in value):
+                raise PolicyError(f"policy key {key!r} must be a list of non-empty strings, got {value!r}")
+            object.__setattr__(self, key, tuple(dict.fromkeys(v.strip() for v in value)))
+        if self.require_provider:
+            object.__setattr__(self, "require_provider",
+                               tuple(dict.fromkeys(normalize_provider_name(p) for p in self.require_provider)))
+        if not self.effective_checks():
+            # every gated run would pass on its recipes' status alone: a gate that cannot fail a
+            # quantized model for what quantization did to it is a misconfiguration, not a policy
+            raise PolicyError("the policy checks nothing (every threshold is off or cannot fail, e.g. min_top1 = 0, "
+                              "and no provider is required): set at least one of "
+                              + ", ".join(_FLOAT_KEYS) + " or require_provider")
+
+    def effective_checks(self) -> tuple[str, ...]:
+        """The policy keys that can fail a run for what quantization did (``min_top1 = 0`` cannot:
+        every fraction is >= 0; ``collapse_margin`` judges the training, not the INT8 model)."""
+        keys = [k for k in _FLOAT_KEYS if getattr(self, k) is not None and k != "collapse_margin"
+                and not (k == "min_top1" and self.min_top1 <= 0)]
+        return tuple(keys + (["require_provider"] if self.require_provider else []))
+
+    @property
+    def mode(self) -> str:
+        return "listed" if self.recipes else "best"
+
+    def override(self, **changes: Any) -> Policy:
+        """A copy with the given keys replaced; ``None`` values (flags not given) are ignored."""
+        changes = {k: v for k, v in changes.items() if v is not None}
+        unknown = set(changes) - {f.name for f in fields(self)}
+        if unknown:
+            raise PolicyError(f"unknown policy key(s): {', '.join(sorted(unknown))}")
+        return replace(self, **changes)
+
+    def describe(self) -> str:
+        parts = []
+        if self.max_ppl_ratio is not None:
+            parts.append(f"PPL ratio <= {self.max_ppl_ratio:g}")
+        if self.max_kld is not None:
+            parts.append(f"KL mean <= {self.max_kld:g} nats")
+        if self.max_kld_p99 is not None:
+            parts.append(f"KL p99 <= {self.max_kld_p99:g} nats")
+        if self.min_top1 is not None:
+            parts.append(f"top-1 agreement >= {self.min_top1:g}")
+        if self.max_latency_ratio is not None:
+            parts.append(f"INT8/FP32 p50 latency <= {self.max_latency_ratio:g}")
+        if self.collapse_margin is not None:
+            parts.append(f"trained (eval bits/byte >= {self.collapse_margin:g} below the unigram baseline)")
+        if self.require_provider:
+            parts.append("measured on " + ", ".join(short_provider(p) for p in self.require_provider))
+        parts.append("recipes that must pass: " + (", ".join(self.recipes) if self.recipes else
+                                                   "at least one (the best)"))
+        return "; ".join(parts)
+
+    def accuracy_failures(self, accuracy: dict[str, Any]) -> list[str]:
+        """The accuracy thresholds ``accuracy`` (a recipe's accuracy block, or a search trial's
+        numbers) does not meet, as ``"<metric> <value> not <op> <threshold>"``; a metric the policy
+        needs that is absent or not a finite number fails ("missing"). [] when it is accepted."""
+        failures = []
+        for key, metric, op in ACCURACY_LIMITS:
+            threshold = getattr(self, key)
+            if threshold is None:
+                continue
+            value = accuracy.get(metric)
+            if not _finite(value):
+                failures.append(f"{metric} missing")
+            elif not within(value, op, threshold):
+                failures.append(f"{metric} {value:.6g} not {op} {threshold:g}")
+        return failures
+
+    def accepts_accuracy(self, accuracy: dict[str, Any]) -> bool:
+        """Whether ``accuracy`` meets every accuracy threshold of the policy."""
+        return not self.accuracy_failures(accuracy)
+
+
+_TOML_TYPES = {**{k: ("number (float)", (int, float)) for k in _FLOAT_KEYS},
+               **{k: ("list of strings", (list,)) for k in _LIST_KEYS}}
+
+
+def policy_from_mapping(data: dict, source: str = "policy") -> Policy:
+    """Build a Policy from a parsed TOML document (a ``[gate]`` table or top-level keys)."""
+    if "gate" in data:
+        extra = sorted(k for k in data if k != "gate")
+        if extra:
+            raise PolicyError(f"{source}: unknown top-level key {extra[0]!r} (with a [gate] table, every key "
+                              f"goes inside it)")
+        table, where = data["gate"], "[gate]"
+        if not isinstance(table, dict):
+            raise PolicyError(f"{source}: key 'gate' must be a table ([gate]), got {type(table).__name__}")
+    else:
+        table, where = data, "the top level"
+    known = {f.name for f in fields(Policy)}
+    for key, value in table.items():
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise PolicyError(f"{source}: unknown key {key!r} in {where}; {hint}known keys: {', '.join(sorted(known))}")
+        expected, types = _TOML_TYPES[key]
+        if isinstance(value, bool) or not isinstance(value, types) or \
+                (key in _LIST_KEYS and not all(isinstance(v, str) for v in value)):
+            raise PolicyError(f"{source}: key {key!r} must be a {expected}, got {_toml_type(value)}")
+    try:
+        return Policy(**table)
+    except PolicyError as exc:
+        raise PolicyError(f"{source}: {exc}") from None
+
+
+def _toml_type(value: Any) -> str:
+    if isinstance(value, bool):
+        return f"boolean ({str(value).lower()})"
+    if isinstance(value, list):
+        bad = [v for v in value if not isinstance(v, str)]
+        if bad:
+            return f"a list holding {_toml_type(bad[0])}"
+        return "list"
+    if isinstance(value, dict):
+        return "table"
+    return {str: "string", int: "integer", float: "float"}.get(type(value), type(value).__name__) + f" ({value!r})"
+
+
+def _read_text(path: Path, error: type[Exception], what: str, missing_hint: str) -> str:
+    """A UTF-8 file's text; missing or unreadable -> ``error`` with one line naming ``what``."""
+    try:
+        return path.read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise error(f"{what} not found{missing_hint}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise error(f"{what} cannot be read ({_reason(exc)})") from None
+
+
+def load_policy(path: str | Path) -> Policy:
+    """Read a TOML policy file; a missing file, invalid TOML, unknown keys or wrong types -> PolicyError."""
+    path = Path(path)
+    text = _read_text(path, PolicyError, f"policy file {path}", "")
+    try:
+        import tomllib  # Python 3.11+
+    except ModuleNotFoundError:  # pragma: no cover - Python 3.10
+        try:
+            import tomli as tomllib
+        except ModuleNotFoundError:
+            raise PolicyError("reading a TOML policy needs Python 3.11+ (tomllib) or `pip install tomli`; "
+                              "or give the thresholds as flags") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise PolicyError(f"policy file {path} is not valid TOML ({exc})") from None
+    return policy_from_mapping(data, source=str(path))
+
+
+def _reason(exc: BaseException) -> str:
+    return getattr(exc, "strerror", None) or str(exc).splitlines()[0]
+DEFAULT_POLICY = Policy()  # the one set of defaults: the search, `evaluate` and `quantnorm gate` start from it
+
+
+def resolve_policy(path: str | Path | None = None, **overrides: Any) -> Policy:
+    """The policy file's (``path``; None: the defaults), with ``overrides`` on top (a None value:
+    not given, the file's or the default stands): what ``--policy FILE`` and the flags make."""
+    return (load_policy(path) if path is not None else DEFAULT_POLICY).override(**overrides)
