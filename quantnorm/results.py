@@ -1,6 +1,8 @@
 """The results.json contract (shared RESULTS.md): its schema version, the header every run
-writes, the one loader, and read views.
+writes, the one writer (:class:`ResultsBuilder`, filled by the pipeline's stages), the one loader,
+the validator (:func:`validate`, what the gate requires before it judges), and read views.
 
+No other module writes or validates results.json (tests/test_policy.py checks the package for it).
 Every reader goes through this module: the run report and the sweep report (quantnorm.report),
 the gate, the sweep's resume check. A reader asks :func:`source_kind` what made a run, and
 reads recipes and latency rows through :func:`recipes` and :func:`latency_rows` instead of
