@@ -24,11 +24,11 @@ from .evaluate import ensure_trained
 from .evaluate import evaluate as run_evaluate
 from .export import export_onnx, write_onnx_dir
 from .fileio import write_json_atomic
-from .gate import append_summary, load_policy, report_junit, report_markdown, run_gate, write_error_outputs, write_junit
+from .gate import run_gate, write_error_outputs, write_outputs
 from .measure.latency import bench_rounds
 from .measure.sessions import PROVIDERS, resolve_providers
 from .models import NORMS, PLACEMENTS, ModelConfig
-from .policy import DEFAULT_POLICY, Policy
+from .policy import DEFAULT_POLICY, resolve_policy
 from .portable import PKG_PREFIX, portable_args, resolve_arg
 from .quantize import DEFAULT_RECIPES, RECIPES
 from .report import write_comparison, write_findings, write_report
@@ -161,6 +161,11 @@ def _float_csv(value: str, flag: str) -> tuple[float, ...]:
         raise click.BadParameter(f"expected comma-separated numbers, got {value!r}", param_hint=flag) from None
 
 
+def _threshold(flag: str, what: str):  # a policy threshold; not given (None): the policy file's or the default
+    default = getattr(DEFAULT_POLICY, flag[2:].replace("-", "_"))
+    return click.option(flag, type=float, default=None, help=f"{what} [default: {default if default else 'off'}]")
+
+
 def evaluate_options(func):
     """The flags of an EvaluateConfig, shared by ``evaluate`` and ``sweep`` (a sweep hands every cell
     the one configuration they build); ``evaluate_config`` turns them into it."""
@@ -172,13 +177,12 @@ def evaluate_options(func):
         click.option("--sq-alpha", type=float, default=None,
                      help="SmoothQuant migration strength alpha in [0, 1] for the smoothquant recipe (not for "
                           "smoothquant@ALPHA names, which keep theirs). [default: 0.5]"),
-        click.option("--max-ppl-ratio", type=float, default=DEFAULT_POLICY.max_ppl_ratio, show_default=True,
-                     help="--recipes auto: the INT8/FP32 perplexity ratio a model must reach (the gate's default too)."),
-        click.option("--min-top1", type=float, default=DEFAULT_POLICY.min_top1, show_default=True,
-                     help="--recipes auto: the top-1 agreement with FP32 a model must reach (the gate's default too)."),
-        click.option("--max-kld", type=float, default=DEFAULT_POLICY.max_kld, show_default=True,
-                     help="--recipes auto: the mean KL divergence from FP32 a model must stay under (the gate's "
-                          "default too)."),
+        click.option("--policy", "policy_file", type=click.Path(path_type=Path), default=None,
+                     help="--recipes auto: the acceptance policy file `quantnorm gate --policy` takes (TOML); the "
+                          "flags below override it. [default: the gate's defaults]"),
+        _threshold("--max-ppl-ratio", "--recipes auto: the INT8/FP32 perplexity ratio a model must reach."),
+        _threshold("--min-top1", "--recipes auto: the least top-1 agreement with FP32 (0: any)."),
+        _threshold("--max-kld", "--recipes auto: the largest mean KL divergence from FP32, in nats."),
         click.option("--search-space", default=None,
                      help="With --recipes auto: the comma-separated recipes the search tries, in order "
                           "(weight-MatMul recipes only). [default: every weight-MatMul recipe of `quantnorm recipes`]"),
@@ -220,6 +224,8 @@ def evaluate_config(flags: dict, progress: bool, *, with_model: bool = False) ->
     command's keyword arguments): validated here, before anything runs. ``with_model``: evaluate
     was given ``--model`` (a checkpoint: the latency cells get a time budget by default)."""
     f = {name: flags.pop(name) for name in EVALUATE_FLAGS}
+    policy = resolve_policy(f["policy_file"], max_ppl_ratio=f["max_ppl_ratio"], min_top1=f["min_top1"],
+                            max_kld=f["max_kld"])
     return EvaluateConfig(
         recipes=tuple(_csv(f["recipes"])) if f["recipes"] else DEFAULT_RECIPES,
         providers=tuple(_csv(f["providers"])) if f["providers"] else None,
@@ -227,8 +233,8 @@ def evaluate_config(flags: dict, progress: bool, *, with_model: bool = False) ->
         threads=f["threads"], latency_batches=_int_csv(f["batches"], "--batches"), latency_iters=f["iters"],
         latency_seconds=(MODEL_LATENCY_BUDGET_S if with_model else None) if f["latency_budget"] is None
         else (f["latency_budget"] or None),
-        outliers=not f["no_outliers"], progress=progress, sq_alpha=f["sq_alpha"], max_ppl_ratio=f["max_ppl_ratio"],
-        min_top1=f["min_top1"], max_kld=f["max_kld"], search_pick=f["search_pick"],
+        outliers=not f["no_outliers"], progress=progress, sq_alpha=f["sq_alpha"], max_ppl_ratio=policy.max_ppl_ratio,
+        min_top1=policy.min_top1, max_kld=policy.max_kld, max_kld_p99=policy.max_kld_p99, search_pick=f["search_pick"],
         search_space=tuple(_csv(f["search_space"])) if f["search_space"] else None, exclude=tuple(f["exclude"]),
     )
 
@@ -411,12 +417,11 @@ def recipes():
 @click.argument("inputs", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("--policy", type=click.Path(path_type=Path), default=None,
               help="TOML policy file ([gate] table; see examples/gate-policy.toml). Flags override it.")
-@click.option("--max-ppl-ratio", type=float, default=None, help=f"Max INT8/FP32 perplexity ratio. [default: {DEFAULT_POLICY.max_ppl_ratio:g}]")
-@click.option("--max-kld", type=float, default=None, help=f"Max mean KL(FP32 || INT8) in nats. [default: {DEFAULT_POLICY.max_kld:g}]")
-@click.option("--max-kld-p99", type=float, default=None, help="Max 99th-percentile KL in nats. [default: off]")
-@click.option("--min-top1", type=float, default=None, help=f"Min top-1 agreement, a fraction. [default: {DEFAULT_POLICY.min_top1:g}]")
-@click.option("--max-latency-ratio", type=float, default=None,
-              help="Max INT8 p50 / FP32 p50 latency (same provider and batch). [default: off]")
+@_threshold("--max-ppl-ratio", "Max INT8/FP32 perplexity ratio.")
+@_threshold("--max-kld", "Max mean KL(FP32 || INT8) in nats.")
+@_threshold("--max-kld-p99", "Max 99th-percentile KL in nats.")
+@_threshold("--min-top1", "Min top-1 agreement, a fraction.")
+@_threshold("--max-latency-ratio", "Max INT8 p50 / FP32 p50 latency (same provider and batch).")
 @click.option("--require-provider", multiple=True,
               help="Provider that must have measured latency (cpu, cuda, tensorrt); repeat or comma-separate.")
 @click.option("--recipe", "recipes", multiple=True,
@@ -435,20 +440,14 @@ def gate(ctx, inputs, policy, require_provider, recipes, summary, junit, **thres
     Example: quantnorm gate runs/pre-rms --policy examples/gate-policy.toml --junit gate.xml
     """
     try:
-        pol = load_policy(policy) if policy is not None else Policy()
-        pol = pol.override(**thresholds,
-                           require_provider=tuple(_csv(",".join(require_provider)) or ()) or None,
-                           recipes=tuple(_csv(",".join(recipes)) or ()) or None)
+        pol = resolve_policy(policy, **thresholds, require_provider=tuple(_csv(",".join(require_provider)) or ()) or None,
+                             recipes=tuple(_csv(",".join(recipes)) or ()) or None)
         result = run_gate(inputs, pol)
     except QuantnormError as exc:  # fail closed in the CI artifacts too; main() prints it, exit 2
         write_error_outputs(str(exc), summary=summary, junit=junit)
         raise
-    text = report_markdown(result)
-    click.echo(text, nl=False)
-    if summary is not None:
-        append_summary(summary, text)
-    if junit is not None:
-        write_junit(junit, report_junit(result))
+    click.echo(result.markdown(), nl=False)
+    write_outputs(result, summary=summary, junit=junit)
     if not result.passed:
         ctx.exit(1)
 

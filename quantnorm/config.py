@@ -13,7 +13,7 @@ import onnxruntime as ort
 from . import serial
 from .errors import ConfigError
 from .measure.sessions import PROVIDERS, SessionSpec, resolve_providers
-from .policy import DEFAULT_POLICY
+from .policy import DEFAULT_POLICY, Policy
 from .quantize import DEFAULT_RECIPES, get_recipe, with_exclusions
 from .quantize.recipes import ALPHA_SEPARATOR
 from .search import SearchConfig
@@ -45,10 +45,12 @@ class EvaluateConfig:
     outliers: bool = True
     progress: bool = True
     sq_alpha: float | None = None       # overrides the alpha of SmoothQuant recipes
-    # the search's targets (--recipes auto): the acceptance policy's, which the gate applies too
+    # What the search (--recipes auto) must reach: the acceptance policy's accuracy thresholds, with
+    # its defaults, the ones `quantnorm gate` checks (None: that threshold is off).
     max_ppl_ratio: float = DEFAULT_POLICY.max_ppl_ratio
-    min_top1: float | None = DEFAULT_POLICY.min_top1     # None: not required
-    max_kld: float | None = DEFAULT_POLICY.max_kld       # None: not required
+    min_top1: float | None = DEFAULT_POLICY.min_top1
+    max_kld: float | None = DEFAULT_POLICY.max_kld
+    max_kld_p99: float | None = DEFAULT_POLICY.max_kld_p99
     search_pick: str = "fastest"        # the search's pick: fastest or first passing model
     search_space: tuple[str, ...] | None = None  # the search's recipes (None: every weight-MatMul recipe)
     exclude: tuple[str, ...] = ()       # node names / fnmatch patterns kept in FP32 by every recipe
@@ -59,7 +61,7 @@ class EvaluateConfig:
         for name in self.recipes:
             if name != AUTO:
                 get_recipe(name)  # unknown name -> ConfigError listing the choices
-        self.search_config()  # validates sq_alpha, max_ppl_ratio, search_pick
+        self.search_config()  # validates sq_alpha, the accuracy thresholds (the policy), search_pick
         if self.providers is not None:
             object.__setattr__(self, "providers", tuple(resolve_providers(list(self.providers))))
         if self.calib_samples < 1:
@@ -87,9 +89,14 @@ class EvaluateConfig:
         """The exact inverse of ``to_dict``; an unknown key or a mistyped value is a ConfigError naming it."""
         return serial.from_dict(cls, data, what)
 
+    def policy(self) -> Policy:
+        """The acceptance policy of the search: these accuracy thresholds, the policy's other defaults."""
+        return replace(DEFAULT_POLICY, max_ppl_ratio=self.max_ppl_ratio, min_top1=self.min_top1, max_kld=self.max_kld,
+                       max_kld_p99=self.max_kld_p99)
+
     def search_config(self):
-        return SearchConfig(max_ppl_ratio=self.max_ppl_ratio, min_top1=self.min_top1, max_kld=self.max_kld, pick=self.search_pick,
-                            space=self.search_space, sq_alpha=self.sq_alpha, latency_iters=min(self.latency_iters, 10))
+        return SearchConfig(policy=self.policy(), pick=self.search_pick, space=self.search_space,
+                            sq_alpha=self.sq_alpha, latency_iters=min(self.latency_iters, 10))
 
     def recipe(self, name: str):
         """The registry recipe, with --sq-alpha applied to SmoothQuant recipes."""

@@ -4,7 +4,8 @@
 Face directory, a GGUF file, an ONNX export directory) through the same stages: the recipe loop,
 the accuracy-aware search, SmoothQuant latency, latency, placement detection on the FP32 graph,
 the probe and SQNR. A source supplies only what differs (``quantnorm.sources.base``). This module
-wires the stages and assembles results.json (the contract in shared RESULTS.md). A recipe that
+wires the stages; they fill a ``quantnorm.results.ResultsBuilder``, which writes results.json (the
+contract in shared RESULTS.md). A recipe that
 produces a broken model is recorded as broken, not skipped.
 """
 
@@ -13,15 +14,17 @@ from __future__ import annotations
 import shutil
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import psutil
 from tqdm import tqdm
 
 from .config import AUTO, EvaluateConfig
 from .errors import ConfigError, QuantizeError
-from .fileio import release_memory, sweep_stale_temporaries, write_json_atomic
+from .fileio import release_memory, sweep_stale_temporaries
 from .hardware import cpu_has_vnni
 from .measure.graph_probe import graph_probe
 from .measure.latency import bench_grid
@@ -33,8 +36,8 @@ from .quantize import PreprocessCache, quantize
 from .quantize.sanity import softmax_input_report
 from .report import write_report
 from .report.plots import plot_activation_heatmap
-from .results import header as results_header
-from .runs import FP32_ONNX_FILE, PLOTS_DIR, RESULTS_FILE, RunDir, int8_onnx_file
+from .results import ResultsBuilder
+from .runs import FP32_ONNX_FILE, PLOTS_DIR, RunDir, int8_onnx_file
 from .search import keep_trial_model, search_recipes
 from .sources.base import DETECTED, ModelSource, SearchScoring
 from .sources.zoo import ZooSource, ensure_trained
@@ -51,6 +54,36 @@ def timed(seconds: dict[str, float], stage: str) -> Iterator[None]:
     seconds[stage] = round(time.perf_counter() - start, 2)
 
 
+@dataclass
+class _Run:
+    """What the stages of one evaluation share: the FP32 model, its sessions and scoring, the
+    transforms, and the INT8 models made so far."""
+
+    cfg: EvaluateConfig
+    source: ModelSource
+    run_dir: Path
+    fp32_path: Path
+    stage: Callable[[str], AbstractContextManager]
+    stage_seconds: dict[str, float]
+    spec: SessionSpec
+    vnni: bool
+    fp32_session: ReopenableSession
+    fp32_scores: ReplayedSession
+    accuracy: Callable
+    transforms: Any
+    preprocessed: PreprocessCache
+    fp32_sources: dict[str, Path] = field(default_factory=dict)  # recipe -> the FP32 model it quantized
+    int8_paths: dict[str, Path] = field(default_factory=dict)
+
+    def measure(self, path: Path) -> dict:
+        return self.accuracy(make_session(path, self.spec))
+
+    def close(self) -> None:
+        self.preprocessed.close()
+        self.fp32_session.close()
+        self.fp32_scores.discard()
+
+
 def evaluate(source: ModelSource | RunDir, cfg: EvaluateConfig, *, command: str) -> dict:
     """Export, quantize with every recipe, measure; write results.json and the report into the
     source's run directory and return the results. ``source``: any model source
@@ -64,116 +97,131 @@ def evaluate(source: ModelSource | RunDir, cfg: EvaluateConfig, *, command: str)
 
     with stage("prepare"):
         source.prepare(cfg)
-    data, run_dir = source.data, Path(source.run_dir)
+    out = ResultsBuilder(command, cfg.threads)
+    run = open_run(source, cfg, out, stage, stage_seconds)
+    quantize_recipes(run, out)
+    run.fp32_session.close()   # the search opens its own; latency, the probe and the FP16 check read files
+    if AUTO in cfg.recipes:
+        with stage("search"):
+            out.section("search", run_search(run.run_dir, cfg, run.fp32_path, run.transforms, source.data.calib_inputs,
+                                             source.search_scoring(cfg), run.spec, run.vnni, out.recipes,
+                                             run.int8_paths, run.fp32_sources, measure=run.measure,
+                                             preprocessed=run.preprocessed, fp32_session=run.fp32_scores))
+    run.close()
+    transform_sections(run, out)
+    measure_models(run, out)
+    results = out.write(run.run_dir, stage_seconds)
+    write_report(run.run_dir, results)  # the sections are chosen by the source's kind (quantnorm.report.run)
+    return results
+
+
+def open_run(source: ModelSource, cfg: EvaluateConfig, out: ResultsBuilder, stage, stage_seconds) -> _Run:
+    """Export the FP32 model (``export`` section) and open what every recipe is scored with."""
+    run_dir = Path(source.run_dir)
     # what a run stopped by a signal (SIGKILL, a power cut) could not clean up
     sweep_stale_temporaries(run_dir, older_than=psutil.Process().create_time())
-    vnni = cpu_has_vnni()
-    spec = SessionSpec(graph_optimization_level=cfg.graph_optimization_level, threads=cfg.threads)
-
     shutil.rmtree(run_dir / PLOTS_DIR, ignore_errors=True)  # plots of an earlier evaluation would be stale
     fp32_path = run_dir / FP32_ONNX_FILE
     with stage("export"):
-        export_section = source.export(fp32_path, cfg)
+        out.export(source.export(fp32_path, cfg))
     release_memory()  # the exporter's graphs and copies of the weights are garbage now
+    spec = SessionSpec(graph_optimization_level=cfg.graph_optimization_level, threads=cfg.threads)
     # Opened for each recipe's scoring and let go before each quantizer pass: the FP32 weights and
     # the quantizer's sessions are the two largest things of the run, never resident together.
     fp32_session = ReopenableSession(fp32_path, spec)
     # Every recipe and search trial is scored against the FP32 model on the same windows: its outputs
     # are computed once and read back from disk after (Gemma 3: 8 GiB of logits, ~25 s of FP32 a recipe).
     fp32_scores = ReplayedSession(fp32_session, run_dir)
-    accuracy = source.accuracy(fp32_scores, cfg)
     # SmoothQuant and rotation recipes quantize a transformed FP32 export, made once on first use.
-    transforms = source.transforms(cfg)
-    fp32_sources: dict[str, Path] = {}  # recipe -> the FP32 model it quantized, when not fp32_path
     # Each FP32 model is pre-processed for the quantizer once, for every recipe and search trial
     # (closed after the search; on an exception its temporary directory goes with the object).
-    preprocessed = PreprocessCache()
+    return _Run(cfg=cfg, source=source, run_dir=run_dir, fp32_path=fp32_path, stage=stage,
+                stage_seconds=stage_seconds, spec=spec, vnni=cpu_has_vnni(), fp32_session=fp32_session,
+                fp32_scores=fp32_scores, accuracy=source.accuracy(fp32_scores, cfg),
+                transforms=source.transforms(cfg), preprocessed=PreprocessCache())
 
-    recipes_out: list[dict] = []
-    int8_paths: dict[str, Path] = {}
+
+def quantize_recipes(run: _Run, out: ResultsBuilder) -> None:
+    """Quantize with each named recipe and measure it: one ``recipes`` entry each."""
+    cfg = run.cfg
     bar = tqdm([n for n in cfg.recipes if n != AUTO], desc="quantize+accuracy", unit="recipe",
                disable=not cfg.progress, leave=False)
     for name in bar:
         recipe = cfg.recipe(name)
-        name = recipe.name  # with --exclude: the mixed-precision variant's own name
-        bar.set_postfix_str(name)
-        started = time.perf_counter()
-        try:
-            quantized_from = transforms.fp32_for(recipe, fp32_path)
-        except ConfigError as exc:  # a recipe this model cannot take (rotation on a zoo model): say why, go on
-            recipes_out.append({"name": name, "status": f"not applicable: {exc}", "settings": recipe.settings(vnni)})
-            continue
-        if quantized_from != fp32_path:  # a smoothed or rotated export, made (or reused) just now
-            fp32_sources[name] = quantized_from
-            stage_seconds[f"transform:{name}"] = round(time.perf_counter() - started, 2)
-        fp32_session.close()
-        with stage(f"quantize:{name}"):
-            q = quantize(quantized_from, recipe, data.calib_inputs, run_dir / int8_onnx_file(name), vnni=vnni,
-                         probe_inputs=data.eval_inputs[:2], preprocessed=preprocessed)
-        release_memory()  # the quantizer's model copies and calibration buffers
-        entry: dict = {"name": name, "status": q.status, "settings": q.settings, "session": spec.to_dict()}
-        softmax = softmax_input_report(q.path) if q.path is not None and q.path.is_file() else None
-        if softmax is not None:
-            entry["softmax_inputs"] = softmax
-        # A model broken only by its calibrated attention mask still runs: measure its damage too.
-        runs_anyway = bool(softmax and softmax["problem"])
-        if (q.status == "ok" or runs_anyway) and q.path is not None:
-            entry["path"] = q.path.name
-            entry["size_bytes"] = q.path.stat().st_size
-            with stage(f"accuracy:{name}"):
-                acc = accuracy(make_session(q.path, spec))
-            if q.status != "ok":  # broken although it runs: the damage, never a deployable accuracy
-                entry["problems"] = q.problems
-                entry["damage"] = acc
-            else:
-                entry["accuracy"] = acc
-                int8_paths[name] = q.path
-        else:
-            entry["problems"] = q.problems
-        recipes_out.append(entry)
+        bar.set_postfix_str(recipe.name)  # with --exclude: the mixed-precision variant's own name
+        out.add_recipe(quantize_recipe(run, recipe))
     bar.close()
-    if len(cfg.recipes) == 1 and cfg.recipes[0] != AUTO and not int8_paths:
-        raise QuantizeError(f"recipe {cfg.recipes[0]} produced a broken model: {recipes_out[0]['status']}")
-    fp32_session.close()   # the search opens its own; latency, the probe and the FP16 check read files
-    extra: dict = {}
-    if AUTO in cfg.recipes:
-        with stage("search"):
-            extra["search"] = run_search(run_dir, cfg, fp32_path, transforms, data.calib_inputs,
-                                         source.search_scoring(cfg), spec, vnni, recipes_out, int8_paths, fp32_sources,
-                                         measure=lambda path: accuracy(make_session(path, spec)),
-                                         preprocessed=preprocessed, fp32_session=fp32_scores)
-    preprocessed.close()
-    fp32_session.close()
-    fp32_scores.discard()
+    if len(cfg.recipes) == 1 and cfg.recipes[0] != AUTO and not run.int8_paths:
+        raise QuantizeError(f"recipe {cfg.recipes[0]} produced a broken model: {out.recipes[0]['status']}")
+
+
+def quantize_recipe(run: _Run, recipe) -> dict:
+    """One recipe's ``recipes`` entry: quantized (from a transformed export where the recipe asks for
+    one), checked, and measured; a model broken only by its calibrated attention mask still runs,
+    so its damage is measured too."""
+    name, data = recipe.name, run.source.data
+    started = time.perf_counter()
+    try:
+        quantized_from = run.transforms.fp32_for(recipe, run.fp32_path)
+    except ConfigError as exc:  # a recipe this model cannot take (rotation on a zoo model): say why, go on
+        return {"name": name, "status": f"not applicable: {exc}", "settings": recipe.settings(run.vnni)}
+    if quantized_from != run.fp32_path:  # a smoothed or rotated export, made (or reused) just now
+        run.fp32_sources[name] = quantized_from
+        run.stage_seconds[f"transform:{name}"] = round(time.perf_counter() - started, 2)
+    run.fp32_session.close()
+    with run.stage(f"quantize:{name}"):
+        q = quantize(quantized_from, recipe, data.calib_inputs, run.run_dir / int8_onnx_file(name), vnni=run.vnni,
+                     probe_inputs=data.eval_inputs[:2], preprocessed=run.preprocessed)
+    release_memory()  # the quantizer's model copies and calibration buffers
+    entry: dict = {"name": name, "status": q.status, "settings": q.settings, "session": run.spec.to_dict()}
+    softmax = softmax_input_report(q.path) if q.path is not None and q.path.is_file() else None
+    if softmax is not None:
+        entry["softmax_inputs"] = softmax
+    runs_anyway = bool(softmax and softmax["problem"])
+    if (q.status == "ok" or runs_anyway) and q.path is not None:
+        entry["path"] = q.path.name
+        entry["size_bytes"] = q.path.stat().st_size
+        with run.stage(f"accuracy:{name}"):
+            acc = run.measure(q.path)
+        if q.status != "ok":  # broken although it runs: the damage, never a deployable accuracy
+            entry["problems"] = q.problems
+            entry["damage"] = acc
+        else:
+            entry["accuracy"] = acc
+            run.int8_paths[name] = q.path
+    else:
+        entry["problems"] = q.problems
+    return entry
+
+
+def transform_sections(run: _Run, out: ResultsBuilder) -> None:
+    """The ``rotation`` section (rotated exports) and the ``smoothquant`` one (with its FP32 latency cost)."""
+    transforms = run.transforms
     if getattr(transforms, "rotated", None):
-        extra["rotation"] = {form: r.to_dict(run_dir) for form, r in transforms.rotated.items()}
+        out.section("rotation", {form: r.to_dict(run.run_dir) for form, r in transforms.rotated.items()})
     if transforms.exports:
-        with stage("smoothquant_latency"):
-            extra["smoothquant"] = smoothquant_section(run_dir, cfg, fp32_path, transforms, data.window)
+        with run.stage("smoothquant_latency"):
+            out.section("smoothquant", smoothquant_section(run.run_dir, run.cfg, run.fp32_path, transforms,
+                                                           run.source.data.window))
 
-    with stage("latency"):
-        rows = measure_latency(cfg, {"fp32": fp32_path, **int8_paths}, data.window)
-    with stage("placement_from_graph"):
+
+def measure_models(run: _Run, out: ResultsBuilder) -> None:
+    """Latency of every model, placement read off the FP32 graph (the source's sections), file
+    sizes, and (unless ``--no-outliers``) the probe's sections and the source's extras."""
+    cfg, source, fp32_path = run.cfg, run.source, run.fp32_path
+    with run.stage("latency"):
+        rows = measure_latency(cfg, {"fp32": fp32_path, **run.int8_paths}, source.data.window)
+    with run.stage("placement_from_graph"):
         detected = placement_from_graph(fp32_path, source.table_placement)
-
-    results = {
-        **results_header(command, cfg.threads),
-        **source.sections(detected),
-        "export": export_section,
-        "recipes": recipes_out,
-        "latency": [r.to_dict() for r in rows],
-        "file_sizes_bytes": {"fp32": fp32_path.stat().st_size, **{k: p.stat().st_size for k, p in int8_paths.items()}},
-        **extra,
-    }
+    out.source(source.sections(detected))
+    out.latency([r.to_dict() for r in rows])
+    out.file_sizes({"fp32": fp32_path, **run.int8_paths})
     if cfg.outliers:
-        with stage("outliers"):
-            results.update(probe_sections(run_dir, fp32_path, int8_paths, data.eval_inputs[: cfg.probe_windows],
-                                          fp32_sources, **source.probe_options()))
-        results.update(source.extras(cfg, stage))
-    results["stage_seconds"] = stage_seconds
-    write_json_atomic(run_dir / RESULTS_FILE, results)
-    write_report(run_dir, results)  # the sections are chosen by the source's kind (quantnorm.report.run)
-    return results
+        with run.stage("outliers"):
+            out.sections(probe_sections(run.run_dir, fp32_path, run.int8_paths,
+                                        source.data.eval_inputs[: cfg.probe_windows], run.fp32_sources,
+                                        **source.probe_options()))
+        out.sections(source.extras(cfg, run.stage))
 
 
 def probe_sections(run_dir: Path, fp32_path: Path, int8_paths: dict[str, Path], inputs, fp32_sources: dict[str, Path],

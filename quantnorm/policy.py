@@ -1,10 +1,12 @@
-"""The acceptance policy: what a quantized model must meet to be deployed, one set of defaults.
+"""The acceptance policy: when an INT8 model is good enough to deploy. One set of thresholds (PPL
+ratio, KL, top-1 agreement, latency ratio, the training status's collapse margin) with one set of
+defaults, read by the accuracy-aware search (``--recipes auto`` keeps only a model the policy
+accepts) and by the gate (``quantnorm gate`` judges a run by it), so that the search never picks a
+recipe the gate then fails under the same policy.
 
-The search (``--recipes auto``) and the gate (``quantnorm gate``) judge a model by this one
-policy, so the search never picks a recipe that the gate, with the same defaults, then fails.
-``EvaluateConfig``'s search targets and the CLI's flag defaults are read from ``DEFAULT_POLICY``.
-
-Policy file (TOML), either in a ``[gate]`` table or as top-level keys::
+A :class:`Policy` is frozen and validated when built (a bad value is a PolicyError, a ConfigError:
+exit 2). :func:`load_policy` reads the TOML file the gate and ``evaluate --policy`` take (a
+``[gate]`` table or top-level keys; see examples/gate-policy.toml)::
 
     [gate]
     max_ppl_ratio = 1.01        # accuracy.ppl_ratio      <= this
@@ -21,7 +23,6 @@ from __future__ import annotations
 
 import difflib
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -32,17 +33,14 @@ from .train_status import DEFAULT_COLLAPSE_MARGIN
 
 
 class PolicyError(ConfigError):
-    """The gate policy (file or flags) has an unknown key, a wrong type or an invalid value."""
+    """The acceptance policy (file or flags) has an unknown key, a wrong type or an invalid value."""
 
-
-# ---------------------------------------------------------------------------------------------
-# Policy
 
 _FLOAT_KEYS = ("max_ppl_ratio", "max_kld", "max_kld_p99", "min_top1", "max_latency_ratio", "collapse_margin")
 _LIST_KEYS = ("require_provider", "recipes")
 
 
-def _short_provider(provider: str) -> str:
+def short_provider(provider: str) -> str:
     return provider.replace("ExecutionProvider", "")
 
 
@@ -54,9 +52,28 @@ def normalize_provider_name(name: str) -> str:
         raise PolicyError(f"require_provider: {exc}") from None
 
 
+# The accuracy thresholds: (policy key, accuracy key, "<=" or ">="). The search and the gate both
+# judge a model's accuracy by this one table.
+ACCURACY_LIMITS = (
+    ("max_ppl_ratio", "ppl_ratio", "<="),
+    ("max_kld", "kld_mean", "<="),
+    ("max_kld_p99", "kld_p99", "<="),
+    ("min_top1", "top1_agreement", ">="),
+)
+
+
+def within(value: float, op: str, threshold: float) -> bool:
+    return value <= threshold if op == "<=" else value >= threshold
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 @dataclass(frozen=True)
 class Policy:
-    """Thresholds of the gate. ``None`` disables an optional check (kld p99, latency ratio)."""
+    """The acceptance thresholds (the search's targets and the gate's checks). ``None`` disables a
+    check (kld p99 and latency ratio are off by default)."""
 
     max_ppl_ratio: float | None = 1.01
     max_kld: float | None = 0.01
@@ -137,10 +154,30 @@ class Policy:
         if self.collapse_margin is not None:
             parts.append(f"trained (eval bits/byte >= {self.collapse_margin:g} below the unigram baseline)")
         if self.require_provider:
-            parts.append("measured on " + ", ".join(_short_provider(p) for p in self.require_provider))
+            parts.append("measured on " + ", ".join(short_provider(p) for p in self.require_provider))
         parts.append("recipes that must pass: " + (", ".join(self.recipes) if self.recipes else
                                                    "at least one (the best)"))
         return "; ".join(parts)
+
+    def accuracy_failures(self, accuracy: dict[str, Any]) -> list[str]:
+        """The accuracy thresholds ``accuracy`` (a recipe's accuracy block, or a search trial's
+        numbers) does not meet, as ``"<metric> <value> not <op> <threshold>"``; a metric the policy
+        needs that is absent or not a finite number fails ("missing"). [] when it is accepted."""
+        failures = []
+        for key, metric, op in ACCURACY_LIMITS:
+            threshold = getattr(self, key)
+            if threshold is None:
+                continue
+            value = accuracy.get(metric)
+            if not _finite(value):
+                failures.append(f"{metric} missing")
+            elif not within(value, op, threshold):
+                failures.append(f"{metric} {value:.6g} not {op} {threshold:g}")
+        return failures
+
+    def accepts_accuracy(self, accuracy: dict[str, Any]) -> bool:
+        """Whether ``accuracy`` meets every accuracy threshold of the policy."""
+        return not self.accuracy_failures(accuracy)
 
 
 _TOML_TYPES = {**{k: ("number (float)", (int, float)) for k in _FLOAT_KEYS},
@@ -219,34 +256,10 @@ def load_policy(path: str | Path) -> Policy:
 
 def _reason(exc: BaseException) -> str:
     return getattr(exc, "strerror", None) or str(exc).splitlines()[0]
+DEFAULT_POLICY = Policy()  # the one set of defaults: the search, `evaluate` and `quantnorm gate` start from it
 
 
-# The accuracy part of the policy, one row per check: (policy key, accuracy key, "<=" or ">=").
-ACCURACY_CHECKS = (
-    ("max_ppl_ratio", "ppl_ratio", "<="),
-    ("max_kld", "kld_mean", "<="),
-    ("max_kld_p99", "kld_p99", "<="),
-    ("min_top1", "top1_agreement", ">="),
-)
-
-
-def meets(value: float, op: str, threshold: float) -> bool:
-    return value <= threshold if op == "<=" else value >= threshold
-
-
-def accuracy_accepted(policy: Policy, accuracy: Mapping[str, Any], skip: tuple[str, ...] = ()) -> bool:
-    """Whether ``accuracy`` (results.json's accuracy keys) meets every accuracy threshold of
-    ``policy`` but the policy keys in ``skip``; a number the policy needs that is missing or not
-    finite never passes."""
-    for key, metric, op in ACCURACY_CHECKS:
-        threshold = getattr(policy, key)
-        if threshold is None or key in skip:
-            continue
-        value = accuracy.get(metric)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                or not meets(value, op, threshold):
-            return False
-    return True
-
-
-DEFAULT_POLICY = Policy()
+def resolve_policy(path: str | Path | None = None, **overrides: Any) -> Policy:
+    """The policy file's (``path``; None: the defaults), with ``overrides`` on top (a None value:
+    not given, the file's or the default stands): what ``--policy FILE`` and the flags make."""
+    return (load_policy(path) if path is not None else DEFAULT_POLICY).override(**overrides)

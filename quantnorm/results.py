@@ -1,6 +1,8 @@
 """The results.json contract (shared RESULTS.md): its schema version, the header every run
-writes, the one loader, and read views.
+writes, the one writer (:class:`ResultsBuilder`, filled by the pipeline's stages), the one loader,
+the validator (:func:`validate`, what the gate requires before it judges), and read views.
 
+No other module writes or validates results.json (tests/test_policy.py checks the package for it).
 Every reader goes through this module: the run report and the sweep report (quantnorm.report),
 the gate, the sweep's resume check. A reader asks :func:`source_kind` what made a run, and
 reads recipes and latency rows through :func:`recipes` and :func:`latency_rows` instead of
@@ -36,6 +38,7 @@ from typing import Any
 
 from . import __version__
 from .errors import RunDirError
+from .fileio import write_json_atomic
 from .measure.sessions import hardware_info
 from .runs import RESULTS_FILE
 
@@ -106,6 +109,62 @@ def load(path: str | Path) -> dict:
     check_schema(results, str(path))
     source_kind(results, str(path))
     return results
+
+
+# ------------------------------------------------------------------------------------ the writer
+
+
+class ResultsBuilder:
+    """results.json as the pipeline's stages fill it; :meth:`write` is the one place the file is
+    written. The file's keys come in one order whatever order the stages run in: the header, the
+    model source's sections, ``export``, ``recipes``, ``latency``, ``file_sizes_bytes``, the
+    optional sections in the order they were added (search, rotation, smoothquant, the probe's,
+    a source's extras), and ``stage_seconds`` last."""
+
+    def __init__(self, command: str, threads: int | None) -> None:
+        self.command, self.threads = command, threads
+        self.recipes: list[dict] = []       # the recipe entries, appended as each recipe (or the search) ends
+        self._source: dict = {}
+        self._export: dict | None = None
+        self._latency: list[dict] = []
+        self._file_sizes: dict[str, int] = {}
+        self._sections: dict[str, Any] = {}
+
+    def source(self, sections: dict) -> None:
+        """The model source's sections (``model``, ``data``, ``train``, ...)."""
+        self._source.update(sections)
+
+    def export(self, section: dict) -> None:
+        self._export = section
+
+    def add_recipe(self, entry: dict) -> None:
+        self.recipes.append(entry)
+
+    def latency(self, rows: list[dict]) -> None:
+        self._latency = list(rows)
+
+    def file_sizes(self, paths: dict[str, Path]) -> None:
+        """``file_sizes_bytes``: each model file's size, by variant (``fp32``, then each recipe)."""
+        self._file_sizes = {name: Path(path).stat().st_size for name, path in paths.items()}
+
+    def section(self, name: str, value: Any) -> None:
+        """An optional section (``search``, ``rotation``, ``smoothquant``, ``outliers``, ...)."""
+        self._sections[name] = value
+
+    def sections(self, values: dict[str, Any]) -> None:
+        self._sections.update(values)
+
+    def build(self, stage_seconds: dict[str, float]) -> dict:
+        """The results.json object; the header (time, hardware) is taken now, when the run ends."""
+        return {**header(self.command, self.threads), **self._source, "export": self._export,
+                "recipes": self.recipes, "latency": self._latency, "file_sizes_bytes": self._file_sizes,
+                **self._sections, "stage_seconds": stage_seconds}
+
+    def write(self, run_dir: str | Path, stage_seconds: dict[str, float]) -> dict:
+        """Write ``run_dir``/results.json atomically; return what was written."""
+        results = self.build(stage_seconds)
+        write_json_atomic(Path(run_dir) / RESULTS_FILE, results)
+        return results
 
 
 # ------------------------------------------------------------------------------------ the run
@@ -286,26 +345,11 @@ def diagnostics(results: dict | None) -> tuple[list[dict] | None, list[float] | 
     return rows or None, cos or None
 
 
-# ---------------------------------------------------------------------------------------------
-# Validation: the fail-closed check the gate runs on every results.json before judging it.
-
-
-def is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def describe_bad(value: Any) -> str:
-    if isinstance(value, float):
-        return f"is {value} (not a finite number)"
-    return f"is {value!r} (not a number)"
-
-
-# ---------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------ validation
 # Well-formed and physically possible: what a results.json must be before any check is judged.
 # A value outside these ranges cannot come from a measurement (a tampered, truncated or
 # hand-edited file, or a bug upstream), so the gate refuses to judge it (exit 2) rather than
 # turning it into a pass or an ordinary failure.
-
 
 _ROUNDING = 1e-6  # float32 arithmetic can put a cosine at 1 + 1e-7 or a KL of equal distributions at -1e-9
 
@@ -360,11 +404,8 @@ NOT_APPLICABLE_PREFIX = "not applicable: "
 _NOT_OK_PREFIXES = (BROKEN_PREFIX, NOT_APPLICABLE_PREFIX)
 
 
-def _check_contract(results: Any, source: str) -> None:
-    """ResultsError unless ``results`` is a results.json object of a schema_version and a model
-    source this module reads."""
-    check_schema(results, source)
-    source_kind(results, source)
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _malformed(source: str, field: str, problem: str) -> ResultsError:
@@ -389,13 +430,13 @@ def _validate_accuracy(accuracy: Any, source: str, field: str) -> None:
         rule = ACCURACY_RANGES.get(key)
         if rule is not None or isinstance(value, float):  # unknown keys may be text, but never NaN
             _number(value, source, f"{field}.{key}", rule)
-    if all(is_number(accuracy.get(k)) for k in ("ppl_fp32", "ppl_int8", "ppl_ratio")):
+    if all(_is_number(accuracy.get(k)) for k in ("ppl_fp32", "ppl_int8", "ppl_ratio")):
         expected = accuracy["ppl_int8"] / accuracy["ppl_fp32"]
         if abs(accuracy["ppl_ratio"] - expected) > _ROUNDING * max(1.0, expected):
             raise _malformed(source, f"{field}.ppl_ratio", f"= {accuracy['ppl_ratio']!r} is not ppl_int8 / ppl_fp32 "
                              f"= {expected:.6g}")
     for key in ("kld_mean", "kld_p99"):
-        if is_number(accuracy.get(key)) and is_number(accuracy.get("kld_max")) and \
+        if _is_number(accuracy.get(key)) and _is_number(accuracy.get("kld_max")) and \
                 accuracy[key] > accuracy["kld_max"] + _ROUNDING:
             raise _malformed(source, f"{field}.{key}", f"= {accuracy[key]!r} exceeds kld_max = {accuracy['kld_max']!r}")
 
@@ -463,11 +504,12 @@ def _validate_latency(rows: Any, source: str) -> None:
         seen[key] = i
 
 
-def validate_results(results: Any, source: str = "results") -> None:
-    """ResultsError (a GateError: exit code 2) unless ``results`` is a well-formed results.json of a
-    supported schema whose every gated number is finite and physically possible. The message is one
-    line naming ``source`` and the field."""
-    _check_contract(results, source)
+def validate(results: Any, source: str = "results") -> None:
+    """ResultsError unless ``results`` is a well-formed results.json of a readable schema and a known
+    model source whose every gated number (recipes' accuracy, latency rows) is finite and physically
+    possible. The message is one line naming ``source`` and the field. The gate calls it before it
+    judges a run: a value no measurement can produce is refused (exit 2), never passed or failed."""
+    check_schema(results, source)
+    source_kind(results, source)
     _validate_recipes(results.get("recipes"), source)
     _validate_latency(results.get("latency"), source)
-

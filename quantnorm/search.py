@@ -15,6 +15,10 @@ good when ``metric >= baseline * (1 - tolerable_loss)``. We use
 
 so a trial passes exactly when ``ppl_ratio <= max_ppl_ratio`` (1.01 -> tolerable_loss 0.0099;
 10 -> 0.9; an impossible 0.5 -> -1, i.e. "better than FP32 by 2x"). A broken model scores 0.
+The PPL target and the other accuracy thresholds (mean KL, KL p99, top-1 agreement) come from the
+acceptance policy (quantnorm.policy), the one ``quantnorm gate`` checks with the same defaults: a
+trial passes only when the policy accepts its accuracy, and one failing a threshold other than the
+PPL ratio scores 0, so the model the search keeps passes the gate's accuracy checks.
 
 Trial accuracy is measured on a subset of the evaluation windows (``eval_windows``, evenly
 spaced over the evaluation range, against the ORIGINAL FP32 model); the model the search picks
@@ -56,14 +60,14 @@ from .measure.accuracy import compare
 from .measure.latency import bench_model
 from .measure.sessions import ReopenableSession, make_session
 from .measure.sqnr import activation_sqnr
-from .policy import DEFAULT_POLICY, Policy, accuracy_accepted
+from .policy import ACCURACY_LIMITS, DEFAULT_POLICY, Policy
 from .quantize import RECIPES, Recipe, get_recipe, quantize, with_exclusions
 from .quantize.recipes import ALPHA_SEPARATOR
 
 PICKS = ("fastest", "first")
 FRAMEWORK = "quantnorm_onnxruntime"   # our name in INC's config registry
 ALGO = "quantnorm_recipe"
-DEFAULT_MAX_PPL_RATIO = DEFAULT_POLICY.max_ppl_ratio
+ACCURACY_METRICS = tuple(metric for _, metric, _ in ACCURACY_LIMITS)  # what a trial's scorer returns
 
 
 def default_space() -> tuple[str, ...]:
@@ -140,10 +144,9 @@ def _quiet_inc() -> Iterator[None]:
 
 @dataclass(frozen=True)
 class SearchConfig:
-    # the acceptance policy's accuracy targets (quantnorm.policy: the gate's defaults too)
-    max_ppl_ratio: float = DEFAULT_POLICY.max_ppl_ratio
-    min_top1: float | None = DEFAULT_POLICY.min_top1     # None: not required
-    max_kld: float | None = DEFAULT_POLICY.max_kld       # None: not required
+    # what a trial must reach to pass: the acceptance policy's accuracy thresholds, the ones the gate
+    # checks (quantnorm.policy); it must set max_ppl_ratio, the tuner's target
+    policy: Policy = DEFAULT_POLICY
     pick: str = "fastest"                     # "fastest" or "first"
     max_trials: int | None = None             # None: the whole space and the whole fallback
     space: tuple[str, ...] | None = None      # recipe names; None: default_space()
@@ -156,12 +159,10 @@ class SearchConfig:
     latency_iters: int = 10
 
     def __post_init__(self) -> None:
-        if not (self.max_ppl_ratio > 0 and math.isfinite(self.max_ppl_ratio)):
-            raise ConfigError(f"--max-ppl-ratio must be a finite number > 0, got {self.max_ppl_ratio}")
-        if self.min_top1 is not None and not 0.0 <= self.min_top1 <= 1.0:
-            raise ConfigError(f"--min-top1 must be in [0, 1], got {self.min_top1}")
-        if self.max_kld is not None and not (self.max_kld > 0 and math.isfinite(self.max_kld)):
-            raise ConfigError(f"--max-kld must be a finite number > 0, got {self.max_kld}")
+        if not isinstance(self.policy, Policy):
+            raise ConfigError(f"the search's policy must be a quantnorm.policy.Policy, got {type(self.policy).__name__}")
+        if self.policy.max_ppl_ratio is None:
+            raise ConfigError("the search needs a PPL ratio target: the policy's max_ppl_ratio is off")
         if self.pick not in PICKS:
             raise ConfigError(f"search pick must be one of {', '.join(PICKS)}, got {self.pick!r}")
         if self.max_trials is not None and self.max_trials < 1:
@@ -177,13 +178,12 @@ class SearchConfig:
         if self.sqnr_windows < 1 or self.latency_batch < 1 or self.latency_iters < 1 or self.latency_warmup < 0:
             raise ConfigError("sqnr_windows, latency_batch and latency_iters must be >= 1, latency_warmup >= 0")
 
+    @property
+    def max_ppl_ratio(self) -> float:
+        return self.policy.max_ppl_ratio
+
     def recipes(self) -> tuple[str, ...]:
         return default_space() if self.space is None else tuple(self.space)
-
-    def policy(self) -> Policy:
-        """The acceptance policy a trial must meet: the gate's, with these accuracy targets."""
-        return Policy(max_ppl_ratio=self.max_ppl_ratio, max_kld=self.max_kld, min_top1=self.min_top1,
-                      collapse_margin=None)
 
     @property
     def tolerable_loss(self) -> float:
@@ -309,16 +309,15 @@ class _Runner:
                 acc = self.scorer(self.fp32_session, make_session(q.path, self.spec), self.eval_inputs,
                                   self.eval_targets)
                 latency = self.latency_fn(q.path, recipe.name)
-                passed = accuracy_accepted(self.cfg.policy(), {
-                    "ppl_ratio": acc.ppl_ratio, "kld_mean": acc.kld_mean, "top1_agreement": acc.top1_agreement})
-                others_ok = accuracy_accepted(self.cfg.policy(), {
-                    "kld_mean": acc.kld_mean, "top1_agreement": acc.top1_agreement}, skip=("max_ppl_ratio",))
-                # A trial below the top-1 floor (or above the KL ceiling) scores 0, so INC's own
-                # pass rule (metric vs tolerable_loss) and the policy agree: every target must hold.
+                # The gate's own accuracy rule (quantnorm.policy), so the pick passes the gate. A
+                # trial failing a threshold other than the PPL ratio scores 0, so INC's own pass rule
+                # (metric vs tolerable_loss) and ours agree: every target must hold.
+                failures = self.cfg.policy.accuracy_failures({m: getattr(acc, m, None) for m in ACCURACY_METRICS})
+                others_ok = all(f.startswith("ppl_ratio ") for f in failures)
                 metric = 1.0 / acc.ppl_ratio if acc.ppl_ratio > 0 and others_ok else 0.0
                 trial = Trial(**common, status="ok", settings=q.settings, ppl_ratio=acc.ppl_ratio,
                               kld_mean=acc.kld_mean, top1_agreement=acc.top1_agreement, latency_p50_ms=latency,
-                              metric=metric, passed=passed, path=q.path)
+                              metric=metric, passed=not failures, path=q.path)
         except QuantnormError as exc:  # quantize, measure, export (smoothing) or config
             # One recipe failing is a finding of the search, not the end of it.
             trial = Trial(**common, status=f"error: {exc}")
@@ -409,10 +408,11 @@ def search_recipes(fp32_path: Path, work_dir: Path, calib_inputs: np.ndarray, ev
     ok = [t for t in trials if t.status == "ok"]
     best = max(ok, key=lambda t: (t.metric, -t.index)) if ok else None
     return SearchResult(
-        target_max_ppl_ratio=cfg.max_ppl_ratio, target_min_top1=cfg.min_top1, tolerable_loss=cfg.tolerable_loss, pick=cfg.pick,
+        target_max_ppl_ratio=cfg.max_ppl_ratio, target_min_top1=cfg.policy.min_top1, tolerable_loss=cfg.tolerable_loss,
+        pick=cfg.pick,
         max_trials=cfg.max_trials, eval_windows=int(len(inputs)), trials=trials, chosen=chosen, best=best,
         stopped_by=stopped_by, worst_tensors=tuple(worst), skipped=tuple(skipped), level=level,
-        target_max_kld=cfg.max_kld,
+        target_max_kld=cfg.policy.max_kld,
     )
 
 

@@ -19,8 +19,6 @@ from quantnorm.gate import (
     ResultsError,
     evaluate_gate,
     load_policy,
-    report_junit,
-    report_markdown,
     run_gate,
     validate_results,
 )
@@ -485,8 +483,8 @@ def test_library_api(tmp_path):
     report = run_gate(write(tmp_path / "results.json", results(top1=0.5)), Policy())
     assert not report.passed and report.exit_code == 1
     assert {c.name for c in report.runs[0].failures} == {"top1_agreement"}
-    assert "**Overall: FAIL**" in report_markdown(report)
-    ET.fromstring(report_junit(report))
+    assert "**Overall: FAIL**" in report.markdown()
+    ET.fromstring(report.junit_xml())
     with pytest.raises(GateError, match="no input"):
         run_gate([], Policy())
     # the input dict is not modified

@@ -530,7 +530,7 @@ def test_smoothquant_and_search_end_to_end_on_gemma(tiny, tmp_path):
     """``smoothquant`` and ``auto`` on a checkpoint: the smoothed export matches the original, its plan
     and FP32 cost are recorded, and the search is scored over tokens with SmoothQuant in its space."""
     opts = HFOptions(path=tiny["gemma2"], window=16, max_eval_windows=8, out_dir=tmp_path / "gemma")
-    cfg = _cfg(["smoothquant", "auto"], search_pick="first", max_ppl_ratio=10.0)
+    cfg = _cfg(["smoothquant", "auto"], search_pick="first", max_ppl_ratio=10.0, min_top1=None, max_kld=None)
     results, run_dir = run_hf(opts, cfg)
     sq_entry, auto_entry = results["recipes"]
     assert sq_entry["name"] == "smoothquant" and sq_entry["status"] == "ok"

@@ -41,8 +41,8 @@ def test_the_real_tree_keeps_every_contract():
 
 @pytest.mark.parametrize("module, planted, broken", [
     # The gate must never need the pipeline (the example).
-    ("gate/verdict.py", "import quantnorm.evaluate", ["quantnorm.gate is not allowed to import quantnorm.evaluate",
-                                             "report, gate and results read results"]),
+    ("gate/checks.py", "import quantnorm.evaluate", ["quantnorm.gate is not allowed to import quantnorm.evaluate",
+                                             "report, gate, results and policy read results"]),
     # The compare <-> sweep cycle that quantnorm.manifest removed (the sweep report is report.comparison).
     ("report/comparison.py", "from quantnorm import sweep",
      ["No import cycles between sibling modules", "quantnorm.report is not allowed to import quantnorm.sweep: - quantnorm.report.comparison -> quantnorm.sweep"]),

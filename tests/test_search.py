@@ -14,6 +14,7 @@ from quantnorm.errors import ConfigError
 from quantnorm.export import export_onnx
 from quantnorm.measure.sessions import SessionSpec
 from quantnorm.models import CausalLM, ModelConfig
+from quantnorm.policy import Policy
 from quantnorm.search import SearchConfig, default_space, fallback_ks, recipe_space_config, search_recipes
 from quantnorm.transforms.smoothquant import SmoothedModels
 
@@ -25,8 +26,11 @@ CALIB[:, 0] = EVAL[:, 0] = 256  # BOS
 TARGETS = RNG.integers(0, 256, size=(6, CONTEXT))
 SPEC = SessionSpec(threads=1)
 THREE = ("static-minmax-matmul", "dynamic", "smoothquant")
-# the PPL ratio as the only target (the policy's default KL and top-1 targets off)
-PPL_ONLY = dict(min_top1=None, max_kld=None)
+
+
+def ppl_only(max_ppl_ratio: float, **thresholds) -> Policy:
+    """A policy of the PPL ratio alone (and ``thresholds``): the tests below steer the search by it."""
+    return Policy(**{"max_ppl_ratio": max_ppl_ratio, "max_kld": None, "min_top1": None, **thresholds})
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +53,7 @@ def run(lm, tmp_path, cfg: SearchConfig, latency=None):
 
 
 def test_target_mapping_to_inc_tolerable_loss():
-    cfg = SearchConfig(max_ppl_ratio=1.01)
+    cfg = SearchConfig(policy=ppl_only(1.01))
     assert cfg.tolerable_loss == pytest.approx(1 - 1 / 1.01)
     for ratio in (0.9, 1.0, 1.005, 1.0099, 1.0101, 1.2):  # INC's rule on 1/ratio == "ratio <= target"
         assert (1 / ratio >= 1.0 * (1 - cfg.tolerable_loss)) == (ratio <= 1.01)
@@ -76,7 +80,7 @@ def test_config_errors():
     with pytest.raises(ConfigError):
         SearchConfig(pick="slowest")
     with pytest.raises(ConfigError):
-        SearchConfig(max_ppl_ratio=0)
+        SearchConfig(policy=ppl_only(0))
     with pytest.raises(ConfigError):
         SearchConfig(space=("static-minmax-all",))
     with pytest.raises(ConfigError):
@@ -84,7 +88,7 @@ def test_config_errors():
 
 
 def test_generous_target_passes_on_the_first_trial_with_pick_first(lm, tmp_path):
-    result = run(lm, tmp_path, SearchConfig(**PPL_ONLY, max_ppl_ratio=10.0, pick="first", space=THREE))
+    result = run(lm, tmp_path, SearchConfig(policy=ppl_only(10.0), pick="first", space=THREE))
     assert len(result.trials) == 1 and result.stopped_by == "target"
     assert result.status == "passed" and result.chosen.index == 1 and result.chosen.recipe == THREE[0]
     t = result.trials[0]
@@ -93,7 +97,7 @@ def test_generous_target_passes_on_the_first_trial_with_pick_first(lm, tmp_path)
 
 
 def test_search_stops_at_max_trials(lm, tmp_path):
-    result = run(lm, tmp_path, SearchConfig(**PPL_ONLY, max_ppl_ratio=0.5, space=THREE + ("static-entropy-matmul",), max_trials=2))
+    result = run(lm, tmp_path, SearchConfig(policy=ppl_only(0.5), space=THREE + ("static-entropy-matmul",), max_trials=2))
     assert [t.recipe for t in result.trials] == list(THREE[:2])  # no fallback: the budget is spent
     assert result.stopped_by == "max_trials" and result.status == "no passing model" and result.chosen is None
     assert result.best is not None
@@ -101,7 +105,7 @@ def test_search_stops_at_max_trials(lm, tmp_path):
 
 
 def test_impossible_target_falls_back_then_records_no_passing_model(lm, tmp_path):
-    result = run(lm, tmp_path, SearchConfig(**PPL_ONLY, max_ppl_ratio=0.5, space=("static-minmax-matmul",)))
+    result = run(lm, tmp_path, SearchConfig(policy=ppl_only(0.5), space=("static-minmax-matmul",)))
     assert result.status == "no passing model" and result.chosen is None
     assert [t.phase for t in result.trials] == ["recipe", "fallback", "fallback", "fallback"]
     worst = result.worst_tensors
@@ -127,13 +131,13 @@ def test_impossible_target_falls_back_then_records_no_passing_model(lm, tmp_path
 
 def test_pick_fastest_takes_the_fastest_passing_model(lm, tmp_path):
     fake_ms = {"static-minmax-matmul": 5.0, "dynamic": 3.0, "smoothquant": 1.0}
-    result = run(lm, tmp_path, SearchConfig(**PPL_ONLY, max_ppl_ratio=10.0, pick="fastest", space=THREE),
+    result = run(lm, tmp_path, SearchConfig(policy=ppl_only(10.0), pick="fastest", space=THREE),
                  latency=lambda path, name: fake_ms[name])
     assert len(result.trials) == 3 and all(t.passed for t in result.trials)  # all timed before picking
     assert result.chosen.recipe == "smoothquant" and result.chosen.latency_p50_ms == 1.0
     assert result.trials[2].settings["smoothquant_alpha"] == 0.5
     # the same trials with pick="first" would have stopped at the first one
-    assert run(lm, tmp_path, SearchConfig(**PPL_ONLY, max_ppl_ratio=10.0, pick="first", space=THREE),
+    assert run(lm, tmp_path, SearchConfig(policy=ppl_only(10.0), pick="first", space=THREE),
                latency=lambda path, name: fake_ms[name]).chosen.recipe == "static-minmax-matmul"
 
 
@@ -151,7 +155,7 @@ def test_pick_fastest_retimes_the_passing_models_side_by_side(lm, tmp_path):
             return {1: 3.0, 2: 20.0, 3: 3.0, 4: 3.5}[calls[name]]
         return 5.0
 
-    result = run(lm, tmp_path, SearchConfig(**PPL_ONLY, max_ppl_ratio=10.0, pick="fastest", space=THREE), latency=drifting)
+    result = run(lm, tmp_path, SearchConfig(policy=ppl_only(10.0), pick="fastest", space=THREE), latency=drifting)
     assert all(calls[n] == 1 + 3 for n in THREE)     # once in the search, then three rounds
     by_name = {t.recipe: t for t in result.trials}
     assert by_name["smoothquant"].latency_p50_ms == 1.0 and by_name["smoothquant"].latency_side_by_side_ms == 9.0
@@ -167,7 +171,8 @@ def test_evaluate_wiring_keeps_the_chosen_model_as_auto_entry(lm, tmp_path):
     from quantnorm.sources import SearchScoring
 
     root, fp32, smoothed = lm
-    cfg = EvaluateConfig(recipes=(AUTO, "smoothquant"), max_ppl_ratio=10.0, search_pick="first", threads=1,
+    cfg = EvaluateConfig(recipes=(AUTO, "smoothquant"), max_ppl_ratio=10.0, min_top1=None, max_kld=None,
+                         search_pick="first", threads=1,
                          latency_iters=2, latency_warmup=1, progress=False)
     with pytest.raises(ConfigError):
         EvaluateConfig(recipes=(AUTO,), search_pick="slowest")
@@ -199,38 +204,13 @@ def test_evaluate_wiring_keeps_the_chosen_model_as_auto_entry(lm, tmp_path):
 def test_min_top1_is_a_second_target(lm, tmp_path):
     """A generous PPL target still fails a trial whose top-1 agreement is below the floor: the
     search goes on to the per-tensor fallback instead of stopping at the first recipe."""
-    loose = run(lm, tmp_path / "a", SearchConfig(**PPL_ONLY, max_ppl_ratio=10.0, pick="first", space=("static-minmax-matmul",)))
+    loose = run(lm, tmp_path / "a", SearchConfig(policy=ppl_only(10.0), pick="first", space=("static-minmax-matmul",)))
     top1 = loose.trials[0].top1_agreement
     assert loose.trials[0].passed and top1 < 1.0
-    strict = run(lm, tmp_path / "b", SearchConfig(max_ppl_ratio=10.0, min_top1=1.0, max_kld=None, pick="first",
+    strict = run(lm, tmp_path / "b", SearchConfig(policy=ppl_only(10.0, min_top1=1.0), pick="first",
                                                    space=("static-minmax-matmul",)))
     first = strict.trials[0]
     assert first.top1_agreement == pytest.approx(top1) and not first.passed and first.metric == 0.0
     assert len(strict.trials) > 1 and strict.trials[1].phase == "fallback"
     with pytest.raises(ConfigError):
-        SearchConfig(min_top1=1.5)
-
-
-def test_the_search_and_the_gate_judge_by_one_policy(lm, tmp_path):
-    """Every trial the search passes, `quantnorm gate` with its defaults passes, and every trial it
-    fails, the gate fails: the two read one acceptance policy (quantnorm.policy)."""
-    from quantnorm.gate import evaluate_gate
-    from quantnorm.policy import DEFAULT_POLICY, Policy
-
-    cfg = SearchConfig(space=("static-minmax-matmul-pertensor", "dynamic"), pick="first")
-    assert (cfg.max_ppl_ratio, cfg.max_kld, cfg.min_top1) == \
-        (Policy().max_ppl_ratio, Policy().max_kld, Policy().min_top1) == \
-        (DEFAULT_POLICY.max_ppl_ratio, DEFAULT_POLICY.max_kld, DEFAULT_POLICY.min_top1)
-    result = run(lm, tmp_path, cfg)
-    judged = [t for t in result.trials if t.status == "ok"]
-    # per-tensor keeps the PPL ratio but loses top-1 here (the old PPL-only default passed it)
-    assert [t.passed for t in judged] == [False, True]
-    for trial in judged:
-        results = {"schema_version": 2, "recipes": [{"name": trial.name, "status": "ok", "accuracy": {
-            "ppl_ratio": trial.ppl_ratio, "kld_mean": trial.kld_mean, "top1_agreement": trial.top1_agreement}}]}
-        assert evaluate_gate(results, Policy()).passed == trial.passed, trial
-    # and a trial between the search's old PPL-only default and the gate's defaults fails both
-    loose = SearchConfig(**PPL_ONLY, max_ppl_ratio=1.01).policy()
-    between = {"ppl_ratio": 1.005, "kld_mean": 0.05, "top1_agreement": 0.9}
-    from quantnorm.policy import accuracy_accepted
-    assert accuracy_accepted(loose, between) and not accuracy_accepted(Policy(), between)
+        SearchConfig(policy=Policy(min_top1=1.5))

@@ -28,7 +28,7 @@ def _unusual_evaluate() -> EvaluateConfig:
         recipes=("auto", "dynamic", "smoothquant"), providers=("cpu",), calib_samples=7, opset=23,
         graph_optimization_level="basic", threads=3, latency_batches=(2, 4), latency_iters=9, latency_warmup=1, latency_seconds=7.5,
         eval_batch_size=5, parity_windows=2, probe_windows=6, outliers=False, progress=False, sq_alpha=0.35,
-        max_ppl_ratio=1.02, min_top1=0.97, max_kld=0.004, search_pick="first", search_space=("dynamic",),
+        max_ppl_ratio=1.02, min_top1=0.97, max_kld=0.004, max_kld_p99=0.05, search_pick="first", search_space=("dynamic",),
         exclude=("head/*", "blocks.0.mlp.down/*"),
     )
 

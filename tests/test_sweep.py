@@ -308,7 +308,7 @@ def test_resuming_with_other_settings_is_refused(tmp_path, small_corpus, capsys)
     assert main(_sweep_args(out, small_corpus)) == 2
     err = capsys.readouterr().err.strip()
     assert "other settings" in err and "steps 99 -> 8" in err and len(err.splitlines()) == 1
-    assert "evaluate.min_top1 None -> 0.5" in err and "evaluate.latency_iters 30 -> 2" in err
+    assert "evaluate.min_top1 0.98 -> 0.5" in err and "evaluate.latency_iters 30 -> 2" in err
 
 
 def test_ray_missing_is_a_clear_one_line_error(tmp_path, small_corpus, monkeypatch, capsys):

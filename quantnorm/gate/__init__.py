@@ -6,9 +6,9 @@ judge (missing, unreadable or corrupt input, a ``schema_version`` quantnorm.resu
 a bad policy or one that checks nothing).
 
 It fails closed. A results.json is read by quantnorm.results.load (the one loader) and validated
-first (validate_results: NaN, a negative KL, a
-fraction above 1, duplicate recipe names, a latency row without a provider, ... -> ResultsError,
-exit 2, one line naming the file and the field). On a valid one, a number the policy needs that
+first by quantnorm.results.validate (the contract's validator; here validate_results: NaN, a
+negative KL, a fraction above 1, duplicate recipe names, a latency row without a provider, ... ->
+ResultsError, exit 2, one line naming the file and the field). On a valid one, a number the policy needs that
 the run does not have or did not measure (``latency[].status = "not measured: ..."``, a recipe
 whose status is ``broken: ...``) is a failing check whose reason says what was missing; it never
 passes. The checks themselves are two tables, RUN_CHECKS and RECIPE_CHECKS.
@@ -25,19 +25,38 @@ Latency ratio = INT8 p50 / FP32 p50 on the same provider, batch and sequence len
 (provider, batch). It is checked on the ``require_provider`` providers when any are given, else on
 every provider where the FP32 model and the recipe were both measured (and fails if there is none).
 
-The policy and its file format: ``quantnorm.policy``. A results.json is validated by
-``quantnorm.results.validate_results`` (the contract's owner).
+The policy is quantnorm.policy's (the one the search ``--recipes auto`` judges its trials by, with
+the same defaults). Policy file (TOML), either in a ``[gate]`` table or as top-level keys::
+
+    [gate]
+    max_ppl_ratio = 1.01        # accuracy.ppl_ratio      <= this
+    max_kld = 0.01              # accuracy.kld_mean       <= this
+    max_kld_p99 = 0.05          # accuracy.kld_p99        <= this   (optional)
+    min_top1 = 0.98             # accuracy.top1_agreement >= this
+    max_latency_ratio = 1.0     # INT8 p50 / FP32 p50     <= this   (optional)
+    require_provider = ["cpu"]  # providers that must have measured latency rows
+    recipes = []                # [] = the best recipe must pass; a list = each listed must pass
+    collapse_margin = 0.8       # a trained model's eval bits/byte must be this far below the unigram baseline
+
+Modules: ``checks`` (the check tables, evaluate_gate), ``inputs`` (files, run and sweep
+directories, run_gate), ``report`` (GateReport; Markdown, JUnit, the step summary), ``verdict``
+(Check, RunVerdict, errors, exit codes).
 
 Library use::
 
-    from quantnorm.gate import Policy, report_markdown, run_gate
+    from quantnorm.gate import Policy, run_gate
     report = run_gate(["runs/pre-rms"], Policy(max_ppl_ratio=1.02))
-    print(report_markdown(report)); raise SystemExit(report.exit_code)
+    print(report.markdown()); raise SystemExit(report.exit_code)
 """
 
-from ..policy import Policy, PolicyError, load_policy, policy_from_mapping
-from ..results import ACCURACY_RANGES, LATENCY_RANGES, validate_results
-from .output import (
+from __future__ import annotations
+
+from ..policy import Policy, PolicyError, load_policy, normalize_provider_name, policy_from_mapping
+from ..results import ACCURACY_RANGES, LATENCY_RANGES
+from .checks import RECIPE_CHECKS, RUN_CHECKS, RecipeCheckFn, RunCheckFn, evaluate_gate, validate_results
+from .inputs import load_results_file, resolve_inputs, run_gate
+from .report import (
+    GateReport,
     append_summary,
     error_junit,
     error_markdown,
@@ -45,28 +64,14 @@ from .output import (
     report_markdown,
     write_error_outputs,
     write_junit,
+    write_outputs,
 )
-from .verdict import (
-    EXIT_ERROR,
-    EXIT_FAIL,
-    EXIT_PASS,
-    RECIPE_CHECKS,
-    RUN_CHECKS,
-    Check,
-    GateError,
-    GateReport,
-    ResultsError,
-    RunVerdict,
-    evaluate_gate,
-    load_results_file,
-    resolve_inputs,
-    run_gate,
-)
+from .verdict import EXIT_ERROR, EXIT_FAIL, EXIT_PASS, Check, GateError, ResultsError, RunVerdict
 
 __all__ = [
     "ACCURACY_RANGES", "EXIT_ERROR", "EXIT_FAIL", "EXIT_PASS", "LATENCY_RANGES", "RECIPE_CHECKS", "RUN_CHECKS",
-    "Check", "GateError", "GateReport", "Policy", "PolicyError", "ResultsError", "RunVerdict", "append_summary",
-    "error_junit", "error_markdown", "evaluate_gate", "load_policy", "load_results_file", "policy_from_mapping",
-    "report_junit", "report_markdown", "resolve_inputs", "run_gate", "validate_results", "write_error_outputs",
-    "write_junit",
+    "Check", "GateError", "GateReport", "Policy", "PolicyError", "RecipeCheckFn", "ResultsError", "RunCheckFn",
+    "RunVerdict", "append_summary", "error_junit", "error_markdown", "evaluate_gate", "load_policy",
+    "load_results_file", "normalize_provider_name", "policy_from_mapping", "report_junit", "report_markdown",
+    "resolve_inputs", "run_gate", "validate_results", "write_error_outputs", "write_junit", "write_outputs",
 ]

@@ -1,13 +1,36 @@
-"""The gate's outputs: the Markdown table, JUnit XML, the CI step summary, and the ERROR forms."""
+"""The gate's report and its formats: the Markdown verdict table, JUnit XML, the CI step summary,
+and the ERROR versions written when nothing could be judged (exit 2)."""
 
 from __future__ import annotations
 
 import xml.etree.ElementTree as ET
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..fileio import write_text_atomic
-from .verdict import Check, GateError, GateReport, RunVerdict, _reason
+from ..policy import Policy
+from .verdict import EXIT_FAIL, EXIT_PASS, Check, GateError, RunVerdict, reason
+
+
+@dataclass(frozen=True)
+class GateReport:
+    policy: Policy
+    runs: tuple[RunVerdict, ...]
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.runs) and all(r.passed for r in self.runs)
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_PASS if self.passed else EXIT_FAIL
+
+    def markdown(self) -> str:
+        return report_markdown(self)
+
+    def junit_xml(self) -> str:
+        return report_junit(self)
 
 
 def _md(text: Any) -> str:
@@ -96,14 +119,14 @@ def append_summary(path: str | Path, markdown: str) -> None:
         with open(path, "a", encoding="utf-8") as fh:
             fh.write(markdown if markdown.endswith("\n") else markdown + "\n")
     except OSError as exc:
-        raise GateError(f"cannot append the summary to {path} ({_reason(exc)})") from None
+        raise GateError(f"cannot append the summary to {path} ({reason(exc)})") from None
 
 
 def write_junit(path: str | Path, xml_text: str) -> None:
     try:
         write_text_atomic(path, xml_text)
     except OSError as exc:
-        raise GateError(f"cannot write the JUnit report {path} ({_reason(exc)})") from None
+        raise GateError(f"cannot write the JUnit report {path} ({reason(exc)})") from None
 
 
 def write_error_outputs(message: str, summary: str | Path | None = None, junit: str | Path | None = None) -> None:
@@ -119,3 +142,11 @@ def write_error_outputs(message: str, summary: str | Path | None = None, junit: 
             write_junit(junit, error_junit(message))
         except GateError:
             pass
+
+
+def write_outputs(report: GateReport, summary: str | Path | None = None, junit: str | Path | None = None) -> None:
+    """The verdict appended to ``summary`` (Markdown) and written to ``junit`` (XML), where given."""
+    if summary is not None:
+        append_summary(summary, report.markdown())
+    if junit is not None:
+        write_junit(junit, report.junit_xml())
