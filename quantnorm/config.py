@@ -19,6 +19,8 @@ from .quantize.recipes import ALPHA_SEPARATOR
 from .search import SearchConfig
 
 AUTO = "auto"  # --recipes auto: the accuracy-aware search (quantnorm.search)
+# EvaluateConfig fields that only the search reads: without --recipes auto they change nothing.
+SEARCH_ONLY_FIELDS = ("max_ppl_ratio", "min_top1", "max_kld", "max_kld_p99", "search_pick", "search_space")
 
 
 @dataclass(frozen=True)

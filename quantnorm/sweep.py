@@ -38,7 +38,7 @@ from typing import IO
 from tqdm import tqdm
 
 from . import serial
-from .config import EvaluateConfig
+from .config import AUTO, SEARCH_ONLY_FIELDS, EvaluateConfig
 from .data import BUILTIN_PYDOC, DataConfig, prepare_data
 from .errors import ConfigError, RunDirError
 from .fileio import write_json_atomic, write_text_atomic
@@ -447,8 +447,11 @@ def check_compatible(previous: dict | None, cfg: SweepConfig, out_dir: Path) -> 
     old_evaluate = old.get("evaluate") or {}
     diffs = [f"{k} {old.get(k)!r} -> {v!r}" for k, v in new.items() if k not in AXES and k != "evaluate"
              and old.get(k) != v]
+    # a sweep that never searches ran no differently under other search targets (a manifest written
+    # before the search took the policy's defaults records None for them)
+    searches = AUTO in (old_evaluate.get("recipes") or ()) or AUTO in new["evaluate"]["recipes"]
     diffs += [f"evaluate.{k} {old_evaluate.get(k)!r} -> {v!r}" for k, v in new["evaluate"].items()
-              if old_evaluate.get(k) != v]
+              if old_evaluate.get(k) != v and (searches or k not in SEARCH_ONLY_FIELDS)]
     if diffs:
         raise ConfigError(f"{out_dir} holds a sweep with other settings ({'; '.join(diffs)}): "
                           f"use the same flags to resume it, or another --out")

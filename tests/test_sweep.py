@@ -308,7 +308,25 @@ def test_resuming_with_other_settings_is_refused(tmp_path, small_corpus, capsys)
     assert main(_sweep_args(out, small_corpus)) == 2
     err = capsys.readouterr().err.strip()
     assert "other settings" in err and "steps 99 -> 8" in err and len(err.splitlines()) == 1
-    assert "evaluate.min_top1 0.98 -> 0.5" in err and "evaluate.latency_iters 30 -> 2" in err
+    assert "evaluate.latency_iters 30 -> 2" in err
+    # the search's targets differ too (0.98 -> 0.5), but neither sweep searches: not a difference
+    assert "min_top1" not in err
+
+
+def test_search_targets_count_only_where_a_sweep_searches(tmp_path):
+    from quantnorm.config import EvaluateConfig
+
+    old = SweepConfig(placements=("pre",), norms=("rms",), seeds=1).to_dict()
+    for recipes, counted in ((("dynamic",), False), (("dynamic", "auto"), True)):
+        old["evaluate"]["recipes"] = list(recipes)
+        new = SweepConfig(placements=("pre",), norms=("rms",), seeds=1,
+                          evaluate=EvaluateConfig(recipes=recipes, min_top1=0.5))
+        manifest = {"sweep_version": 2, "settings": old, "cells": {}}
+        if counted:
+            with pytest.raises(sweep_mod.ConfigError, match=r"evaluate.min_top1 0.98 -> 0.5"):
+                sweep_mod.check_compatible(manifest, new, tmp_path)
+        else:
+            sweep_mod.check_compatible(manifest, new, tmp_path)
 
 
 def test_ray_missing_is_a_clear_one_line_error(tmp_path, small_corpus, monkeypatch, capsys):
