@@ -147,11 +147,11 @@ def _fake_dir(tmp_path: Path, config: dict | None, files=("model.safetensors", "
 
 
 def test_unsupported_architecture_is_one_line_listing_the_supported(tmp_path):
-    path = _fake_dir(tmp_path, {"model_type": "t5"})
+    path = _fake_dir(tmp_path, {"model_type": "t5", "is_encoder_decoder": True})
     with pytest.raises(ConfigError) as err:
         inspect_checkpoint(path)
     message = str(err.value)
-    assert "\n" not in message and "'t5'" in message
+    assert "\n" not in message and "'t5'" in message and "encoder-decoder" in message
     for model_type in ARCHITECTURES:
         assert model_type in message
     assert main(["evaluate", "--model", str(path)]) == 2

@@ -161,13 +161,17 @@ def _after_affine(g: _Graph, t: str) -> str:
     return t
 
 
-def _constant_expression(g: _Graph, name: str, depth: int = 3) -> bool:
+def _constant_expression(g: _Graph, name: str, depth: int = 3, shapes: bool = False) -> bool:
+    """``name`` is computed from constants only; with ``shapes``, from tensor shapes too (a padding
+    mask of ones the model builds from the input's shape does not depend on its values)."""
     if g.is_const(name):
         return True
     node = g.producer.get(name)
+    if shapes and node is not None and node.op_type == "Shape":
+        return True
     if node is None or depth == 0:
         return False
-    return all(_constant_expression(g, i, depth - 1) for i in node.input if i)
+    return all(_constant_expression(g, i, depth - 1, shapes) for i in node.input if i)
 
 
 def _embedding_output(g: _Graph) -> str | None:
@@ -248,131 +252,175 @@ def _descends_from(g: _Graph, tensor: str, ancestor: str, limit: int = 400) -> b
 
 
 def detect_placement(model_or_path) -> GraphPlacement:
+    """Walk the residual stream from the token embedding, one residual add a step (``_Walk``), and
+    read the placement off the labels (see the module doc)."""
     model = onnx.load(str(model_or_path), load_external_data=False) if isinstance(model_or_path, (str, Path)) \
         else model_or_path
     g = _Graph(model)
     norms = find_norms(model)
-    by_input: dict[str, list[Norm]] = {}
-    for n in norms:
-        by_input.setdefault(n.input, []).append(n)
-    outputs = {g.source(n.output): n for n in norms}
     stream = _embedding_output(g)
     if stream is None:
         return GraphPlacement(None, None, f"no token embedding (Gather of a constant table by an input) found; "
                                           f"{len(norms)} norms in the graph")
-    labels: list[str] = []
-    taps: list[tuple[str, str, str]] = []
-    embedding: str | None = None
-    skip_stream: str | None = None   # ResiDual's x_d, once found
-    skips: list[str | None] = []
-    kinds: Counter = Counter()
-    previous_norm: Norm | None = None
-    final = False
+    walk = _Walk(g, norms)
     for _ in range(MAX_ADDS):
-        s = g.source(stream)
-        reading = by_input.get(s, [])
-        adds = []
-        scaled = False
-        for n in g.uses(s):
-            if n.op_type == "Add" and not any(g.is_const(i) for i in n.input):
-                adds.append(n)
-            elif n.op_type == "Mul" and any(_constant_expression(g, i) for i in n.input if g.source(i) != s):
-                adds += [m for m in g.uses(n.output[0]) if m.op_type == "Add"]
-                scaled = bool(adds)
-        if not adds and not labels and reading and any(
-                n.op_type == "Add" for n in g.uses(g.source(reading[0].output))):
-            stream = reading[0].output  # an embedding norm (BERT) before the first block
-            continue
-        if not adds:
-            final = bool(reading)
-            if reading:
-                kinds[reading[0].kind] += 1
+        stream = walk.step(stream)
+        if stream is None:
             break
+    return walk.result(norms)
+
+
+class _Walk:
+    """The state of the walk: a label, the taps and the ResiDual skip per residual add, the norm
+    kinds met, and whether a final norm stands before the head."""
+
+    def __init__(self, g: _Graph, norms: list[Norm]):
+        self.g = g
+        self.by_input: dict[str, list[Norm]] = {}
+        for n in norms:
+            self.by_input.setdefault(n.input, []).append(n)
+        self.outputs = {g.source(n.output): n for n in norms}
+        self.labels: list[str] = []
+        self.taps: list[tuple[str, str, str]] = []
+        self.skips: list[str | None] = []
+        self.embedding: str | None = None
+        self.skip_stream: str | None = None   # ResiDual's x_d, once found
+        self.kinds: Counter = Counter()
+        self.previous_norm: Norm | None = None
+        self.final = False
+
+    def step(self, stream: str) -> str | None:
+        """Label the residual add that reads ``stream``; the stream after it, or None: the walk ends."""
+        g = self.g
+        s = g.source(stream)
+        reading = self.by_input.get(s, [])
+        adds, scaled = _adds_reading(g, s)
+        if not adds:
+            after_norm = self._embedding_norm(reading)
+            if after_norm is not None:
+                return after_norm
+            self.final = bool(reading)
+            if reading:
+                self.kinds[reading[0].kind] += 1
+            return None
         # Two adds read the stream where one branch output is added to two streams (ResiDual: x_a
         # and x_d both start as the embedding): follow the one whose sum is normalized, x_a.
-        add = next((a for a in adds if by_input.get(g.source(a.output[0]))), adds[0])
+        add = next((a for a in adds if self.by_input.get(g.source(a.output[0]))), adds[0])
         branch = next((i for i in add.input if g.source(i) != s and not _descends_scale(g, i, s)), add.input[-1])
-        branch_norm = outputs.get(g.source(branch))
+        branch_norm = self.outputs.get(g.source(branch))
+        if branch_norm is not None and self.skip_stream is not None and \
+                g.source(branch_norm.input) == g.source(self.skip_stream):
+            self.final = True  # ResiDual's readout x_a + N(x_d): not a residual add of a block
+            self.kinds[branch_norm.kind] += 1
+            return None
+        label, nxt = self._classify(add, branch, branch_norm, reading, scaled)
+        self.previous_norm = reading[0] if reading else self.previous_norm
+        if not self.labels:
+            self.embedding = stream
+        self.labels.append(label)
+        self.taps.append((add.output[0], nxt, branch))
+        self.skips.append(self.skip_stream if label == "residual" else None)
+        return None if label == "last" else nxt
+
+    def _embedding_norm(self, reading: list[Norm]) -> str | None:
+        """Before the first block, a norm of the embeddings (BERT), maybe times the padding mask
+        (DeBERTa): the stream after it, when a residual add reads that."""
+        if self.labels or not reading:
+            return None
+        after = _past_mask(self.g, reading[0].output)
+        return after if _adds_directly(self.g, after) else None
+
+    def _classify(self, add, branch: str, branch_norm: Norm | None, reading: list[Norm],
+                  scaled: bool) -> tuple[str, str]:
+        """(label, stream after) of one residual add."""
+        g = self.g
         after = add.output[0]
-        post_norm = by_input.get(g.source(after), [])
-        sum_feeds_add = any(n.op_type == "Add" and not any(g.is_const(i) for i in n.input) for n in g.uses(after))
+        post_norm = self.by_input.get(g.source(after), [])
+        sum_feeds_add = _adds_directly(g, after)
         skip_add = next((n for n in g.uses(g.source(branch)) if n.op_type == "Add" and n is not add), None)
-        if branch_norm is not None and skip_stream is not None and g.source(branch_norm.input) == g.source(skip_stream):
-            final = True  # ResiDual's readout x_a + N(x_d): not a residual add of a block
-            kinds[branch_norm.kind] += 1
-            break
         if post_norm and (skip_add is not None or (sum_feeds_add and _adds_directly(g, post_norm[0].output))):
             # ResiDual: the branch output goes to two streams, x_a = N(x_a + f) and x_d = x_d + f.
             # Its first sublayer's two sums are one tensor (both streams start as the embedding,
             # and the exporter computes emb + f once): the sum is x_d and its norm x_a.
-            label = "residual"
-            kinds[post_norm[0].kind] += 1
-            skip_stream = skip_add.output[0] if skip_add is not None else after
-            nxt = post_norm[0].output
-        elif post_norm and not sum_feeds_add:
+            self.kinds[post_norm[0].kind] += 1
+            self.skip_stream = skip_add.output[0] if skip_add is not None else after
+            return "residual", post_norm[0].output
+        if post_norm and not sum_feeds_add:
             # The sum is normalized and only the norm reads it: post, unless this is the last add of
-            # a pre/peri stack (its sum goes to the final norm and then the head): told apart below.
-            label = "deepnorm" if scaled else "post"
-            kinds[post_norm[0].kind] += 1
+            # a pre/peri stack (its sum goes to the final norm and then the head): told apart in result.
+            self.kinds[post_norm[0].kind] += 1
             nxt = post_norm[0].output
             if not _feeds_residual_add(g, g.source(nxt)):
-                label = "last"
-        else:
-            if len(reading) >= 2 or (reading and _two_branches_of(g, branch, reading[0].output)):
-                # attention and MLP side by side on the stream: two norms read it, or one norm's
-                # output feeds both sublayers whose outputs are summed before the add (GPT-NeoX, Phi)
-                label = "parallel"
-            elif reading and branch_norm is not None:
-                label = "peri"
-            elif reading:
-                label = "pre"
-            elif branch_norm is not None:
-                label = "output-norm"
-            elif previous_norm is not None and _descends_from(g, g.source(branch), previous_norm.output):
-                label = "parallel"
-            else:
-                label = "none"
-            for nm in (reading[:1] + ([branch_norm] if branch_norm else [])):
-                kinds[nm.kind] += 1
-            nxt = after
-        previous_norm = reading[0] if reading else previous_norm
-        if not labels:
-            embedding = stream
-        labels.append(label)
-        taps.append((after, nxt, branch))
-        skips.append(skip_stream if label == "residual" else None)
-        if label == "last":
-            break
-        stream = nxt
-    if not labels:
-        return GraphPlacement(None, None, f"no residual add on the stream from the embedding; {len(norms)} norms")
-    counts = Counter(x for x in labels if x != "last")
-    if labels[-1] == "last":
-        # The last sum goes through one norm to the head: a final norm in a pre/peri/output-norm
-        # stack, the last block's own norm in a post stack.
+                return "last", nxt
+            return ("deepnorm" if scaled else "post"), nxt
+        for nm in reading[:1] + ([branch_norm] if branch_norm else []):
+            self.kinds[nm.kind] += 1
+        return self._sum_label(branch, branch_norm, reading), after
+
+    def _sum_label(self, branch: str, branch_norm: Norm | None, reading: list[Norm]) -> str:
+        """An add whose sum is the next stream: where the norms stand around the branch."""
+        g = self.g
+        if len(reading) >= 2 or (reading and _two_branches_of(g, branch, reading[0].output)):
+            # attention and MLP side by side on the stream: two norms read it, or one norm's
+            # output feeds both sublayers whose outputs are summed before the add (GPT-NeoX, Phi)
+            return "parallel"
+        if reading:
+            return "peri" if branch_norm is not None else "pre"
+        if branch_norm is not None:
+            return "output-norm"
+        if self.previous_norm is not None and _descends_from(g, g.source(branch), self.previous_norm.output):
+            return "parallel"
+        return "none"
+
+    def result(self, norms: list[Norm]) -> GraphPlacement:
+        """The majority placement over the labels, the norm kind and how it was read."""
+        counts = Counter(x for x in self.labels if x != "last")
+        if self.labels and self.labels[-1] == "last":
+            self._close_last(counts)
+        if not counts:
+            return GraphPlacement(None, None, f"no residual add on the stream from the embedding; {len(norms)} norms")
+        placement = "parallel" if counts.get("parallel") else counts.most_common(1)[0][0]
+        norm = self.kinds.most_common(1)[0][0] if self.kinds else None
+        n_agree = counts[placement] + (counts["pre"] if placement == "parallel" else 0)
+        how = (f"ONNX graph: {len(self.labels)} residual adds walked from the embedding, {n_agree} read as "
+               f"{placement} ({', '.join(f'{k} {v}' for k, v in counts.most_common())}); norms: "
+               f"{', '.join(f'{k} {v}' for k, v in self.kinds.most_common()) or 'none'} "
+               f"({Counter(n.how for n in norms).most_common(1)[0][0] if norms else 'none found'}); "
+               f"final norm before the head: {'yes' if self.final else 'no'}")
+        return GraphPlacement(placement if placement != "none" else None, norm, how, self.labels, self.final,
+                              self.embedding, self.taps, self.skips if any(self.skips) else [])
+
+    def _close_last(self, counts: Counter) -> None:
+        """The last sum goes through one norm to the head: a final norm in a pre/peri/output-norm
+        stack, the last block's own norm in a post stack."""
         majority = counts.most_common(1)[0][0] if counts else "post"
-        if majority in ("post", "deepnorm"):
-            labels[-1], counts[majority] = majority, counts[majority] + 1
-        else:
-            labels[-1], final = majority, True
-            counts[majority] += 1
-            taps[-1] = (taps[-1][0], taps[-1][0], taps[-1][2])  # the sum is the stream; its norm is the final one
-    if not counts:
-        return GraphPlacement(None, None, f"no residual add on the stream from the embedding; {len(norms)} norms")
-    if counts.get("parallel"):
-        placement = "parallel"
-    else:
-        placement = counts.most_common(1)[0][0]
-    norm = kinds.most_common(1)[0][0] if kinds else None
-    n_agree = counts[placement] + (counts["pre"] if placement == "parallel" else 0)
-    labels = [x for x in labels]
-    how = (f"ONNX graph: {len(labels)} residual adds walked from the embedding, {n_agree} read as {placement} "
-           f"({', '.join(f'{k} {v}' for k, v in counts.most_common())}); norms: "
-           f"{', '.join(f'{k} {v}' for k, v in kinds.most_common()) or 'none'} "
-           f"({Counter(n.how for n in norms).most_common(1)[0][0] if norms else 'none found'}); "
-           f"final norm before the head: {'yes' if final else 'no'}")
-    return GraphPlacement(placement if placement != "none" else None, norm, how, labels, final, embedding, taps,
-                          skips if any(skips) else [])
+        if majority not in ("post", "deepnorm"):
+            self.final = True
+            self.taps[-1] = (self.taps[-1][0], self.taps[-1][0], self.taps[-1][2])  # the sum is the stream
+        self.labels[-1] = majority
+        counts[majority] += 1
+
+
+def _adds_reading(g: _Graph, s: str) -> tuple[list, bool]:
+    """The residual adds reading the stream ``s``, and whether the skip is scaled first (DeepNorm)."""
+    adds, scaled = [], False
+    for n in g.uses(s):
+        if n.op_type == "Add" and not any(g.is_const(i) for i in n.input):
+            adds.append(n)
+        elif n.op_type == "Mul" and any(_constant_expression(g, i) for i in n.input if g.source(i) != s):
+            adds += [m for m in g.uses(n.output[0]) if m.op_type == "Add"]
+            scaled = bool(adds)
+    return adds, scaled
+
+
+def _past_mask(g: _Graph, t: str) -> str:
+    """Past a Mul by a data-independent tensor (a padding mask of ones built from the input's shape)."""
+    uses = g.uses(t)
+    if len(uses) == 1 and uses[0].op_type == "Mul":
+        other = [i for i in uses[0].input if g.source(i) != g.source(t)]
+        if other and _constant_expression(g, other[0], depth=6, shapes=True):
+            return uses[0].output[0]
+    return t
 
 
 def _adds_directly(g: _Graph, tensor: str) -> bool:

@@ -57,6 +57,16 @@ def _source_rows(results: dict) -> list[list[str]]:
                           "below is against that dequantized model, not the original BF16 weights)"]]
 
 
+def _final_norm(model: dict) -> str:
+    """The table's final norm module, else (outside the table) what the graph shows."""
+    if model.get("final_norm"):
+        return f"`{model['final_norm']}`"
+    if model.get("placement_check", {}).get("check") == "none" and (model.get("placement_detected") or {}).get(
+            "final_norm"):
+        return "yes (read from the graph)"
+    return "none"
+
+
 def _graph_placement_row(model: dict) -> list[list[str]]:
     detected = model.get("placement_detected")
     if not detected:
@@ -90,18 +100,21 @@ def model_loaded(results: dict) -> list[str]:
     model = results["model"]
     check = model.get("placement_check", {})
     verified = "verified on block 0" if check.get("verified") else f"NOT verified ({check.get('reason', 'mismatch')})"
+    check_row = (f"{verified}: {check.get('detail', '')} (max error {fmt(check.get('max_abs_error'), '.2g')})"
+                 if check.get("check") != "none" else f"none: {check.get('reason')}")  # outside the table
     L = ["", "## Model (pretrained checkpoint, detected)", ""]
     L += table(["what", "value"], [
         *_source_rows(results),
         ["architecture", f"{model['architecture']} ({', '.join(model.get('architectures', [])) or '?'}; "
                          f"loaded as {model.get('model_class')})"],
         ["placement / norm", f"**{model['placement']} / {model['norm']}** — {model.get('rule')}"],
+        *([["placement detected from", model["detected_from"]]] if check.get("check") == "none" else []),
         ["norm formula", model.get("norm_formula")],
-        ["norm modules per block", "; ".join(f"`{k}`: {v}" for k, v in model.get("norm_roles", {}).items())],
-        ["final norm", f"`{model['final_norm']}`" if model.get("final_norm") else "none"],
+        ["norm modules per block", "; ".join(f"`{k}`: {v}" for k, v in model.get("norm_roles", {}).items())
+         or "not named (outside the loader table)"],
+        ["final norm", _final_norm(model)],
         ["QK-norm", ", ".join(f"`{n}`" for n in model.get("qk_norm", [])) or "no"],
-        ["placement check", f"{verified}: {check.get('detail', '')} (max error "
-                            f"{fmt(check.get('max_abs_error'), '.2g')})"],
+        ["placement check", check_row],
         *_graph_placement_row(model),
         *_size_rows(model),
     ])

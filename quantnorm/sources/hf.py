@@ -28,7 +28,7 @@ from .base import SearchScoring, SourceData
 from .gguf import gguf_checkpoint, resolve_gguf
 from .hf_export import export_hf_onnx, make_wrapper, output_names
 from .hf_fold import HFSmoothedModels
-from .hf_loader import DETECTED, load_checkpoint
+from .hf_loader import DETECTED, GRAPH_DETECTED_FROM, NORM_FORMULAS, TABLE_DETECTED_FROM, load_checkpoint
 from .tokenized import AUTO_EVAL_WINDOWS, mlm_windows, prepare_hf_data
 
 FP16_CHECK_WINDOWS = 4  # torch float16 on a CPU is slow; the overflow shows on any window with BOS
@@ -181,7 +181,7 @@ class HFSource:
     def transforms(self, cfg):
         return HFSmoothedModels(self.weights, self.data.calib_inputs,
                                 self.data.eval_inputs[: cfg.parity_windows], self.run_dir, outputs=self.outputs,
-                                max_positions=self.max_positions, opset=cfg.opset)
+                                max_positions=self.max_positions, opset=cfg.opset, spec=self.loaded.spec)
 
     def accuracy(self, fp32_session, cfg) -> Callable:
         return TokenAccuracy(self.kind, fp32_session, self.data, self.mlm, cfg.eval_batch_size)
@@ -209,7 +209,8 @@ class HFSource:
                 raise ConfigError(f"--model {self.opts.path}: {self.loaded.spec.model_type} is not in the loader "
                                   f"table and its placement cannot be read from the exported graph "
                                   f"({detected.get('how')})")
-            model.update(placement=detected["placement"], norm=detected["norm"])
+            model.update(placement=detected["placement"], norm=detected["norm"],
+                         norm_formula=NORM_FORMULAS.get(detected["norm"] or "unknown", NORM_FORMULAS["unknown"]))
         return {"model": model, "data": self.data.describe,
                 "train": {"pretrained": True, "diverged": False,
                           "note": "pretrained checkpoint: not trained by quantnorm"}}
@@ -226,7 +227,7 @@ class HFSource:
             "architectures": list(files.config.get("architectures") or []),
             "model_class": type(self.loaded.model).__name__,
             **spec.describe(),
-            "detected_from": "config.json model_type (quantnorm.sources.hf_loader.ARCHITECTURES)",
+            "detected_from": GRAPH_DETECTED_FROM if spec.placement == DETECTED else TABLE_DETECTED_FROM,
             "placement_check": self.loaded.placement_check,
             "n_layers": len(self.loaded.layers),
             "d_model": d_model,

@@ -44,6 +44,7 @@ from ..transforms.smoothquant import (
     smooth_module,
 )
 from .hf_export import WRAPPER_ATTR
+from .hf_loader import DETECTED
 
 ROTATED_ONNX_FILE = "model.fp32.rotated.onnx"
 
@@ -55,6 +56,19 @@ def is_hf_norm(module) -> bool:
 
 
 FOLD_FORMULAS = {"affine": "w' = w / s (and b' = b / s)", "one_plus": "w' = (1 + w) / s - 1 (Gemma's (1 + w) norms)"}
+
+
+def missing_fold_rule(spec, recipe) -> str | None:
+    """Why ``recipe`` cannot run on this architecture for want of a fold rule, else None. SmoothQuant
+    and the stream rotation fold into the norms, and which norm feeds which Linears (and Gemma's
+    ``(1 + w)``) is the loader table's, not the graph's; the online rotation folds nothing."""
+    if spec.placement != DETECTED:
+        return None
+    if getattr(recipe, "smoothquant_alpha", None) is not None:
+        return f"SmoothQuant needs a fold rule and {spec.family} has none"
+    if getattr(recipe, "rotation", None) == "hadamard":
+        return f"the residual-stream rotation needs a fold rule and {spec.family} has none"
+    return None
 
 
 def fold_rule(spec):
@@ -85,7 +99,7 @@ def smooth_and_export(loaded, wrapper, calib_inputs: np.ndarray, parity_inputs: 
     """Smooth ``wrapper`` (a deep copy; the original is untouched), export it and prove that the
     ONNX file computes the original outputs. A failure leaves no file."""
     spec = loaded.spec
-    if spec.placement == "detected":
+    if spec.placement == DETECTED:
         raise ConfigError(f"SmoothQuant: {spec.family} has no known fold rule (the loader table has none for it)")
     fold, formula = fold_rule(spec)
     smoothed, plan = smooth_module(wrapper, calib_inputs, alpha, placement=spec.placement, norm=spec.norm,
@@ -103,11 +117,14 @@ class HFSmoothedModels(SmoothedModels):
     the recipe loop and the search."""
 
     def __init__(self, weights, calib_inputs, parity_inputs, out_dir: Path, *, outputs: tuple[str, ...],
-                 max_positions: int | None, opset: int):
+                 max_positions: int | None, opset: int, spec=None):
         """``weights()`` -> (the LoadedCheckpoint, its export wrapper), called on first use: the
-        source may have let go of the torch weights after the export and reloads them then."""
+        source may have let go of the torch weights after the export and reloads them then.
+        ``spec``: the architecture's table row, so a recipe without a fold rule is refused
+        before any reload."""
         super().__init__(None, calib_inputs, parity_inputs, out_dir, opset=opset)
         self._weights = weights
+        self.spec = spec
         self.outputs, self.max_positions = outputs, max_positions
         self.rotated: dict = {}  # rotation form -> its rotated FP32 export (quantnorm.transforms.rotation), on first use
 
@@ -126,7 +143,11 @@ class HFSmoothedModels(SmoothedModels):
 
     def fp32_for(self, recipe, default: Path) -> Path:
         """The FP32 model ``recipe`` quantizes: the rotated export for a rotation recipe, the
-        smoothed one for a SmoothQuant recipe, else ``default``."""
+        smoothed one for a SmoothQuant recipe, else ``default``. A ConfigError (the recipe is
+        then not applicable) where the fold rule it needs is unknown."""
+        why = missing_fold_rule(self.spec, recipe) if self.spec is not None else None
+        if why is not None:
+            raise ConfigError(why)
         form = getattr(recipe, "rotation", None)
         if form is None:
             return super().fp32_for(recipe, default)

@@ -6,6 +6,12 @@ architecture is one entry, not a new ``if`` (DESIGN.md). Each entry says where t
 because HF's names mislead: ``post_attention_layernorm`` is the *pre-MLP* norm in LLaMA but an
 *attention-output* norm in Gemma 2 / OLMo 2.
 
+An architecture outside the table still loads (``generic_spec``): any model transformers builds
+without remote code, AutoModelForCausalLM for a ``*ForCausalLM`` and AutoModel for an encoder. The
+exported graph then says its placement and norm (``quantnorm.measure.placement``); what a graph
+cannot tell, the fold rules of SmoothQuant and the stream rotation (which norm feeds which Linears,
+Gemma's ``(1 + w)``), is what the table adds, and without it those recipes are not applicable.
+
 Safety rules (issue 6):
 - local files only: ``local_files_only=True`` and ``HF_HUB_OFFLINE=1`` for everything we call;
 - never ``trust_remote_code`` (a checkpoint that needs custom code is not one we support);
@@ -113,34 +119,46 @@ _ARCH_LIST = [
 ARCHITECTURES: dict[str, ArchSpec] = {a.model_type: a for a in _ARCH_LIST}
 
 
-def generic_causal_spec(config: dict) -> ArchSpec:
-    """A causal LM outside the table (``architectures`` names a ``*ForCausalLM``): its placement and
-    norm are read from the exported ONNX graph (quantnorm.measure.placement) and its block list is
-    found at load time; no SmoothQuant fold rule is known for it. Anything else: ``get_arch``'s error."""
+GRAPH_DETECTED_FROM = "the ONNX graph (quantnorm.measure.placement)"
+TABLE_DETECTED_FROM = "config.json model_type (quantnorm.sources.hf_loader.ARCHITECTURES)"
+
+
+def generic_spec(config: dict) -> ArchSpec:
+    """Any architecture outside the table that transformers loads without remote code: a causal LM
+    when ``architectures`` names a ``*ForCausalLM`` (loaded with AutoModelForCausalLM), else an
+    encoder (AutoModel, hidden states and a pooled embedding). Its placement and norm are read from
+    the exported ONNX graph (quantnorm.measure.placement) and its block list is found at load time;
+    the table's fold rules (SmoothQuant, the stream rotation) are unknown for it, so the recipes
+    that need one are not applicable. A one-line ConfigError for what the wrappers cannot run:
+    no ``model_type``, or an encoder-decoder (its forward needs decoder inputs)."""
     names = [str(a) for a in config.get("architectures") or []]
     model_type = config.get("model_type")
-    if not any(n.endswith("ForCausalLM") for n in names) or not model_type:
+    if not model_type or model_type == "gemma3":
         get_arch(model_type)  # raises the one-line error listing what is supported
-    return ArchSpec(str(model_type), f"{model_type} (not in the loader table)", "causal", DETECTED, DETECTED,
+    if config.get("is_encoder_decoder"):
+        get_arch(model_type, " (an encoder-decoder: its forward needs decoder inputs; --model takes causal LMs "
+                             "and encoders)")
+    kind = "causal" if any(n.endswith("ForCausalLM") for n in names) else "encoder"
+    return ArchSpec(str(model_type), f"{model_type} (not in the loader table)", kind, DETECTED, DETECTED,
                     "unknown", "", {}, None, "read from the exported ONNX graph", "none",
-                    notes="architecture outside the loader table: placement and norm detected on the graph")
+                    notes="architecture outside the loader table: placement and norm detected on the graph; "
+                          "no fold rule known (SmoothQuant and the stream rotation are not applicable)")
 
 
 def supported_architectures() -> str:
     return ", ".join(f"{a.model_type} ({a.placement}/{a.norm})" for a in _ARCH_LIST)
 
 
-def get_arch(model_type: str | None) -> ArchSpec:
-    """The table entry for ``model_type``; anything else is a one-line ConfigError."""
+def get_arch(model_type: str | None, hint: str = "") -> ArchSpec:
+    """The table entry for ``model_type``; anything else is a one-line ConfigError (``hint``: why)."""
     spec = ARCHITECTURES.get(str(model_type))
     if spec is not None:
         return spec
-    hint = ""
     if model_type == "gemma3":
         hint = " (multimodal Gemma 3 is not supported; text-only Gemma3ForCausalLM checkpoints are 'gemma3_text')"
-    raise ConfigError(f"unsupported architecture {model_type!r}{hint}: supported model_type values are "
-                      f"{supported_architectures()}, and any causal LM whose config.json names a *ForCausalLM class "
-                      f"(its placement is then read from the exported graph)")
+    raise ConfigError(f"unsupported architecture {model_type!r}{hint}: --model takes any causal LM or encoder that "
+                      f"transformers loads without remote code (its placement read from the exported graph); the "
+                      f"loader table adds the fold rules of {supported_architectures()}")
 
 
 @dataclass(frozen=True)
@@ -186,8 +204,8 @@ def inspect_checkpoint(path: str | Path, *, allow_pickle: bool = False) -> Check
     if config.get("auto_map"):
         # Custom code would be needed; we never run it (trust_remote_code stays False).
         raise ConfigError(f"--model {path}: config.json has auto_map (custom modeling code); quantnorm never sets "
-                          f"trust_remote_code. Supported: {supported_architectures()}")
-    spec = ARCHITECTURES.get(str(config.get("model_type"))) or generic_causal_spec(config)
+                          f"trust_remote_code (any causal LM or encoder that transformers itself implements runs)")
+    spec = ARCHITECTURES.get(str(config.get("model_type"))) or generic_spec(config)
 
     safetensors = tuple(n for n in SAFETENSORS_FILES if (path / n).is_file())
     pickled = tuple(n for n in PICKLE_FILES if (path / n).is_file())
@@ -205,7 +223,8 @@ def inspect_checkpoint(path: str | Path, *, allow_pickle: bool = False) -> Check
         raise ConfigError(f"--model {path}: no tokenizer files (expected one of {', '.join(TOKENIZER_FILES)}); "
                           f"data is tokenized with the model's own tokenizer")
 
-    mlm_head = spec.kind == "encoder" and _has_mlm_head(path, weights, weight_files)
+    # the MLM head's module is BERT's (``cls``): an encoder outside the table is scored on its embeddings
+    mlm_head = spec.kind == "encoder" and spec.placement != DETECTED and _has_mlm_head(path, weights, weight_files)
     return CheckpointFiles(path, config, spec, weights, weight_files, mlm_head, pooling_mode(path))
 
 
@@ -412,7 +431,7 @@ def verify_placement(loaded: LoadedCheckpoint, seq: int = 8) -> dict:
 
     spec = loaded.spec
     if spec.check == "none":
-        return {"verified": False, "check": "none",
+        return {"verified": False, "check": "none", "label": "read from the graph",
                 "reason": "architecture outside the loader table: no module-level check; placement read from the graph"}
     block = loaded.layers[0]
     norm_names = list(spec.norm_roles)

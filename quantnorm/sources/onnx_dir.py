@@ -44,7 +44,15 @@ from ..portable import portable_path
 from ..runs import check_out_dir
 from .base import NoTransforms, SearchScoring
 from .hf import TokenAccuracy, default_out_dir, hf_data, token_namer, token_search_scoring
-from .hf_loader import DETECTED, NORM_FORMULAS, TOKENIZER_FILES, load_tokenizer, pooling_mode, read_config_json
+from .hf_loader import (
+    DETECTED,
+    GRAPH_DETECTED_FROM,
+    NORM_FORMULAS,
+    TOKENIZER_FILES,
+    load_tokenizer,
+    pooling_mode,
+    read_config_json,
+)
 from .tokenized import AUTO_EVAL_WINDOWS, prepare_hf_data
 
 ONNX_FILE = "model.onnx"
@@ -342,7 +350,7 @@ class OnnxDirSource:
             "placement_check": {"verified": True, "label": "read from the graph",
                                 "detail": "no torch module: placement and norm are the graph's own"},
             "placement_detected": detected,
-            "detected_from": "the ONNX graph (quantnorm.measure.placement)",
+            "detected_from": GRAPH_DETECTED_FROM,
             "n_layers": c.get("num_hidden_layers"), "d_model": c.get("hidden_size"),
             "n_heads": c.get("num_attention_heads"), "context": self.max_positions,
             "vocab_size": c.get("vocab_size") or len(self.tokenizer),
