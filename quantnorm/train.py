@@ -182,8 +182,20 @@ def train(run: RunConfig, out_dir: Path, *, progress: bool = True, data: Prepare
     rng = np.random.default_rng(run.train.seed)
     model = CausalLM(run.model)
     optimizer = make_optimizer(model, run.train)
-    tokens = data.tokens
+    _start_run(run, out_dir, data, model)
+    start = time.perf_counter()
+    with atomic_path(out_dir / TRAIN_LOG_FILE) as log_path, open(log_path, "w", encoding="utf-8") as log:
+        losses, grad_norms, diverged_at = _train_loop(run, model, optimizer, data, rng, log, progress)
+    wall = time.perf_counter() - start
+    with atomic_path(out_dir / CHECKPOINT_FILE) as ckpt:
+        save_file(model.state_dict(), str(ckpt))
+    result = _result(run.train, model, data, losses, grad_norms, diverged_at, wall)
+    write_json_atomic(out_dir / TRAIN_SUMMARY_FILE, result.to_dict())
+    return result
 
+
+def _start_run(run: RunConfig, out_dir: Path, data: PreparedData, model: CausalLM) -> None:
+    """Create ``out_dir`` and write the run's config; no summary is left from an earlier run."""
     out_dir.mkdir(parents=True, exist_ok=True)
     # train.json marks a finished run: remove an earlier run's before anything else, so a run
     # killed midway never looks finished under the new config.
@@ -192,55 +204,67 @@ def train(run: RunConfig, out_dir: Path, *, progress: bool = True, data: Prepare
               "data_ranges": data.describe(), "quantnorm_version": __version__}
     write_json_atomic(out_dir / CONFIG_FILE, config)
 
+
+def _train_loop(run: RunConfig, model: CausalLM, optimizer: torch.optim.AdamW, data: PreparedData,
+                rng: np.random.Generator, log, progress: bool) -> tuple[list[float], list[float], int | None]:
+    """The steps, one JSON line each in ``log``; stops at the first non-finite loss or gradient.
+    Returns (the finite steps' losses, their gradient norms, the step it diverged at or None)."""
     cfg = run.train
     losses: list[float] = []
     grad_norms: list[float] = []
-    diverged_at = None
-    start = time.perf_counter()
-    with atomic_path(out_dir / TRAIN_LOG_FILE) as log_path, open(log_path, "w", encoding="utf-8") as log:
-        bar = tqdm(range(cfg.steps), desc=f"train {run.model.placement}/{run.model.norm}", disable=not progress,
-                   unit="step", dynamic_ncols=True, leave=False)
-        model.train()
+    bar = tqdm(range(cfg.steps), desc=f"train {run.model.placement}/{run.model.norm}", disable=not progress,
+               unit="step", dynamic_ncols=True, leave=False)
+    model.train()
+    try:
         for step in bar:
-            lr = cfg.lr_at(step)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            x, y = sample_train_batch(tokens, data.splits.train, data.window, cfg.batch_size, rng)
-            loss = lm_loss(model, torch.from_numpy(x), torch.from_numpy(y))
-            loss_value = float(loss.detach())
-            record: dict = {"step": step, "loss": loss_value, "lr": lr}
-            if not math.isfinite(loss_value):
-                diverged_at = step
-                record["diverged"] = True
-                log.write(json.dumps(record) + "\n")
-                break
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            if step == 0:
-                record["grad_norm_per_layer"] = per_layer_grad_norms(model)
-                record["grad_norm_ffn_per_layer"] = ffn_grad_norms(model)
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
-            if not math.isfinite(grad_norm):
-                diverged_at = step
-                record.update(grad_norm=grad_norm, diverged=True)
-                log.write(json.dumps(record) + "\n")
-                break
-            optimizer.step()
-            record["grad_norm"] = grad_norm
+            x, y = sample_train_batch(data.tokens, data.splits.train, data.window, cfg.batch_size, rng)
+            record = _step(model, optimizer, cfg, step, torch.from_numpy(x), torch.from_numpy(y))
             log.write(json.dumps(record) + "\n")
-            losses.append(loss_value)
-            grad_norms.append(grad_norm)
+            if record.get("diverged"):
+                return losses, grad_norms, step
+            losses.append(record["loss"])
+            grad_norms.append(record["grad_norm"])
             if step % 10 == 0:
-                bar.set_postfix(loss=f"{loss_value:.3f}")
+                bar.set_postfix(loss=f"{record['loss']:.3f}")
+    finally:
         bar.close()
-    wall = time.perf_counter() - start
-    steps_run = len(losses)
+    return losses, grad_norms, None
 
-    with atomic_path(out_dir / CHECKPOINT_FILE) as ckpt:
-        save_file(model.state_dict(), str(ckpt))
+
+def _step(model: CausalLM, optimizer: torch.optim.AdamW, cfg: TrainConfig, step: int, x: torch.Tensor,
+          y: torch.Tensor) -> dict:
+    """One optimizer step at the scheduled learning rate; returns its log record (``diverged``
+    set, and no update made, where the loss or the gradient norm is not finite)."""
+    lr = cfg.lr_at(step)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    loss = lm_loss(model, x, y)
+    loss_value = float(loss.detach())
+    record: dict = {"step": step, "loss": loss_value, "lr": lr}
+    if not math.isfinite(loss_value):
+        record["diverged"] = True
+        return record
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    if step == 0:
+        record["grad_norm_per_layer"] = per_layer_grad_norms(model)
+        record["grad_norm_ffn_per_layer"] = ffn_grad_norms(model)
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
+    if not math.isfinite(grad_norm):
+        record.update(grad_norm=grad_norm, diverged=True)
+        return record
+    optimizer.step()
+    record["grad_norm"] = grad_norm
+    return record
+
+
+def _result(cfg: TrainConfig, model: CausalLM, data: PreparedData, losses: list[float], grad_norms: list[float],
+            diverged_at: int | None, wall: float) -> TrainResult:
+    """The run's summary: eval bits/byte (not for a diverged run), spikes, speed and status."""
     bits = None if diverged_at is not None else eval_bits_per_byte(model, data)
     unigram = unigram_bits_per_byte(data.corpus.data, data.splits.train, data.splits.evaluation)
-    result = TrainResult(
+    steps_run = len(losses)
+    return TrainResult(
         steps=steps_run,
         final_train_loss=float(np.mean(losses[-10:])) if losses else None,
         eval_bits_per_byte=bits,
@@ -253,8 +277,6 @@ def train(run: RunConfig, out_dir: Path, *, progress: bool = True, data: Prepare
         unigram_bits_per_byte=unigram,
         collapse_margin=DEFAULT_COLLAPSE_MARGIN,
     )
-    write_json_atomic(out_dir / TRAIN_SUMMARY_FILE, result.to_dict())
-    return result
 
 
 def load_model(run_dir: RunDir) -> tuple[CausalLM, RunConfig]:

@@ -51,6 +51,13 @@ def test_the_real_tree_keeps_every_contract():
     # Inside the report package: the statistics never need the reports built on them.
     ("report/stats.py", "from quantnorm.report import findings",
      ["The report package: the reports > their parts > the helpers BROKEN"]),
+    # Inside the report package: what a claim is measured with never needs the claims.
+    ("report/evidence.py", "from quantnorm.report import claims_training",
+     ["The report package: the reports > their parts > the helpers BROKEN"]),
+    # Inside the sweep package: the grid never needs the executors that run its cells.
+    ("sweep/grid.py", "from quantnorm.sweep import executors",
+     ["The sweep package: run_sweep (its __init__) > the executors and a cell's process > sweep.json > the grid "
+      "BROKEN"]),
     # A model source reaching up into the pipeline.
     ("sources/hf_loader.py", "from quantnorm.sweep import run_sweep", ["A model source never imports the pipeline BROKEN"]),
     # A transform reaching into a model source (transforms serve every source).

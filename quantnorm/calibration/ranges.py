@@ -129,35 +129,10 @@ def collect_ranges(model_path: str | Path, method: str, inputs: np.ndarray, *, o
     if method == "minmax-nosink":
         return collect_ranges_without_positions(model_path, inputs, op_types=op_types, skip_positions=SINK_POSITIONS,
                                                 batch_size=batch_size, progress=progress, inputs_only=inputs_only)
-    extra: dict = {}
-    if method == "entropy":
-        extra = {"num_bins": ENTROPY_NUM_BINS, "num_quantized_bins": ENTROPY_QUANTIZED_BINS}
-    elif method == "percentile":
-        extra = {"num_bins": HISTOGRAM_BINS, "percentile": percentile}
-    elif method == "distribution":
-        extra = {"num_bins": HISTOGRAM_BINS}
     reader = WindowCalibrationReader(inputs, batch_size=batch_size)
     with tempfile.TemporaryDirectory(prefix="quantnorm-calib-") as tmp:
         def make_calibrator():
-            # The augmented model is saved beside the model, its weights referenced, not copied
-            # (``shape_infer``); where nothing can be written there, in tmp with the weights.
-            with calibrator_beside(model_path) as beside:
-                with _calibrating_inputs_only(inputs_only), _sessions_without_memory_pattern(), \
-                        ort_loads_fast(weights=beside is None):
-                    made = create_calibrator(
-                        Path(model_path), op_types, augmented_model_path=beside or str(Path(tmp) / "augmented.onnx"),
-                        calibrate_method=calibrate_method, extra_options=extra,
-                        # a copy with the weights is FP32-sized: past 2 GB it needs external data too
-                        use_external_data_format=beside is None and onnx_needs_external_data(model_path),
-                    )
-            if method == "entropy":
-                made.collector = fast_entropy_collector(made)
-            elif method == "percentile":
-                made.collector = UniformAbsHistogramCollector(
-                    method="percentile", symmetric=made.symmetric, num_bins=made.num_bins,
-                    num_quantized_bins=made.num_quantized_bins, percentile=made.percentile, scenario=made.scenario)
-            made.model = without_weights(made.model)
-            return made
+            return _make_calibrator(model_path, method, calibrate_method, op_types, percentile, inputs_only, Path(tmp))
 
         calibrator = make_calibrator()
         # A batch whose collected tensors alone pass the buffer is split: on Gemma 3 with every op
@@ -196,6 +171,38 @@ def collect_ranges(model_path: str | Path, method: str, inputs: np.ndarray, *, o
     # to the OS before the quantizer loads its own copy of the model.
     release_memory()
     return ranges
+
+
+def _make_calibrator(model_path: str | Path, method: str, calibrate_method, op_types: list[str] | None,
+                     percentile: float, inputs_only: bool, tmp: Path):
+    """ORT's calibrator for ``method`` on ``model_path``, with our collectors where ORT's own are
+    slow or not what the name says, holding the graph without its weights."""
+    extra: dict = {}
+    if method == "entropy":
+        extra = {"num_bins": ENTROPY_NUM_BINS, "num_quantized_bins": ENTROPY_QUANTIZED_BINS}
+    elif method == "percentile":
+        extra = {"num_bins": HISTOGRAM_BINS, "percentile": percentile}
+    elif method == "distribution":
+        extra = {"num_bins": HISTOGRAM_BINS}
+    # The augmented model is saved beside the model, its weights referenced, not copied
+    # (``shape_infer``); where nothing can be written there, in tmp with the weights.
+    with calibrator_beside(model_path) as beside:
+        with _calibrating_inputs_only(inputs_only), _sessions_without_memory_pattern(), \
+                ort_loads_fast(weights=beside is None):
+            made = create_calibrator(
+                Path(model_path), op_types, augmented_model_path=beside or str(tmp / "augmented.onnx"),
+                calibrate_method=calibrate_method, extra_options=extra,
+                # a copy with the weights is FP32-sized: past 2 GB it needs external data too
+                use_external_data_format=beside is None and onnx_needs_external_data(model_path),
+            )
+    if method == "entropy":
+        made.collector = fast_entropy_collector(made)
+    elif method == "percentile":
+        made.collector = UniformAbsHistogramCollector(
+            method="percentile", symmetric=made.symmetric, num_bins=made.num_bins,
+            num_quantized_bins=made.num_quantized_bins, percentile=made.percentile, scenario=made.scenario)
+    made.model = without_weights(made.model)
+    return made
 
 
 def without_weights(model: onnx.ModelProto) -> onnx.ModelProto:

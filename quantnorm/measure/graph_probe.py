@@ -23,6 +23,7 @@ made a massive entry appear; otherwise each add counts as a layer.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -114,76 +115,112 @@ def graph_probe(fp32_path: Path, inputs: np.ndarray, *, n_blocks: int | None = N
     windows = np.asarray(inputs, dtype=np.int64)
     if windows.ndim != 2 or len(windows) == 0:
         raise MeasureError(f"probe inputs must be windows [n, seq], got shape {windows.shape}")
-    model = onnx.load(str(fp32_path))
-    placement = detect_placement(model)
-    blocks, mids = _layers(placement.taps, n_blocks)
-    residual = ([("embed", placement.embedding)] if placement.embedding else []) + list(enumerate(blocks))
-    post_sums = [(i, s) for i, ((s, after, _), label) in enumerate(zip(placement.taps, placement.labels))
-                 if s != after and label in ("post", "deepnorm")]
-    skip_all = [x for x in placement.skips if x is not None]  # ResiDual's x_d (else empty)
-    skip = list(enumerate(skip_all[1::2] if mids is not None else skip_all))
-    norms = [n.output for n in find_norms(model)]
-    matmuls = weight_matmul_inputs(model)
-    probabilities = attention_probabilities(model)
-    del model
-    wanted = list(dict.fromkeys([t for _, t in residual] + (mids or []) + [s for _, s in post_sums]
-                                + [t for _, t in skip] + norms + list(matmuls) + probabilities))
-    attn_sum = np.zeros(len(probabilities))
-    attn_count = np.zeros(len(probabilities))
-    last_sum = np.zeros(len(probabilities))
-
-    accs: dict[tuple[str, object], TensorAccumulator] = {}
-    sqnr: dict[str, FakeQuantSqnr] = {}
-    massive: list[dict] = []
-    born: list[dict] = []
-    first_window: dict = {}
-
-    def add(kind: str, key, x: np.ndarray, n: int) -> None:
-        accs.setdefault((kind, key), TensorAccumulator(str(key))).add(x, n)
-
+    taps = _find_taps(onnx.load(str(fp32_path)), n_blocks)
+    wanted = taps.wanted()
+    probe = _Accumulated(taps, causal)
     # The tapped tensors only: the logits are neither computed nor returned.
     session = open_beside(fp32_path, expose_tensors(fp32_path, wanted, only=True))
     input_name = session.get_inputs()[0].name
     for start in range(0, len(windows), batch_size):
         batch = np.ascontiguousarray(windows[start:start + batch_size])
-        n = len(batch)
-        values = dict(zip(wanted, session.run(wanted, {input_name: batch})))
+        probe.add(dict(zip(wanted, session.run(wanted, {input_name: batch}))), len(batch), start)
+    del session
+    return probe.report(windows, token or (lambda sample, position: None)), probe.first_window
+
+
+@dataclass
+class _Taps:
+    """The tensors the probe exposes, by what they are (each list in graph order)."""
+
+    residual: list[tuple[object, str]]     # ("embed" | block index, the stream tensor)
+    mids: list[str] | None                 # the stream after each block's first add, or None
+    post_sums: list[tuple[int, str]]       # post/deepnorm: (add index, the pre-norm sum)
+    skip: list[tuple[int, str]]            # ResiDual's second stream x_d, per layer
+    norms: list[str]
+    matmuls: dict[str, list[str]]          # weight-MatMul input -> the nodes reading it
+    probabilities: list[str]               # attention probabilities [B, H, T, T]
+    residual_adds: int
+
+    def wanted(self) -> list[str]:
+        return list(dict.fromkeys([t for _, t in self.residual] + (self.mids or [])
+                                  + [s for _, s in self.post_sums] + [t for _, t in self.skip]
+                                  + self.norms + list(self.matmuls) + self.probabilities))
+
+
+def _find_taps(model: onnx.ModelProto, n_blocks: int | None) -> _Taps:
+    """Walk the graph once: the residual stream (as ``measure.placement`` finds it), its
+    pre-norm sums and second stream, the norm outputs, the weight-MatMul inputs, the attention."""
+    placement = detect_placement(model)
+    blocks, mids = _layers(placement.taps, n_blocks)
+    skip_all = [x for x in placement.skips if x is not None]  # ResiDual's x_d (else empty)
+    return _Taps(
+        residual=([("embed", placement.embedding)] if placement.embedding else []) + list(enumerate(blocks)),
+        mids=mids,
+        post_sums=[(i, s) for i, ((s, after, _), label) in enumerate(zip(placement.taps, placement.labels))
+                   if s != after and label in ("post", "deepnorm")],
+        skip=list(enumerate(skip_all[1::2] if mids is not None else skip_all)),
+        norms=[n.output for n in find_norms(model)],
+        matmuls=weight_matmul_inputs(model),
+        probabilities=attention_probabilities(model),
+        residual_adds=len(placement.taps))
+
+
+class _Accumulated:
+    """What the probe keeps across batches: a ``TensorAccumulator`` per tapped tensor, the
+    fake-quant SQNR of each MatMul input, the massive entries and their births, attention sums."""
+
+    def __init__(self, taps: _Taps, causal: bool):
+        self.taps, self.causal = taps, causal
+        self.accs: dict[tuple[str, object], TensorAccumulator] = {}
+        self.sqnr: dict[str, FakeQuantSqnr] = {}
+        self.massive: list[dict] = []
+        self.born: list[dict] = []
+        self.first_window: dict = {}
+        self.attn_sum = np.zeros(len(taps.probabilities))
+        self.attn_count = np.zeros(len(taps.probabilities))
+        self.last_sum = np.zeros(len(taps.probabilities))
+
+    def _acc(self, kind: str, key, x: np.ndarray, n: int) -> None:
+        self.accs.setdefault((kind, key), TensorAccumulator(str(key))).add(x, n)
+
+    def add(self, values: dict, n: int, start: int) -> None:
+        """One batch of ``n`` windows starting at window ``start``: tensor name -> value."""
+        taps = self.taps
         stream = {}
-        for layer, tensor in residual:
+        for layer, tensor in taps.residual:
             x = as_samples(values[tensor], n)
             stream[layer] = x
-            add("residual", layer, x, n)
-            massive.extend(find_massive(x, layer, start))
+            self._acc("residual", layer, x, n)
+            self.massive.extend(find_massive(x, layer, start))
             if start == 0:
-                first_window[layer] = np.abs(x[0])
-        for layer, tensor in skip:
+                self.first_window[layer] = np.abs(x[0])
+        for layer, tensor in taps.skip:
             x = as_samples(values[tensor], n)
-            add("residual_skip", layer, x, n)
-            massive.extend(find_massive(x, layer, start, stream="skip"))
-        for k, tensor in enumerate(probabilities):
+            self._acc("residual_skip", layer, x, n)
+            self.massive.extend(find_massive(x, layer, start, stream="skip"))
+        self._add_attention(values)
+        for i, tensor in taps.post_sums:
+            x = as_samples(values[tensor], n)
+            self._acc("norm_input", tensor, x, n)
+            self.massive.extend(find_massive(x, i, start, stream="pre-norm sum"))
+        for tensor in taps.norms:
+            self._acc("norm", tensor, values[tensor], n)
+        for tensor in taps.matmuls:
+            self._acc("matmul", tensor, values[tensor], n)
+            self.sqnr.setdefault(tensor, FakeQuantSqnr()).add(values[tensor])
+        self.born += _births(stream, taps.mids, values, n, start)
+
+    def _add_attention(self, values: dict) -> None:
+        for k, tensor in enumerate(self.taps.probabilities):
             p = values[tensor]  # [B, H, T, T]
-            to_first = p[:, :, 1:, 0] if causal else p[..., 0]
-            attn_sum[k] += float(to_first.sum(dtype=np.float64))
-            attn_count[k] += to_first.size
-            last_sum[k] += float(p[..., -1].sum(dtype=np.float64))
-        for i, tensor in post_sums:
-            x = as_samples(values[tensor], n)
-            add("norm_input", tensor, x, n)
-            massive.extend(find_massive(x, i, start, stream="pre-norm sum"))
-        for tensor in norms:
-            add("norm", tensor, values[tensor], n)
-        for tensor in matmuls:
-            add("matmul", tensor, values[tensor], n)
-            sqnr.setdefault(tensor, FakeQuantSqnr()).add(values[tensor])
-        born += _births(stream, mids, values, n, start)
-        del values, stream
-    del session
+            to_first = p[:, :, 1:, 0] if self.causal else p[..., 0]
+            self.attn_sum[k] += float(to_first.sum(dtype=np.float64))
+            self.attn_count[k] += to_first.size
+            self.last_sum[k] += float(p[..., -1].sum(dtype=np.float64))
 
-    name = token or (lambda sample, position: None)
-
-    def rows(kind: str, key: str = "tensor") -> list[dict]:
+    def _rows(self, kind: str, name: Callable, key: str = "tensor") -> list[dict]:
         out = []
-        for (k, tensor), acc in accs.items():  # insertion order = graph order
+        for (k, tensor), acc in self.accs.items():  # insertion order = graph order
             if k != kind:
                 continue
             metrics = acc.finish().metrics()
@@ -191,47 +228,55 @@ def graph_probe(fp32_path: Path, inputs: np.ndarray, *, n_blocks: int | None = N
                 entry["token"] = name(entry["sample"], entry["position"])
             row = {key: tensor, **metrics}
             if kind == "matmul":
-                row["modules"] = matmuls[tensor]
-                row["sqnr_db_fake"] = sqnr[tensor].to_dict()
+                row["modules"] = self.taps.matmuls[tensor]
+                row["sqnr_db_fake"] = self.sqnr[tensor].to_dict()
             out.append(row)
         return out
 
-    massive.sort(key=lambda r: -abs(r["value"]))
-    massive_total = len(massive)
-    massive = massive[:MASSIVE_LIMIT]
-    for r in massive + born:
-        r["token"] = name(r["sample"], r["position"])
-    matmul_rows = rows("matmul")
-    massive_positions = {m["position"] for m in massive}
-    for row in matmul_rows:
-        top = row["top"][0] if row.get("top") else None
-        row["carries_massive"] = bool(top and top["position"] in massive_positions and abs(top["value"]) > MASSIVE_ABS)
-    residual_rows = rows("residual", "layer")
-    all_queries = np.where(attn_count > 0, attn_count, 1)
-    report = {
-        "residual": residual_rows,
-        "massive_born": first_births(sorted(born, key=lambda r: (r["layer"], -abs(r["value"])))),
-        "residual_skip": rows("residual_skip", "layer"),
-        "norm_outputs": rows("norm"),
-        "norm_inputs": rows("norm_input"),
-        "matmul_inputs": matmul_rows,
-        "massive": massive,
-        "massive_total": massive_total,
-        "bos_attention": [float(v) for v in attn_sum / all_queries],
-        "attention_key": "BOS (key 0), queries 1..T-1" if causal else "[CLS] (key 0), all queries",
-        "n_samples": int(len(windows)),
-        "seq_len": int(windows.shape[1]),
-        "thresholds": {"massive_abs": MASSIVE_ABS, "massive_ratio": MASSIVE_RATIO,
-                       "outlier_feature_abs": OUTLIER_FEATURE_ABS},
-        "taps": {"from": "the FP32 ONNX graph (quantnorm.measure.graph_probe)",
-                 "layer": ("block output (two residual adds per block)" if mids is not None
-                           else "the stream after each residual add"),
-                 "residual_adds": len(placement.taps)},
-        "summary": summarize(residual_rows, massive, massive_total),
-    }
-    if not causal:  # encoders: all queries, so key 0 and the last key are averaged over the same count
-        report["sep_attention"] = [float(v) for v in last_sum / all_queries]
-    return report, first_window
+    def _matmul_rows(self, massive: list[dict], name: Callable) -> list[dict]:
+        matmul_rows = self._rows("matmul", name)
+        massive_positions = {m["position"] for m in massive}
+        for row in matmul_rows:
+            top = row["top"][0] if row.get("top") else None
+            row["carries_massive"] = bool(top and top["position"] in massive_positions
+                                          and abs(top["value"]) > MASSIVE_ABS)
+        return matmul_rows
+
+    def report(self, windows: np.ndarray, name: Callable) -> dict:
+        """The ``outliers`` section; ``name(sample, position)`` labels each entry with its token."""
+        causal, mids = self.causal, self.taps.mids
+        self.massive.sort(key=lambda r: -abs(r["value"]))
+        massive_total = len(self.massive)
+        massive = self.massive[:MASSIVE_LIMIT]
+        for r in massive + self.born:
+            r["token"] = name(r["sample"], r["position"])
+        matmul_rows = self._matmul_rows(massive, name)
+        residual_rows = self._rows("residual", name, "layer")
+        all_queries = np.where(self.attn_count > 0, self.attn_count, 1)
+        report = {
+            "residual": residual_rows,
+            "massive_born": first_births(sorted(self.born, key=lambda r: (r["layer"], -abs(r["value"])))),
+            "residual_skip": self._rows("residual_skip", name, "layer"),
+            "norm_outputs": self._rows("norm", name),
+            "norm_inputs": self._rows("norm_input", name),
+            "matmul_inputs": matmul_rows,
+            "massive": massive,
+            "massive_total": massive_total,
+            "bos_attention": [float(v) for v in self.attn_sum / all_queries],
+            "attention_key": "BOS (key 0), queries 1..T-1" if causal else "[CLS] (key 0), all queries",
+            "n_samples": int(len(windows)),
+            "seq_len": int(windows.shape[1]),
+            "thresholds": {"massive_abs": MASSIVE_ABS, "massive_ratio": MASSIVE_RATIO,
+                           "outlier_feature_abs": OUTLIER_FEATURE_ABS},
+            "taps": {"from": "the FP32 ONNX graph (quantnorm.measure.graph_probe)",
+                     "layer": ("block output (two residual adds per block)" if mids is not None
+                               else "the stream after each residual add"),
+                     "residual_adds": self.taps.residual_adds},
+            "summary": summarize(residual_rows, massive, massive_total),
+        }
+        if not causal:  # encoders: all queries, so key 0 and the last key are averaged over the same count
+            report["sep_attention"] = [float(v) for v in self.last_sum / all_queries]
+        return report
 
 
 def _births(stream: dict, mids: list[str] | None, values: dict, n: int, start: int) -> list[dict]:

@@ -137,37 +137,14 @@ def quantize(fp32_path: Path, recipe: Recipe, calib_inputs: np.ndarray | None, o
 
     with tempfile.TemporaryDirectory(prefix="quantnorm-quant-") as tmp_dir, \
             contextlib.ExitStack() as own:
-        tmp = Path(tmp_dir)
         cache = preprocessed if preprocessed is not None else own.enter_context(PreprocessCache())
         pre_path = cache.get(fp32_path)
         settings["preprocess"] = PREPROCESS_STEPS
         carriers: list[str] = []
         if recipe.carriers is not None:   # before our copy of the graph: the probe loads its own
             carriers, settings["carriers_found"] = find_carriers(pre_path, calib_inputs)
-        # the graph alone: nodes, names and shapes are all that is read here (Gemma 3's
-        # pre-processed graph holds 1.7 GB of weights)
-        model = onnx.ModelProto.FromString(model_with_weights_by_reference(pre_path))
-        graph = model.graph
-
-        excluded = resolve_exclusions(graph, recipe.excluded)
-        if recipe.carriers == "fp32":
-            excluded += [n for n in carriers if n not in excluded]
-        to_quantize = weight_matmuls(graph) if recipe.op_scope == "matmul" else []
-        if recipe.op_scope == "matmul":
-            to_quantize = [n for n in to_quantize if n not in set(excluded)]
-            if not to_quantize:
-                raise ConfigError(
-                    f"recipe {recipe.name} has nothing to quantize in {fp32_path.name}: no MatMul with a "
-                    "weight initializer is left" + (" after the exclusions" if excluded else "")
-                )
-        settings["excluded_nodes_resolved"] = excluded
-        normed = norm_output_inputs(model, to_quantize) if recipe.norm_inputs == "calibrated" else {}
-        del graph, model  # FP32-sized: the quantizer loads its own copy
-        if to_quantize:
-            settings["quantized_nodes"] = to_quantize
-
-        q_path = tmp / "quantized.onnx"
-        problems: list[str] = []
+        to_quantize, excluded, normed = _nodes_to_quantize(pre_path, fp32_path.name, recipe, carriers, settings)
+        q_path = Path(tmp_dir) / "quantized.onnx"
         if recipe.mode == "pertoken":
             hessians, scales = _pertoken_calibration(pre_path, recipe, to_quantize, normed, calib_inputs, settings)
             try:
@@ -178,37 +155,71 @@ def quantize(fp32_path: Path, recipe: Recipe, calib_inputs: np.ndarray | None, o
             except ValueError as exc:  # a graph the rewrite cannot take (too old an opset)
                 raise QuantizeError(f"recipe {recipe.name} cannot quantize {fp32_path.name}: {exc}") from exc
             problems = sanity_check(q_path, probe_inputs)
-            with atomic_path(out_path, suffix=".onnx") as final_tmp:
-                _move(q_path, final_tmp)
-            status = "ok" if not problems else f"broken: {problems[0]}"
-            return QuantizeResult(recipe.name, out_path, settings, status, problems)
-        try:
-            static_nodes = [n for n in to_quantize if n not in carriers] if recipe.carriers == "pertoken" else to_quantize
-            problems += _run_quantizer(pre_path, q_path, recipe, settings, calib_inputs, static_nodes,
-                                       excluded + (carriers if recipe.carriers == "pertoken" else []),
-                                       calib_batch_size, progress, cache)
-            if recipe.carriers == "pertoken" and carriers:
-                # the carriers are still FP32 MatMuls with their weights in the QDQ graph: per token now
-                per_token = tmp / "carriers-pertoken.onnx"
-                settings["carriers_pertoken"] = quantize_per_token(q_path, per_token, carriers,
-                                                                   reduce_range=settings["reduce_range"], fused=True)
-                per_token.replace(q_path)
-        except ValueError as exc:
-            if not _is_non_finite_range(exc):
-                raise QuantizeError(f"ONNX Runtime failed to quantize with recipe {recipe.name}: {exc}") from exc
-            problems.append(f"calibration failed: {exc} (a calibrated tensor holds inf; see PITFALLS.md 1)")
-            return QuantizeResult(recipe.name, None, settings, f"broken: {problems[0]}", problems)
-        except (ConfigError, QuantizeError):
-            raise
-        except Exception as exc:
-            raise QuantizeError(f"ONNX Runtime failed to quantize with recipe {recipe.name}: {exc}") from exc
-
-        # The sanity problems name the damage (an inf scale), the warnings only hint at it: first.
-        problems = sanity_check(q_path, probe_inputs) + problems
+        else:
+            problems, made = _static_quantize(pre_path, q_path, recipe, settings, calib_inputs, to_quantize,
+                                              excluded, carriers, calib_batch_size, progress, cache)
+            if not made:
+                return QuantizeResult(recipe.name, None, settings, f"broken: {problems[0]}", problems)
+            # The sanity problems name the damage (an inf scale), the warnings only hint at it: first.
+            problems = sanity_check(q_path, probe_inputs) + problems
         with atomic_path(out_path, suffix=".onnx") as final_tmp:
             _move(q_path, final_tmp)
     status = "ok" if not problems else f"broken: {problems[0]}"
     return QuantizeResult(recipe.name, out_path, settings, status, problems)
+
+
+def _nodes_to_quantize(pre_path: Path, model_name: str, recipe: Recipe, carriers: list[str],
+                       settings: dict) -> tuple[list[str], list[str], dict[str, tuple[str, int]]]:
+    """(the weight MatMuls to quantize, the nodes excluded, the norm outputs they read where the
+    recipe calibrates those); records both lists in ``settings``."""
+    # the graph alone: nodes, names and shapes are all that is read here (Gemma 3's
+    # pre-processed graph holds 1.7 GB of weights)
+    model = onnx.ModelProto.FromString(model_with_weights_by_reference(pre_path))
+    graph = model.graph
+    excluded = resolve_exclusions(graph, recipe.excluded)
+    if recipe.carriers == "fp32":
+        excluded += [n for n in carriers if n not in excluded]
+    to_quantize = weight_matmuls(graph) if recipe.op_scope == "matmul" else []
+    if recipe.op_scope == "matmul":
+        to_quantize = [n for n in to_quantize if n not in set(excluded)]
+        if not to_quantize:
+            raise ConfigError(
+                f"recipe {recipe.name} has nothing to quantize in {model_name}: no MatMul with a "
+                "weight initializer is left" + (" after the exclusions" if excluded else "")
+            )
+    settings["excluded_nodes_resolved"] = excluded
+    normed = norm_output_inputs(model, to_quantize) if recipe.norm_inputs == "calibrated" else {}
+    if to_quantize:
+        settings["quantized_nodes"] = to_quantize
+    return to_quantize, excluded, normed
+
+
+def _static_quantize(pre_path: Path, q_path: Path, recipe: Recipe, settings: dict, calib_inputs,
+                     to_quantize: list[str], excluded: list[str], carriers: list[str], calib_batch_size: int,
+                     progress: bool, cache: PreprocessCache) -> tuple[list[str], bool]:
+    """ORT's quantizer (then per-token carriers where the recipe says so) into ``q_path``.
+    Returns (its problems, whether it wrote the model: not where calibration met an inf)."""
+    try:
+        per_token_carriers = recipe.carriers == "pertoken"
+        static_nodes = [n for n in to_quantize if n not in carriers] if per_token_carriers else to_quantize
+        problems = _run_quantizer(pre_path, q_path, recipe, settings, calib_inputs, static_nodes,
+                                  excluded + (carriers if per_token_carriers else []),
+                                  calib_batch_size, progress, cache)
+        if per_token_carriers and carriers:
+            # the carriers are still FP32 MatMuls with their weights in the QDQ graph: per token now
+            per_token = q_path.parent / "carriers-pertoken.onnx"
+            settings["carriers_pertoken"] = quantize_per_token(q_path, per_token, carriers,
+                                                               reduce_range=settings["reduce_range"], fused=True)
+            per_token.replace(q_path)
+        return problems, True
+    except ValueError as exc:
+        if not _is_non_finite_range(exc):
+            raise QuantizeError(f"ONNX Runtime failed to quantize with recipe {recipe.name}: {exc}") from exc
+        return [f"calibration failed: {exc} (a calibrated tensor holds inf; see PITFALLS.md 1)"], False
+    except (ConfigError, QuantizeError):
+        raise
+    except Exception as exc:
+        raise QuantizeError(f"ONNX Runtime failed to quantize with recipe {recipe.name}: {exc}") from exc
 
 
 def _fp16_variant(fp32_path: Path, recipe: Recipe, out_path: Path, probe_inputs: np.ndarray,

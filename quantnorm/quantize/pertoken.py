@@ -22,6 +22,7 @@ int16 saturate otherwise (PITFALLS.md 2).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -55,128 +56,160 @@ def quantize_per_token(src: Path, dst: Path, nodes: list[str], *, reduce_range: 
     the whole tensor (calibrated offline); those inputs are quantized with it, same zero point
     and code range, instead of per row, so the integer GEMM rescales by scalars inside the kernel."""
     model = onnx.load(str(src))
-    graph = model.graph
-    opset = _default_opset(model)
-    qmax = 63 if reduce_range else 127
+    rewrite = _Rewrite(opset=_default_opset(model), qmax=63 if reduce_range else 127, fused=fused,
+                       hessians=hessians, calibrated=calibrated_scales or {},
+                       new_inits=list(_shared_constants(model.graph).values()))
+    initializers = {init.name: init for init in model.graph.initializer}
+    wanted = set(nodes)
+    for node in model.graph.node:
+        if not (node.op_type == "MatMul" and node.name in wanted and node.input[1] in initializers):
+            rewrite.new_nodes.append(node)
+            continue
+        weight = numpy_helper.to_array(initializers[node.input[1]])
+        if weight.ndim != 2:
+            rewrite.new_nodes.append(node)
+            continue
+        rewrite.matmul(node, weight)
+    rewrite.install(model)
+    onnx.checker.check_model(model)
+    onnx.save(model, str(dst))
+    return rewrite.settings()
 
-    def reduce(op: str, x: str, out: str, name: str) -> onnx.NodeProto:
+
+@dataclass
+class _Rewrite:
+    """The per-token rewrite of one graph, built node by node: the nodes and initializers that
+    replace the graph's, and what was done (for the recipe's settings)."""
+
+    opset: int
+    qmax: int
+    fused: bool
+    hessians: dict[str, np.ndarray] | None
+    calibrated: dict[str, float]
+    new_inits: list[onnx.TensorProto]
+    new_nodes: list[onnx.NodeProto] = field(default_factory=list)
+    replaced: list[str] = field(default_factory=list)
+    error_ratios: list[float] = field(default_factory=list)   # GPTQ: its X-weighted weight error / nearest's
+    row_shapes: dict[str, onnx.TensorProto] = field(default_factory=dict)   # [-1, K] per input width K
+    quantized_inputs: dict[str, tuple[str, str]] = field(default_factory=dict)  # x -> (uint8, row scales)
+
+    def matmul(self, node: onnx.NodeProto, weight: np.ndarray) -> None:
+        """Replace one MatMul ``x @ weight``: INT8 weights, the quantized input (once per
+        activation), then the integer GEMM and its rescale."""
+        x = node.input[0]
+        p = node.name or f"matmul_{len(self.replaced)}"
+        t = f"{p}/pertoken/"
+        w_q, s_w = self._weight_codes(x, weight)
+        self.new_inits += [numpy_helper.from_array(w_q, t + "W_quantized"),
+                           numpy_helper.from_array(s_w, t + "W_scale")]
+        if x not in self.quantized_inputs and x in self.calibrated:
+            self._quantize_calibrated(x, t)
+        if x not in self.quantized_inputs:
+            # One quantization per activation: q/k/v (and gate/up) read the same normed tensor.
+            self._quantize_rows(x, t, weight.shape[0])
+        self.new_nodes += self._gemm(t, *self.quantized_inputs[x], node.output[0])
+        self.replaced.append(node.name)
+
+    def _weight_codes(self, x: str, weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if self.hessians is None or x not in self.hessians:
+            return weight_scales(weight, self.qmax)
+        w_q, s_w = gptq_quantize(weight, self.hessians[x], self.qmax)
+        nearest = weight_scales(weight, self.qmax)
+        self.error_ratios.append(output_error(weight, w_q, s_w, self.hessians[x]) /
+                                 max(output_error(weight, *nearest, self.hessians[x]), 1e-30))
+        return w_q, s_w
+
+    def _quantize_calibrated(self, x: str, t: str) -> None:
+        # One scale for every row: QuantizeLinear alone, no |x|, row max or reshapes.
+        self.quantized_inputs[x] = (t + "x_quantized", t + "x_scale")
+        self.new_inits.append(numpy_helper.from_array(np.asarray(self.calibrated[x], dtype=np.float32),
+                                                      t + "x_scale"))
+        self.new_nodes.append(helper.make_node("QuantizeLinear", [x, t + "x_scale", "pertoken_zp_u8"],
+                                               [t + "x_quantized"], name=t + "QuantizeLinear"))
+
+    def _reduce(self, op: str, x: str, out: str, name: str) -> onnx.NodeProto:
         # ReduceMax/ReduceMin take their axes as an input from opset 18, as an attribute before.
-        if opset >= 18:
+        if self.opset >= 18:
             return helper.make_node(op, [x, "pertoken_axes"], [out], name=name, keepdims=1)
         return helper.make_node(op, [x], [out], name=name, axes=[-1], keepdims=1)
 
-    initializers = {init.name: init for init in graph.initializer}
-    wanted = set(nodes)
-    shared = _shared_constants(graph)
-    new_nodes: list[onnx.NodeProto] = []
-    new_inits: list[onnx.TensorProto] = [shared["eps"], shared["qmax"], shared["zp_u8"], shared["axes"],
-                                         shared["flat"]]
-    calibrated = calibrated_scales or {}
-    replaced: list[str] = []
-    error_ratios: list[float] = []   # GPTQ: its X-weighted weight error / round-to-nearest's, per MatMul
-    row_shapes: dict[str, onnx.TensorProto] = {}   # [-1, K] per input width K: the rows QuantizeLinear reads
-    quantized_inputs: dict[str, tuple[str, str]] = {}  # activation -> (its uint8 tensor, its row scales)
-    for node in graph.node:
-        if not (node.op_type == "MatMul" and node.name in wanted and node.input[1] in initializers):
-            new_nodes.append(node)
-            continue
-        x, w_name = node.input[0], node.input[1]
-        weight = numpy_helper.to_array(initializers[w_name])
-        if weight.ndim != 2:
-            new_nodes.append(node)
-            continue
-        p = node.name or f"matmul_{len(replaced)}"
-        if hessians is not None and x in hessians:
-            w_q, s_w = gptq_quantize(weight, hessians[x], qmax)
-            nearest = weight_scales(weight, qmax)
-            error_ratios.append(output_error(weight, w_q, s_w, hessians[x]) /
-                                max(output_error(weight, *nearest, hessians[x]), 1e-30))
-        else:
-            w_q, s_w = weight_scales(weight, qmax)
-        new_inits += [numpy_helper.from_array(w_q, f"{p}/pertoken/W_quantized"),
-                      numpy_helper.from_array(s_w, f"{p}/pertoken/W_scale")]
-        t = f"{p}/pertoken/"
-        if x not in quantized_inputs and x in calibrated:
-            # One scale for every row: QuantizeLinear alone, no |x|, row max or reshapes.
-            quantized_inputs[x] = (t + "x_quantized", t + "x_scale")
-            new_inits.append(numpy_helper.from_array(np.asarray(calibrated[x], dtype=np.float32), t + "x_scale"))
-            new_nodes.append(helper.make_node("QuantizeLinear", [x, t + "x_scale", "pertoken_zp_u8"],
-                                              [t + "x_quantized"], name=t + "QuantizeLinear"))
-        if x not in quantized_inputs:
-            # One quantization per activation: q/k/v (and gate/up) read the same normed tensor.
-            quantized_inputs[x] = (t + "x_quantized", t + "x_scale")
-            if f"pertoken_rows_{weight.shape[0]}" not in row_shapes:
-                row_shapes[f"pertoken_rows_{weight.shape[0]}"] = numpy_helper.from_array(
-                    np.asarray([-1, weight.shape[0]], dtype=np.int64), f"pertoken_rows_{weight.shape[0]}")
-            new_nodes += [
-                # max |x| per row as max(max x, -min x): two reads of x and no |x| written out
-                # (the same value, 2x faster than Abs + ReduceMax on [8, 128, 1536], measured).
-                reduce("ReduceMax", x, t + "row_max", t + "ReduceMax"),
-                reduce("ReduceMin", x, t + "row_min", t + "ReduceMin"),
-                helper.make_node("Neg", [t + "row_min"], [t + "row_min_neg"], name=t + "Neg"),
-                helper.make_node("Max", [t + "row_max", t + "row_min_neg", "pertoken_eps"], [t + "amax_safe"],
-                                 name=t + "Max"),
-                helper.make_node("Div", [t + "amax_safe", "pertoken_qmax"], [t + "x_scale"], name=t + "ScaleDiv"),
-                # QuantizeLinear with a per-axis scale does Div, Round (half to even), +128, the
-                # saturating clip and the cast in one pass; its scale must be 1-D along one axis,
-                # so the rows are flattened to [tokens, K] and back. Same codes as the five-op
-                # chain (test), 2-4x faster on SmolLM2's widths (576, 1536).
-                helper.make_node("Shape", [x], [t + "x_shape"], name=t + "Shape"),
-                helper.make_node("Reshape", [x, f"pertoken_rows_{weight.shape[0]}"], [t + "x_rows"], name=t + "Rows"),
-                helper.make_node("Reshape", [t + "x_scale", "pertoken_flat"], [t + "x_scale_rows"],
-                                 name=t + "ScaleRows"),
-                helper.make_node("Shape", [t + "x_scale_rows"], [t + "n_rows"], name=t + "RowCount"),
-                helper.make_node("Expand", ["pertoken_zp_u8", t + "n_rows"], [t + "zp_rows"], name=t + "ZeroPoints"),
-                helper.make_node("QuantizeLinear", [t + "x_rows", t + "x_scale_rows", t + "zp_rows"],
-                                 [t + "x_quantized_rows"], name=t + "QuantizeLinear", axis=0),
-                helper.make_node("Reshape", [t + "x_quantized_rows", t + "x_shape"], [t + "x_quantized"],
-                                 name=t + "Unrows"),
-            ]
-        x_q, x_scale = quantized_inputs[x]
-        if fused:
+    def _quantize_rows(self, x: str, t: str, width: int) -> None:
+        self.quantized_inputs[x] = (t + "x_quantized", t + "x_scale")
+        rows = f"pertoken_rows_{width}"
+        if rows not in self.row_shapes:
+            self.row_shapes[rows] = numpy_helper.from_array(np.asarray([-1, width], dtype=np.int64), rows)
+        self.new_nodes += [
+            # max |x| per row as max(max x, -min x): two reads of x and no |x| written out
+            # (the same value, 2x faster than Abs + ReduceMax on [8, 128, 1536], measured).
+            self._reduce("ReduceMax", x, t + "row_max", t + "ReduceMax"),
+            self._reduce("ReduceMin", x, t + "row_min", t + "ReduceMin"),
+            helper.make_node("Neg", [t + "row_min"], [t + "row_min_neg"], name=t + "Neg"),
+            helper.make_node("Max", [t + "row_max", t + "row_min_neg", "pertoken_eps"], [t + "amax_safe"],
+                             name=t + "Max"),
+            helper.make_node("Div", [t + "amax_safe", "pertoken_qmax"], [t + "x_scale"], name=t + "ScaleDiv"),
+            # QuantizeLinear with a per-axis scale does Div, Round (half to even), +128, the
+            # saturating clip and the cast in one pass; its scale must be 1-D along one axis,
+            # so the rows are flattened to [tokens, K] and back. Same codes as the five-op
+            # chain (test), 2-4x faster on SmolLM2's widths (576, 1536).
+            helper.make_node("Shape", [x], [t + "x_shape"], name=t + "Shape"),
+            helper.make_node("Reshape", [x, rows], [t + "x_rows"], name=t + "Rows"),
+            helper.make_node("Reshape", [t + "x_scale", "pertoken_flat"], [t + "x_scale_rows"],
+                             name=t + "ScaleRows"),
+            helper.make_node("Shape", [t + "x_scale_rows"], [t + "n_rows"], name=t + "RowCount"),
+            helper.make_node("Expand", ["pertoken_zp_u8", t + "n_rows"], [t + "zp_rows"], name=t + "ZeroPoints"),
+            helper.make_node("QuantizeLinear", [t + "x_rows", t + "x_scale_rows", t + "zp_rows"],
+                             [t + "x_quantized_rows"], name=t + "QuantizeLinear", axis=0),
+            helper.make_node("Reshape", [t + "x_quantized_rows", t + "x_shape"], [t + "x_quantized"],
+                             name=t + "Unrows"),
+        ]
+
+    def _gemm(self, t: str, x_q: str, x_scale: str, output: str) -> list[onnx.NodeProto]:
+        if self.fused:
             # ORT's contrib op rescales inside the GEMM (a_scale [..., M, 1] broadcasts per row):
             # one pass over the output instead of three (measured 1.45x faster on a 262k-wide head).
-            new_nodes.append(helper.make_node(
-                "MatMulIntegerToFloat", [x_q, f"{p}/pertoken/W_quantized", x_scale, f"{p}/pertoken/W_scale",
-                                         "pertoken_zp_u8"], [node.output[0]], name=t + "MatMulIntegerToFloat",
-                domain="com.microsoft"))
-            replaced.append(node.name)
-            continue
-        new_nodes += [
-            helper.make_node("MatMulInteger", [x_q, f"{p}/pertoken/W_quantized", "pertoken_zp_u8"],
+            return [helper.make_node(
+                "MatMulIntegerToFloat", [x_q, t + "W_quantized", x_scale, t + "W_scale", "pertoken_zp_u8"],
+                [output], name=t + "MatMulIntegerToFloat", domain="com.microsoft")]
+        return [
+            helper.make_node("MatMulInteger", [x_q, t + "W_quantized", "pertoken_zp_u8"],
                              [t + "y_int32"], name=t + "MatMulInteger"),
             helper.make_node("Cast", [t + "y_int32"], [t + "y_float"], name=t + "CastFloat", to=TensorProto.FLOAT),
             helper.make_node("Mul", [t + "y_float", x_scale], [t + "y_rows"], name=t + "MulRows"),
-            helper.make_node("Mul", [t + "y_rows", f"{p}/pertoken/W_scale"], [node.output[0]], name=t + "MulCols"),
+            helper.make_node("Mul", [t + "y_rows", t + "W_scale"], [output], name=t + "MulCols"),
         ]
-        replaced.append(node.name)
-    # FP32 weights that no node reads any more are dropped (the INT8 copy replaces them).
-    still_read = {i for n in new_nodes for i in n.input}
-    kept = [init for init in graph.initializer if init.name in still_read]
-    del graph.node[:]
-    graph.node.extend(new_nodes)
-    del graph.initializer[:]
-    graph.initializer.extend(kept + new_inits + list(row_shapes.values()))
-    if opset < 18:  # the axes initializer is read by no node
-        kept_inits = [i for i in graph.initializer if i.name != "pertoken_axes"]
+
+    def install(self, model: onnx.ModelProto) -> None:
+        """Put the rewritten nodes and initializers into ``model``'s graph."""
+        graph = model.graph
+        # FP32 weights that no node reads any more are dropped (the INT8 copy replaces them).
+        still_read = {i for n in self.new_nodes for i in n.input}
+        kept = [init for init in graph.initializer if init.name in still_read]
+        del graph.node[:]
+        graph.node.extend(self.new_nodes)
         del graph.initializer[:]
-        graph.initializer.extend(kept_inits)
-    if fused and not any(imp.domain == "com.microsoft" for imp in model.opset_import):
-        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
-    onnx.checker.check_model(model)
-    onnx.save(model, str(dst))
-    gptq = {} if not error_ratios else {"gptq": {
-        "matmuls": len(error_ratios), "damp": DAMP, "block": BLOCK,
-        "output_error_vs_nearest_median": float(np.median(error_ratios)),
-        "output_error_vs_nearest_max": float(np.max(error_ratios)),
-        "rule": "trace(dW^T H dW) with H = X^T X of the calibration activations, GPTQ over round-to-nearest"}}
-    calibrated_inputs = sorted(x for x in calibrated if x in quantized_inputs)
-    per_tensor = {} if not calibrated_inputs else {"calibrated_scale_inputs": calibrated_inputs}
-    return {**gptq, **per_tensor, "pertoken_matmuls": replaced, "weight_qmax": qmax, "activation_zero_point": ACT_ZERO_POINT,
-            "activation_scale": "per row: max|x| / 127 (computed at run time)",
-            "kernel": ("com.microsoft.MatMulIntegerToFloat (u8 x s8, rescaled in the kernel; ONNX Runtime only)"
-                       if fused else "MatMulInteger (u8 activations x s8 weights, int32 accumulate) + float rescale "
-                                     "(standard ONNX ops: any runtime)")}
+        graph.initializer.extend(kept + self.new_inits + list(self.row_shapes.values()))
+        if self.opset < 18:  # the axes initializer is read by no node
+            kept_inits = [i for i in graph.initializer if i.name != "pertoken_axes"]
+            del graph.initializer[:]
+            graph.initializer.extend(kept_inits)
+        if self.fused and not any(imp.domain == "com.microsoft" for imp in model.opset_import):
+            model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+
+    def settings(self) -> dict:
+        """What was done, for ``recipes[].settings``."""
+        gptq = {} if not self.error_ratios else {"gptq": {
+            "matmuls": len(self.error_ratios), "damp": DAMP, "block": BLOCK,
+            "output_error_vs_nearest_median": float(np.median(self.error_ratios)),
+            "output_error_vs_nearest_max": float(np.max(self.error_ratios)),
+            "rule": "trace(dW^T H dW) with H = X^T X of the calibration activations, GPTQ over round-to-nearest"}}
+        calibrated_inputs = sorted(x for x in self.calibrated if x in self.quantized_inputs)
+        per_tensor = {} if not calibrated_inputs else {"calibrated_scale_inputs": calibrated_inputs}
+        return {**gptq, **per_tensor, "pertoken_matmuls": self.replaced, "weight_qmax": self.qmax,
+                "activation_zero_point": ACT_ZERO_POINT,
+                "activation_scale": "per row: max|x| / 127 (computed at run time)",
+                "kernel": ("com.microsoft.MatMulIntegerToFloat (u8 x s8, rescaled in the kernel; ONNX Runtime only)"
+                           if self.fused else "MatMulInteger (u8 activations x s8 weights, int32 accumulate) + "
+                                              "float rescale (standard ONNX ops: any runtime)")}
 
 
 def _shared_constants(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:

@@ -131,11 +131,32 @@ def lr_section(sweep: Sweep) -> list[str]:
 
 
 def render(sweep: Sweep, plots: dict[str, str] | None = None) -> str:
+    """The sweep's report.md: its header and training status over every cell, then the tables,
+    rankings and findings over the trained cells, the plots and the cells left out."""
     full = sweep
     sweep = full.trained_view()   # every table below: trained cells only (the status section shows them all)
     groups = {g: [c for c in cells if c.trained] for g, cells in full.groups().items()}
     groups = {g: cells for g, cells in groups.items() if cells}
-    recipes = sweep.recipes()
+    L = _header(full, sweep) + status_section(full)
+    L += _quality_section(sweep, groups)
+    L += _recipe_sections(sweep, groups)
+    L += _ranking_section(sweep, groups)
+    if len(sweep.lrs) > 1:
+        L += [""] + lr_section(sweep)
+    layer_table = _layer_tables(sweep, groups)
+    if layer_table:
+        L += ["", "## Residual stream per layer", ""] + layer_table
+    L += _smoothquant_section(sweep, groups)
+    L += [""] + findings_section(full, plots)
+    if plots:
+        L += ["## Plots", ""] + [f"![{title}]({path})" for title, path in plots.items()] + [""]
+    if full.problems:
+        L += ["## Cells left out", ""] + [f"- {p}" for p in full.problems] + [""]
+    return "\n".join(L)
+
+
+def _header(full: Sweep, sweep: Sweep) -> list[str]:
+    """Title, manifest, cell counts, seeds and the hardware of the first cell with results."""
     first = next((c.results for c in full.cells if c.results), None)
     hw = results_file.section(first, "hardware") or {}
     seeds = full.seeds
@@ -147,19 +168,26 @@ def render(sweep: Sweep, plots: dict[str, str] | None = None) -> str:
           f"onnxruntime {hw.get('onnxruntime')}, torch {hw.get('torch')}.", "",
           "Every figure is the mean over seeds with its 95% Student-t interval in brackets ((n=1): one seed, "
           "no interval). Rankings mark a row *not significant* when its interval overlaps the row above's.", ""]
-    L += status_section(full)
+    return L
 
-    L += ["## Training and FP32 quality (trained cells)", ""]
+
+def _quality_section(sweep: Sweep, groups: dict) -> list[str]:
+    L = ["## Training and FP32 quality (trained cells)", ""]
     rows = []
     for g, cells in groups.items():
         rows.append([sweep.label(g), len(cells),
                      group_estimate(cells, lambda c: c.bits_per_byte).format(".3f"),
                      group_estimate(cells, lambda c: c.train.get("gradient_spikes")).format(".2g"),
                      group_estimate(cells, lambda c: c.train.get("tokens_per_s")).format(",.0f")])
-    L += table(["setting", "trained seeds", "eval bits/byte (PyTorch)", "gradient spikes", "train tokens/s"], rows)
+    return L + table(["setting", "trained seeds", "eval bits/byte (PyTorch)", "gradient spikes", "train tokens/s"],
+                     rows)
 
+
+def _recipe_sections(sweep: Sweep, groups: dict) -> list[str]:
+    """One table per INT8 recipe: PPL ratio, KL, top-1 agreement and latency per setting."""
+    L: list[str] = []
     batch = None
-    for name in recipes:
+    for name in sweep.recipes():
         L += ["", f"## INT8 recipe `{name}` (trained cells)", ""]
         rows = []
         for g, cells in groups.items():
@@ -172,8 +200,12 @@ def render(sweep: Sweep, plots: dict[str, str] | None = None) -> str:
                          estimate(r for r, _ in lat).format(".2f", "x")])
         L += table(["setting", "PPL ratio (int8/fp32)", "KL mean (nats)", "top-1 agreement",
                      f"p50 int8/fp32 (CPU, batch {batch or '?'})"], rows)
+    return L
 
-    L += ["", "## Ranking (trained cells)", "", "### INT8 survival: best recipe's PPL ratio (lower is better)", ""]
+
+def _ranking_section(sweep: Sweep, groups: dict) -> list[str]:
+    """The settings ranked by their best recipe's PPL ratio, then by FP32 bits/byte."""
+    L = ["", "## Ranking (trained cells)", "", "### INT8 survival: best recipe's PPL ratio (lower is better)", ""]
     items = []
     for g, cells in groups.items():
         name, est = best_recipe(sweep, cells)
@@ -188,36 +220,26 @@ def render(sweep: Sweep, plots: dict[str, str] | None = None) -> str:
                 [[r.rank, r.label, r.est.format(".3f") if r.est.mean is not None else "diverged",
                   "not significant" if r.not_significant else ("" if r.rank == 1 or r.est.mean is None else "separated")]
                  for r in rank(items)])
-    if len(sweep.lrs) > 1:
-        L += [""] + lr_section(sweep)
+    return L
 
-    layer_table = _layer_tables(sweep, groups)
-    if layer_table:
-        L += ["", "## Residual stream per layer", ""] + layer_table
 
+def _smoothquant_section(sweep: Sweep, groups: dict) -> list[str]:
     sq = [(g, cells) for g, cells in groups.items() if any(results_file.section(c.results, "smoothquant")
                                                            for c in cells)]
-    if sq:
-        L += ["", "## SmoothQuant foldability", "",
-              "MatMuls whose smoothing scale folds into the preceding norm's weight vs those that need an explicit "
-              "Mul (count per model).", ""]
-        rows = []
-        for g, cells in sq:
-            sqs = [results_file.section(c.results, "smoothquant") or {} for c in cells]
-            folded = estimate(len(s.get("folded") or []) for s in sqs if s)
-            explicit = estimate(len(s.get("explicit_scale") or []) for s in sqs if s)
-            frac = estimate(len(s.get("folded") or []) / max(1, len(s.get("folded") or []) + len(s.get("explicit_scale") or []))
-                            for s in sqs if s)
-            rows.append([sweep.label(g), folded.format(".3g"), explicit.format(".3g"), frac.format(".2f")])
-        L += table(["setting", "folded", "explicit scale", "folded fraction"], rows)
-
-    L += [""] + findings_section(full, plots)
-
-    if plots:
-        L += ["## Plots", ""] + [f"![{title}]({path})" for title, path in plots.items()] + [""]
-    if full.problems:
-        L += ["## Cells left out", ""] + [f"- {p}" for p in full.problems] + [""]
-    return "\n".join(L)
+    if not sq:
+        return []
+    L = ["", "## SmoothQuant foldability", "",
+         "MatMuls whose smoothing scale folds into the preceding norm's weight vs those that need an explicit "
+         "Mul (count per model).", ""]
+    rows = []
+    for g, cells in sq:
+        sqs = [results_file.section(c.results, "smoothquant") or {} for c in cells]
+        folded = estimate(len(s.get("folded") or []) for s in sqs if s)
+        explicit = estimate(len(s.get("explicit_scale") or []) for s in sqs if s)
+        frac = estimate(len(s.get("folded") or []) / max(1, len(s.get("folded") or []) + len(s.get("explicit_scale") or []))
+                        for s in sqs if s)
+        rows.append([sweep.label(g), folded.format(".3g"), explicit.format(".3g"), frac.format(".2f")])
+    return L + table(["setting", "folded", "explicit scale", "folded fraction"], rows)
 
 
 def _write_findings_json(sweep: Sweep, found: list[Finding]) -> Path:
