@@ -385,7 +385,7 @@ def test_causal_end_to_end(causal_run):
     ok, broken = results["recipes"]
     acc = ok["accuracy"]
     assert ok["status"] == "ok" and acc["level"] == "token" and acc["n_scored"] == 8 * 16
-    assert 0.9 < acc["ppl_ratio"] < 1.1 and acc["kld_mean"] >= 0 and "bits_per_token_fp32" in acc
+    assert 0.9 < acc["ppl_ratio"] < 1.1 and 0 < acc["kld_mean"] < 0.05 and "bits_per_token_fp32" in acc, acc
     # The weight-MatMul recipe never calibrates the attention scores; the full op list calibrates the
     # mask constant (finfo.min) into them: finite scale, passes the generic check, flagged here.
     assert ok["softmax_inputs"]["quantized"] == 0
