@@ -437,7 +437,8 @@ def test_encoder_end_to_end_with_mlm_head(tiny, tmp_path):
     assert (m["kind"], m["placement"], m["norm"], m["mlm_head"]) == ("encoder", "post", "layer", True)
     assert results["export"]["outputs"] == ["last_hidden_state", "sentence_embedding", "logits"]
     acc = results["recipes"][0]["accuracy"]
-    assert acc["n_passages"] == 12 and acc["cosine_mean"] > 0.99 and 0 <= acc["nn_agreement"] <= 1
+    # INT8 embeddings this close to FP32 (cosine 1 - 1e-7 here) keep the nearest neighbours (one tie may flip)
+    assert acc["n_passages"] == 12 and acc["cosine_mean"] > 0.99 and acc["nn_agreement"] >= 11 / 12, acc
     assert acc["mlm"] and acc["ppl_ratio"] == pytest.approx(1.0, abs=0.05)
     assert "cosine mean" in (run_dir / "report.md").read_text()
 
@@ -578,8 +579,9 @@ def test_the_source_lets_go_of_the_torch_weights_after_the_export_and_reloads_th
     before = torch_outputs(source.wrapper, ids)[0]
     source.export(tmp_path / "run" / "model.fp32.onnx", cfg)
     assert source.wrapper is None and all(p.is_meta for p in source.loaded.model.parameters())
-    assert source.model_section()["n_params"] > 0          # recorded before the weights went
+    n_params = source.model_section()["n_params"]          # recorded before the weights went
     loaded, wrapper = source.weights()
     assert not any(p.is_meta for p in loaded.model.parameters())
+    assert n_params == sum(p.numel() for p in loaded.model.parameters())
     assert np.array_equal(torch_outputs(wrapper, ids)[0], before)
     assert source.weights()[1] is wrapper                  # reloaded once, then kept
