@@ -52,3 +52,45 @@ def pytest_terminal_summary(terminalreporter):
 def pytest_sessionfinish(session, exitstatus):
     if _refused and exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+# --- tiny Hugging Face checkpoints, built and exported once per session ------------------------
+# Several files detect, export and measure the same tiny checkpoints (tests/test_hf.py's table).
+# Each is saved once and exported once, on first use, whatever order the tests run in; the tests
+# only read them (a test that changes a checkpoint or a graph works on its own copy).
+
+@pytest.fixture(scope="session")
+def hf_tiny(tmp_path_factory):
+    """model_type -> directory of a tiny random checkpoint of tests/test_hf.py's ARCHS (read only)."""
+    from test_hf import ARCHS, save_tiny
+
+    root = tmp_path_factory.mktemp("hf-tiny")
+    return {name: save_tiny(name, root / name) for name in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def hf_exported(hf_tiny, tmp_path_factory):
+    """A function: model_type -> (ONNX path, ModuleExportResult, parity ids) of that checkpoint
+    exported with the default exporter and opset, its outputs those the loader names (read only)."""
+    import numpy as np
+
+    from quantnorm.sources.hf_export import export_hf_onnx, make_wrapper, output_names
+    from quantnorm.sources.hf_loader import load_checkpoint
+
+    root = tmp_path_factory.mktemp("hf-onnx")
+    done = {}
+
+    def exported(name: str):
+        if name not in done:
+            from test_hf import VOCAB
+
+            loaded = load_checkpoint(hf_tiny[name])
+            ids = np.random.default_rng(0).integers(3, VOCAB, size=(2, 12)).astype(np.int64)
+            ids[:, 0] = 1
+            path = root / f"{name}.onnx"
+            result = export_hf_onnx(make_wrapper(loaded), path, ids, max_positions=128,
+                                    outputs=output_names(loaded.spec.kind, loaded.files.mlm_head))
+            done[name] = (path, result, ids)
+        return done[name]
+
+    return exported

@@ -185,7 +185,7 @@ def test_kl_is_never_negative(seed_p, seed_q, scale_p, scale_q, scored_from):
     assert 0.0 <= r.kld_p99 <= r.kld_max
     assert 0.0 <= r.top1_agreement <= 1.0
     assert r.n_scored == 2 * (12 - scored_from)
-    assert math.isfinite(r.ppl_ratio) and r.ppl_ratio > 0
+    assert math.isfinite(r.ppl_ratio) and r.ppl_ratio == pytest.approx(r.ppl_int8 / r.ppl_fp32, rel=1e-9)
 
 
 @settings(max_examples=25, deadline=None)

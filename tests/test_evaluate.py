@@ -44,14 +44,20 @@ def test_results_follow_the_contract(evaluated):
                 "train", "export", "recipes", "latency", "outliers", "sqnr"):
         assert key in results, key
     assert results["schema_version"] == 2
-    assert results["train"]["status"] in ("trained", "collapsed") and results["train"]["unigram_bits_per_byte"] > 0
+    # 40 steps of a 32-wide model do not leave the unigram plateau (builtin:pydoc, 4.69 bits/byte)
+    assert results["train"]["status"] == "collapsed"
+    assert results["train"]["unigram_bits_per_byte"] == pytest.approx(4.688, abs=0.01)
     d = results["data"]
     assert d["calibration"][1] <= d["evaluation"][0] and d["bos"] is True and d["window"] == 32
     assert {r["name"] for r in results["recipes"]} == {"static-minmax-matmul", "dynamic"}
     for r in results["recipes"]:
         acc = r["accuracy"]
         assert set(acc) >= {"ppl_fp32", "ppl_int8", "ppl_ratio", "kld_mean", "kld_p99", "kld_max", "top1_agreement"}
-        assert acc["kld_mean"] >= 0 and 0 <= acc["top1_agreement"] <= 1
+        # INT8 differs from FP32 (KL > 0) but little on this model; perplexity ratio as FORMULAS.md
+        assert 0 < acc["kld_mean"] <= acc["kld_p99"] <= acc["kld_max"] and acc["kld_mean"] < 0.05
+        assert 0.9 < acc["top1_agreement"] <= 1
+        assert acc["ppl_ratio"] == pytest.approx(acc["ppl_int8"] / acc["ppl_fp32"], rel=1e-6)
+        assert acc["ppl_ratio"] == pytest.approx(1.0, abs=0.05)
         assert (evaluated / r["path"]).is_file()
         assert r["session"]["graph_optimization_level"] == "ORT_ENABLE_ALL"
     cpu = [row for row in results["latency"] if row["provider"] == "CPUExecutionProvider"]
@@ -85,15 +91,6 @@ def test_accuracy_recomputes_independently(evaluated):
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-def test_evaluate_reuses_the_checkpoint(scratch):
-    before = (scratch / "model.safetensors").read_bytes(), (scratch / "model.safetensors").stat().st_mtime_ns
-    assert main(["evaluate", "--checkpoint", str(scratch), *FAST, "--recipes", "dynamic", "--providers", "cpu",
-                 "--no-outliers"]) == 0
-    assert ((scratch / "model.safetensors").read_bytes(), (scratch / "model.safetensors").stat().st_mtime_ns) == before
-    results = json.loads((scratch / "results.json").read_text())
-    assert [r["name"] for r in results["recipes"]] == ["dynamic"]  # it did evaluate again
-
-
 @pytest.mark.parametrize("args, message", [
     (["--recipes", "nonsense"], "unknown recipe"),
     (["--providers", "tpu"], "unknown execution provider"),
@@ -122,13 +119,17 @@ def test_bench_rejects_corrupt_onnx(evaluated, tmp_path, capsys):
     assert "truncated.onnx" in err and len(err.splitlines()) == 1
 
 
-def test_exclude_keeps_matching_nodes_in_fp32(scratch):
+def test_evaluate_reuses_the_checkpoint_and_exclude_keeps_matching_nodes_in_fp32(scratch):
+    """--checkpoint evaluates the trained run again without touching its weights; --exclude keeps
+    the matching nodes in FP32."""
     import onnx
 
+    weights = (scratch / "model.safetensors").read_bytes(), (scratch / "model.safetensors").stat().st_mtime_ns
     assert main(["evaluate", "--checkpoint", str(scratch), *FAST, "--recipes", "static-minmax-matmul",
                  "--providers", "cpu", "--no-outliers", "--exclude", "head/*"]) == 0
+    assert ((scratch / "model.safetensors").read_bytes(), (scratch / "model.safetensors").stat().st_mtime_ns) == weights
     results = json.loads((scratch / "results.json").read_text())
-    (entry,) = results["recipes"]
+    (entry,) = results["recipes"]   # it did evaluate again: only this recipe
     assert entry["name"].startswith("static-minmax-matmul-mixed-") and entry["settings"]["excluded_nodes"]
     graph = onnx.load(str(scratch / entry["path"])).graph
     head = [n for n in graph.node if n.name == "head/MatMul"][0]
@@ -141,14 +142,15 @@ def test_exclude_keeps_matching_nodes_in_fp32(scratch):
 def test_smoothquant_at_several_alphas_side_by_side(scratch):
     """smoothquant@ALPHA: one smoothed export per alpha, each recipe at its own alpha (an explicit
     @ALPHA keeps it under --sq-alpha), a per-alpha table in the report."""
-    assert main(["evaluate", "--checkpoint", str(scratch), *FAST, "--recipes", "smoothquant@0.3,smoothquant@0.8,"
-                 "smoothquant", "--sq-alpha", "0.6", "--providers", "cpu", "--no-outliers"]) == 0
+    assert main(["evaluate", "--checkpoint", str(scratch), *FAST, "--recipes", "smoothquant@0.8,smoothquant",
+                 "--sq-alpha", "0.6", "--providers", "cpu", "--no-outliers"]) == 0
     results = json.loads((scratch / "results.json").read_text())
     got = {r["name"]: r["settings"]["smoothquant_alpha"] for r in results["recipes"]}
-    assert got == {"smoothquant@0.3": 0.3, "smoothquant@0.8": 0.8, "smoothquant": 0.6}
-    assert all(r["status"] == "ok" and r["accuracy"]["ppl_ratio"] > 0 for r in results["recipes"])
-    assert [e["alpha"] for e in results["smoothquant"]["per_alpha"]] == [0.3, 0.8, 0.6]
-    assert len({e["path"] for e in results["smoothquant"]["per_alpha"]}) == 3
+    assert got == {"smoothquant@0.8": 0.8, "smoothquant": 0.6}
+    assert all(r["status"] == "ok" and r["accuracy"]["ppl_ratio"] == pytest.approx(1.0, abs=0.05)
+               for r in results["recipes"])
+    assert [e["alpha"] for e in results["smoothquant"]["per_alpha"]] == [0.8, 0.6]   # recipe order, not sorted
+    assert len({e["path"] for e in results["smoothquant"]["per_alpha"]}) == 2
     report = (scratch / "report.md").read_text()
     assert "Per alpha" in report and "| 0.8 | `smoothquant@0.8` |" in report
 

@@ -92,10 +92,9 @@ def save_tiny(name: str, path: Path) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("hf")
-    return {name: save_tiny(name, root / name) for name in ARCHS}
+@pytest.fixture
+def tiny(hf_tiny):
+    return hf_tiny   # tests/conftest.py: saved once per session
 
 
 def _cfg(recipes, **kw) -> EvaluateConfig:
@@ -321,22 +320,19 @@ def test_cosine_and_nearest_neighbours():
 
 # llama and bert are exported by the end-to-end tests below.
 @pytest.mark.parametrize("name", [n for n in ARCHS if n not in ("llama", "bert")])
-def test_export_parity(tiny, tmp_path, name):
-    loaded = load_checkpoint(tiny[name])
-    ids = np.random.default_rng(0).integers(3, VOCAB, size=(2, 12)).astype(np.int64)
-    ids[:, 0] = 1
-    wrapper = make_wrapper(loaded)
-    result = export_hf_onnx(wrapper, tmp_path / "m.onnx", ids, outputs=output_names("causal"), max_positions=128)
+def test_export_parity(tiny, hf_exported, name):
+    path, result, ids = hf_exported(name)   # exported once per session (tests/conftest.py)
+    wrapper = make_wrapper(load_checkpoint(tiny[name]))
     assert result.exporter == "dynamo" and result.opset == 18
     assert result.max_abs_diff["logits"] <= 1e-4
     assert result.parity_shapes == [[2, 12], [1, 7]]
-    got = onnx_outputs(tmp_path / "m.onnx", ids[:, :5])[0]  # another length: the seq axis is dynamic
+    got = onnx_outputs(path, ids[:, :5])[0]  # another length: the seq axis is dynamic
     assert np.abs(got - torch_outputs(wrapper, ids[:, :5])[0]).max() <= 1e-4
     import onnx
 
     from quantnorm.quantize import weight_matmuls
 
-    names = weight_matmuls(onnx.load(str(tmp_path / "m.onnx")).graph)
+    names = weight_matmuls(onnx.load(str(path)).graph)
     assert any(n.startswith(("model.layers.0.", "transformer.h.0.")) for n in names)  # HF module names
 
 
@@ -368,9 +364,9 @@ def test_torchscript_fallback_when_dynamo_fails(tiny, tmp_path, monkeypatch):
 # --- end to end ------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def causal_run(tiny, tmp_path_factory):
+def causal_run(hf_tiny, tmp_path_factory):
     out = tmp_path_factory.mktemp("hf-run") / "llama"
-    opts = HFOptions(path=tiny["llama"], window=16, max_eval_windows=8, out_dir=out)
+    opts = HFOptions(path=hf_tiny["llama"], window=16, max_eval_windows=8, out_dir=out)
     results, run_dir = run_hf(opts, _cfg(["static-minmax-matmul", "static-minmax-all"]))
     return results, run_dir
 
@@ -389,7 +385,7 @@ def test_causal_end_to_end(causal_run):
     ok, broken = results["recipes"]
     acc = ok["accuracy"]
     assert ok["status"] == "ok" and acc["level"] == "token" and acc["n_scored"] == 8 * 16
-    assert 0.9 < acc["ppl_ratio"] < 1.1 and acc["kld_mean"] >= 0 and "bits_per_token_fp32" in acc
+    assert 0.9 < acc["ppl_ratio"] < 1.1 and 0 < acc["kld_mean"] < 0.05 and "bits_per_token_fp32" in acc, acc
     # The weight-MatMul recipe never calibrates the attention scores; the full op list calibrates the
     # mask constant (finfo.min) into them: finite scale, passes the generic check, flagged here.
     assert ok["softmax_inputs"]["quantized"] == 0
@@ -441,7 +437,8 @@ def test_encoder_end_to_end_with_mlm_head(tiny, tmp_path):
     assert (m["kind"], m["placement"], m["norm"], m["mlm_head"]) == ("encoder", "post", "layer", True)
     assert results["export"]["outputs"] == ["last_hidden_state", "sentence_embedding", "logits"]
     acc = results["recipes"][0]["accuracy"]
-    assert acc["n_passages"] == 12 and acc["cosine_mean"] > 0.99 and 0 <= acc["nn_agreement"] <= 1
+    # INT8 embeddings this close to FP32 (cosine 1 - 1e-7 here) keep the nearest neighbours (one tie may flip)
+    assert acc["n_passages"] == 12 and acc["cosine_mean"] > 0.99 and acc["nn_agreement"] >= 11 / 12, acc
     assert acc["mlm"] and acc["ppl_ratio"] == pytest.approx(1.0, abs=0.05)
     assert "cosine mean" in (run_dir / "report.md").read_text()
 
@@ -582,8 +579,9 @@ def test_the_source_lets_go_of_the_torch_weights_after_the_export_and_reloads_th
     before = torch_outputs(source.wrapper, ids)[0]
     source.export(tmp_path / "run" / "model.fp32.onnx", cfg)
     assert source.wrapper is None and all(p.is_meta for p in source.loaded.model.parameters())
-    assert source.model_section()["n_params"] > 0          # recorded before the weights went
+    n_params = source.model_section()["n_params"]          # recorded before the weights went
     loaded, wrapper = source.weights()
     assert not any(p.is_meta for p in loaded.model.parameters())
+    assert n_params == sum(p.numel() for p in loaded.model.parameters())
     assert np.array_equal(torch_outputs(wrapper, ids)[0], before)
     assert source.weights()[1] is wrapper                  # reloaded once, then kept

@@ -143,7 +143,8 @@ def test_zoo_pipeline_runs_pertoken_and_says_rotation_does_not_apply(tmp_path, c
             "--out", str(out)]
     assert main(argv) == 0, capsys.readouterr().err
     recipes = {r["name"]: r for r in json.loads((out / "results.json").read_text())["recipes"]}
-    assert recipes["pertoken"]["status"] == "ok" and recipes["pertoken"]["accuracy"]["kld_mean"] >= 0
+    acc = recipes["pertoken"]["accuracy"]
+    assert recipes["pertoken"]["status"] == "ok" and 0 < acc["kld_mean"] < 0.05, acc   # INT8, close to FP32
     assert recipes["rotated-pertoken"]["status"].startswith("not applicable: ")
     assert "accuracy" not in recipes["rotated-pertoken"]
 

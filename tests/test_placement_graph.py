@@ -6,25 +6,20 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from test_hf import save_tiny
 
 from quantnorm.export import export_onnx
 from quantnorm.measure.placement import detect_placement
 from quantnorm.models import CausalLM, ModelConfig
-from quantnorm.sources.hf_export import export_hf_onnx, make_wrapper, output_names
-from quantnorm.sources.hf_loader import load_checkpoint
+from quantnorm.sources.hf_export import export_hf_onnx
 
 EXPECTED = {"gpt2": ("pre", "layer"), "llama": ("pre", "rms"), "qwen2": ("pre", "rms"),
             "gemma3_text": ("peri", "rms"), "olmo2": ("output-norm", "rms"), "bert": ("post", "layer")}
 
 
 @pytest.mark.parametrize("name", list(EXPECTED))
-def test_detected_from_the_graph_matches_the_table(name, tmp_path):
-    loaded = load_checkpoint(save_tiny(name, tmp_path / name))
-    ids = np.random.default_rng(0).integers(3, 250, size=(2, 12))
-    out = tmp_path / "m.onnx"
-    export_hf_onnx(make_wrapper(loaded), out, ids, outputs=output_names(loaded.spec.kind, loaded.files.mlm_head),
-                   max_positions=128, opset=18)
+def test_detected_from_the_graph_matches_the_table(name, hf_exported):
+    out, result, _ = hf_exported(name)   # the session's export of tests/test_hf.py's tiny checkpoint
+    assert result.opset == 18
     found = detect_placement(out)
     assert (found.placement, found.norm) == EXPECTED[name], found.how
     assert found.to_dict()["residual_adds"] == 4  # 2 blocks x (attention, MLP)

@@ -100,7 +100,9 @@ def test_search_stops_at_max_trials(lm, tmp_path):
     result = run(lm, tmp_path, SearchConfig(policy=ppl_only(0.5), space=THREE + ("static-entropy-matmul",), max_trials=2))
     assert [t.recipe for t in result.trials] == list(THREE[:2])  # no fallback: the budget is spent
     assert result.stopped_by == "max_trials" and result.status == "no passing model" and result.chosen is None
-    assert result.best is not None
+    # the best of the failed trials is the one with the highest metric (1 / PPL ratio)
+    assert result.best is max(result.trials, key=lambda t: t.metric) and result.best.status == "ok"
+    assert result.best.metric == pytest.approx(1 / min(t.ppl_ratio for t in result.trials))
     json.dumps(result.to_dict())
 
 
