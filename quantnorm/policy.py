@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
-from .measure.sessions import normalize_provider
+from .measure.sessions import normalize_provider, short_provider
 from .train_status import DEFAULT_COLLAPSE_MARGIN
 
 
@@ -40,10 +40,6 @@ class PolicyError(ConfigError):
 
 _FLOAT_KEYS = ("max_ppl_ratio", "max_kld", "max_kld_p99", "min_top1", "max_latency_ratio", "collapse_margin")
 _LIST_KEYS = ("require_provider", "recipes")
-
-
-def _short_provider(provider: str) -> str:
-    return provider.replace("ExecutionProvider", "")
 
 
 def normalize_provider_name(name: str) -> str:
@@ -137,7 +133,7 @@ class Policy:
         if self.collapse_margin is not None:
             parts.append(f"trained (eval bits/byte >= {self.collapse_margin:g} below the unigram baseline)")
         if self.require_provider:
-            parts.append("measured on " + ", ".join(_short_provider(p) for p in self.require_provider))
+            parts.append("measured on " + ", ".join(short_provider(p) for p in self.require_provider))
         parts.append("recipes that must pass: " + (", ".join(self.recipes) if self.recipes else
                                                    "at least one (the best)"))
         return "; ".join(parts)

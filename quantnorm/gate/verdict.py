@@ -10,6 +10,7 @@ from pathlib import Path
 from .. import results as results_file
 from ..errors import QuantnormError
 from ..manifest import MANIFEST_FILE
+from ..measure.sessions import short_provider
 from ..policy import ACCURACY_CHECKS, Policy, meets
 from ..results import (
     FP32_VARIANT,
@@ -44,10 +45,6 @@ def _validated(results: dict, source: str) -> None:
 
 def _reason(exc: BaseException) -> str:
     return getattr(exc, "strerror", None) or str(exc).splitlines()[0]
-
-
-def _short_provider(provider: str) -> str:
-    return provider.replace("ExecutionProvider", "")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,7 +160,7 @@ def _provider_checks(results: dict, entry: dict, policy: Policy) -> list[Check]:
     name = entry["name"]
     out: list[Check] = []
     for provider in policy.require_provider:
-        short = _short_provider(provider)
+        short = short_provider(provider)
         problems: dict[str, list[str]] = {}  # reason -> rows; rows usually share one ("no CUDA device")
         for variant in (FP32_VARIANT, name):
             rows = latency_rows(results, provider=provider, variant=variant)
@@ -194,7 +191,7 @@ def _latency_checks(results: dict, entry: dict, policy: Policy) -> list[Check]:
     else:
         providers = list(dict.fromkeys(r.provider for r in latency_rows(results, variant=name, measured=True)))
     for provider in providers:
-        short = _short_provider(str(provider))
+        short = short_provider(str(provider))
         int8_rows = latency_rows(results, provider=provider, variant=name, measured=True)
         if not int8_rows:
             out.append(Check(name, f"latency_ratio {short}", None, limit, False,
