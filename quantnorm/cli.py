@@ -14,7 +14,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import click
-import onnxruntime as ort
 
 from . import __version__
 from .config import EvaluateConfig
@@ -26,7 +25,7 @@ from .export import export_onnx, write_onnx_dir
 from .fileio import write_json_atomic
 from .gate import run_gate, write_error_outputs, write_outputs
 from .measure.latency import bench_rounds
-from .measure.sessions import PROVIDERS, resolve_providers
+from .measure.sessions import listed_providers, resolve_providers, short_provider
 from .models import NORMS, PLACEMENTS, ModelConfig
 from .policy import DEFAULT_POLICY, resolve_policy
 from .portable import PKG_PREFIX, portable_args, resolve_arg
@@ -380,14 +379,13 @@ def bench(models, providers, batches, seq, iters, warmup, threads, opt_level, ro
     for path in models:
         if not path.is_file():
             raise click.BadParameter(f"{path} is not a file", param_hint="MODELS")
-    names = resolve_providers(_csv(providers)) if providers else \
-        [p for p in PROVIDERS.values() if p in ort.get_available_providers()]
+    names = resolve_providers(_csv(providers)) if providers else listed_providers()
     variants = {path.name: path for path in models}
     rows = bench_rounds(variants, names, list(_int_csv(batches, "--batches")), seq, rounds=rounds, threads=threads,
                         graph_optimization_level=opt_level, warmup=warmup, iters=iters, progress=True)
     click.echo(f"{'model':<40} {'provider':<10} {'batch':>5} {'p50 ms':>9} {'p90 ms':>9} {'p99 ms':>9} {'tokens/s':>11}")
     for r in rows:
-        short = r.provider.replace("ExecutionProvider", "")
+        short = short_provider(r.provider)
         if r.measured:
             click.echo(f"{r.variant:<40} {short:<10} {r.batch:>5} {r.p50_ms:>9.2f} {r.p90_ms:>9.2f} {r.p99_ms:>9.2f} "
                        f"{r.tokens_per_s:>11,.0f}")

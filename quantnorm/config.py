@@ -8,11 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-import onnxruntime as ort
-
 from . import serial
 from .errors import ConfigError
-from .measure.sessions import PROVIDERS, SessionSpec, resolve_providers
+from .measure.sessions import SessionSpec, listed_providers, resolve_providers
 from .policy import DEFAULT_POLICY, Policy
 from .quantize import DEFAULT_RECIPES, get_recipe, with_exclusions
 from .quantize.recipes import ALPHA_SEPARATOR
@@ -115,5 +113,4 @@ class EvaluateConfig:
     def provider_list(self) -> list[str]:
         if self.providers is not None:
             return list(self.providers)
-        listed = set(ort.get_available_providers())
-        return [p for p in PROVIDERS.values() if p in listed]
+        return listed_providers()

@@ -266,7 +266,7 @@ def measure_latency(cfg: EvaluateConfig, models: dict[str, Path], seq: int) -> l
 def smoothquant_section(run_dir: Path, cfg: EvaluateConfig, fp32_path: Path, smoothed, seq: int) -> dict:
     """``results["smoothquant"]``: the plan (folded / explicit MatMuls, per-placement statement),
     the parity figures, and what the explicit Muls cost the FP32 model at batch 8 on the CPU.
-    ``smoothed``: the run's ``SmoothedModels`` (zoo) or ``HFSmoothedModels`` (checkpoints). With
+    ``smoothed``: the run's ``transforms.variants.FP32Variants`` (what the source's transforms gave). With
     several alphas (``smoothquant@ALPHA`` recipes or search trials) the first one's plan is the
     section and ``per_alpha`` lists each export; the Muls' cost is the same for every alpha (the
     same explicit MatMuls get one), so it is timed on the first."""

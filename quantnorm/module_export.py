@@ -221,13 +221,24 @@ def export_matching_original(transformed, original, out_path: Path, parity_input
     """Export ``transformed`` (a smoothed or rotated copy of ``original``) with the export's own parity
     gate, then prove the ONNX file computes the *original* outputs (relative to each output's
     scale). Returns (export result, that relative difference); a mismatch leaves no file."""
-    out_path = Path(out_path)
     exported = export_module_onnx(transformed, out_path, parity_inputs, outputs=outputs, max_positions=max_positions,
-                              opset=opset)
-    diff = max_output_diff(torch_outputs(original, parity_inputs), onnx_outputs(out_path, parity_inputs),
-                           relative=True)
+                                  opset=opset)
+    return exported, check_matches_original(original, out_path, parity_inputs, what=what, tolerance=tolerance)
+
+
+def check_matches_original(original, out_path: Path, parity_inputs: np.ndarray, *, what: str, tolerance: float,
+                           relative: bool = True, batch_size: int = 8) -> float:
+    """The second gate of every transformed export (smoothed, rotated; zoo model or checkpoint):
+    the ONNX file's outputs against the *original* module's on ``parity_inputs`` (the INT8 model
+    is judged against the original FP32 one). Returns the difference; a mismatch removes the file
+    and raises ``ExportError``."""
+    out_path = Path(out_path)
+    parity_inputs = np.asarray(parity_inputs)
+    diff = max_output_diff(torch_outputs(original, parity_inputs),
+                           onnx_outputs(out_path, parity_inputs, batch_size=batch_size), relative=relative)
     if not diff <= tolerance:
         out_path.unlink(missing_ok=True)
-        raise ExportError(f"{what} ONNX model does not match the original model: max relative |delta| = "
+        rel = "relative " if relative else ""
+        raise ExportError(f"{what} ONNX model does not match the original model: max {rel}|delta| = "
                           f"{diff:.3g} > {tolerance:g}; no file kept")
-    return exported, diff
+    return diff

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
-from .measure.sessions import normalize_provider
+from .measure.sessions import normalize_provider, short_provider
 from .train_status import DEFAULT_COLLAPSE_MARGIN
 
 
@@ -38,10 +38,6 @@ class PolicyError(ConfigError):
 
 _FLOAT_KEYS = ("max_ppl_ratio", "max_kld", "max_kld_p99", "min_top1", "max_latency_ratio", "collapse_margin")
 _LIST_KEYS = ("require_provider", "recipes")
-
-
-def short_provider(provider: str) -> str:
-    return provider.replace("ExecutionProvider", "")
 
 
 def normalize_provider_name(name: str) -> str:

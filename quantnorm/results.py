@@ -39,13 +39,12 @@ from typing import Any
 from . import __version__
 from .errors import RunDirError
 from .fileio import write_json_atomic
-from .measure.sessions import hardware_info
+from .measure.sessions import CPU, hardware_info
 from .runs import RESULTS_FILE
 
 SCHEMA_VERSION = 2
 READABLE_SCHEMAS = (1, 2)
 
-CPU = "CPUExecutionProvider"
 FP32_VARIANT = "fp32"
 MEASURED = "measured"
 OK = "ok"

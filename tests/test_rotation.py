@@ -156,7 +156,7 @@ def test_zoo_online_rotation_is_exact_for_every_placement_and_keeps_the_hadamard
 
     from quantnorm.models import CausalLM, ModelConfig
     from quantnorm.quantize import get_recipe, quantize
-    from quantnorm.sources.zoo import export_online_rotated
+    from quantnorm.transforms.rotation import export_online_rotated
 
     torch.manual_seed(0)
     model = CausalLM(ModelConfig(placement=placement, norm="rms", n_layers=2, d_model=32, n_heads=2,

@@ -225,6 +225,46 @@ def perplexity(session: _Session, inputs: np.ndarray, targets: np.ndarray, *, sc
     return ppl_result(nll_sum, count)
 
 
+class PairLadder:
+    """The FP32-vs-INT8 ladder over scored positions, filled batch by batch: both NLL sums, the KL
+    of each position (only these scalars are kept, never the logits) and the top-1 agreements.
+    The one implementation every comparison reads (byte-level ``compare``, token-level
+    ``measure.token_metrics``, the FP16 check's forwards)."""
+
+    def __init__(self) -> None:
+        self.nll_p = self.nll_q = 0.0
+        self.agree = 0
+        self._klds: list[np.ndarray] = []
+
+    def add(self, logits_p: np.ndarray, logits_q: np.ndarray, targets: np.ndarray) -> None:
+        """One batch: logits ``[..., vocab]`` of both models at the scored positions, their targets."""
+        if np.shape(logits_p) != np.shape(logits_q):
+            raise MeasureError(f"FP32 and INT8 logits differ in shape: {np.shape(logits_p)} vs {np.shape(logits_q)}")
+        np_, nq, kl, same = pair_stats(logits_p, logits_q, targets)
+        self.nll_p += float(np_.sum())
+        self.nll_q += float(nq.sum())
+        self._klds.append(kl.ravel())
+        self.agree += int(same.sum())
+
+    @property
+    def kld(self) -> np.ndarray:
+        return np.concatenate(self._klds) if self._klds else np.zeros(0)
+
+    def summary(self) -> dict:
+        """PPL of each model and their ratio, KL mean / p99 / max, top-1 agreement, positions
+        scored, and each model's mean NLL in nats (MeasureError when nothing was scored)."""
+        kld = self.kld
+        n = int(kld.size)
+        if n == 0:
+            raise MeasureError("no scored positions")
+        p, q = ppl_result(self.nll_p, n), ppl_result(self.nll_q, n)
+        return {
+            "ppl_fp32": p.ppl, "ppl_int8": q.ppl, "ppl_ratio": q.ppl / p.ppl,
+            "kld_mean": float(kld.mean()), "kld_p99": float(np.percentile(kld, 99)), "kld_max": float(kld.max()),
+            "top1_agreement": self.agree / n, "n_scored": n, "mean_nll_fp32": p.mean_nll, "mean_nll_int8": q.mean_nll,
+        }
+
+
 def compare(fp32_session: _Session, int8_session: _Session, inputs: np.ndarray, targets: np.ndarray, *,
             scored_from: int = 0, batch_size: int = 16) -> AccuracyResult:
     """FP32 vs INT8 on the same windows: both perplexities and their ratio, KL(p_fp32 || p_int8)
@@ -233,31 +273,21 @@ def compare(fp32_session: _Session, int8_session: _Session, inputs: np.ndarray, 
     Run both sessions with the same SessionSpec (FORMULAS.md; pitfall 2 shows why it matters).
     """
     inputs, targets = _check_windows(inputs, targets, scored_from, batch_size)
-    nll_p = nll_q = 0.0
-    agree = 0
-    klds: list[np.ndarray] = []  # one float per scored position: small next to the logits
+    ladder = PairLadder()
     lo = 0
     for logits_p, logits_q in zip(run_logits(fp32_session, inputs, batch_size),
                                   run_logits(int8_session, inputs, batch_size), strict=True):
-        if logits_p.shape != logits_q.shape:
-            raise MeasureError(f"FP32 and INT8 logits differ in shape: {logits_p.shape} vs {logits_q.shape}")
         hi = lo + logits_p.shape[0]
         tgt = targets[lo:hi, scored_from:]
         _check_vocab(tgt, logits_p.shape[-1])
-        np_, nq, kl, same = pair_stats(logits_p[:, scored_from:], logits_q[:, scored_from:], tgt)
-        nll_p += float(np_.sum())
-        nll_q += float(nq.sum())
-        klds.append(kl.ravel())
-        agree += int(same.sum())
+        ladder.add(logits_p[:, scored_from:], logits_q[:, scored_from:], tgt)
         lo = hi
-    kld = np.concatenate(klds)
-    n = kld.size
-    p, q = ppl_result(nll_p, n), ppl_result(nll_q, n)
+    s = ladder.summary()
     return AccuracyResult(
-        ppl_fp32=p.ppl, ppl_int8=q.ppl, ppl_ratio=q.ppl / p.ppl,
-        kld_mean=float(kld.mean()), kld_p99=float(np.percentile(kld, 99)), kld_max=float(kld.max()),
-        top1_agreement=agree / n, n_scored=n,
-        bits_per_byte_fp32=p.bits_per_byte, bits_per_byte_int8=q.bits_per_byte,
+        ppl_fp32=s["ppl_fp32"], ppl_int8=s["ppl_int8"], ppl_ratio=s["ppl_ratio"],
+        kld_mean=s["kld_mean"], kld_p99=s["kld_p99"], kld_max=s["kld_max"],
+        top1_agreement=s["top1_agreement"], n_scored=s["n_scored"],
+        bits_per_byte_fp32=s["mean_nll_fp32"] / math.log(2), bits_per_byte_int8=s["mean_nll_int8"] / math.log(2),
     )
 
 

@@ -26,7 +26,8 @@ import math
 
 import numpy as np
 
-from .accuracy import pair_stats
+from .accuracy import PairLadder
+from .sessions import CPU
 
 FP16_MAX = float(np.finfo(np.float16).max)  # 65504: float16's largest finite value
 CLIP_VALUE = 32752.0  # the community Gemma 3 270M ONNX export's residual clip
@@ -117,9 +118,11 @@ def _compare(ref: np.ndarray, got: np.ndarray, targets: np.ndarray) -> dict:
         out["status"] = f"overflows: {100 * share_bad:.1f}% of positions have a non-finite logit"
         return out
 
-    nll_p, nll_q, kld, agree = pair_stats(ref, got, targets)
-    out.update(status="ok", ppl_ratio=float(math.exp(nll_q.mean() - nll_p.mean())), kld_mean=float(kld.mean()),
-               top1_agreement=float(agree.mean()))
+    ladder = PairLadder()
+    ladder.add(ref, got, targets)
+    s = ladder.summary()
+    out.update(status="ok", ppl_ratio=float(math.exp(s["mean_nll_int8"] - s["mean_nll_fp32"])),
+               kld_mean=s["kld_mean"], top1_agreement=float(s["top1_agreement"]))
     return out
 
 
@@ -188,7 +191,7 @@ def graph_fp16_range(fp32_path, window: np.ndarray, top: int = 5) -> dict:
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     opts.log_severity_level = 3
     try:
-        session = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+        session = ort.InferenceSession(model.SerializeToString(), opts, providers=[CPU])
         values = session.run(names, {session.get_inputs()[0].name: np.ascontiguousarray(window, dtype=np.int64)})
     except Exception as exc:  # noqa: BLE001
         return {"status": f"not measured: {' '.join(str(exc).split())[:200]}"}

@@ -28,7 +28,16 @@ from tqdm import tqdm
 from ..data import BOS
 from ..errors import MeasureError
 from ..onnx_wire import onnx_nodes
-from .sessions import CPU, CUDA, TENSORRT, ProviderUnavailable, SessionSpec, make_session, provider_status
+from .sessions import (
+    CPU,
+    CUDA,
+    TENSORRT,
+    ProviderUnavailable,
+    SessionSpec,
+    make_session,
+    provider_status,
+    short_provider,
+)
 
 MEASURED = "measured"
 NOT_MEASURED = "not measured: "
@@ -263,7 +272,7 @@ def bench_batches(path: str | os.PathLike, *, variant: str, spec: SessionSpec, b
         fixed_notes, simulated = _provider_notes(path, spec, is_quantized)
         for i, (batch, base) in enumerate(zip(batches, bases)):
             timing = _Timing(warmup, iters, max_seconds, progress,
-                             f"{variant} {spec.provider.replace('ExecutionProvider', '')} b{batch}x{seq}")
+                             f"{variant} {short_provider(spec.provider)} b{batch}x{seq}")
             times, notes = timing.run(session, path, batch, seq, seed,
                                       facts.seconds if record_placement and i == 0 else None)
             rows.append(_measured_row(base, times, batch, seq, fixed_notes + notes, simulated,

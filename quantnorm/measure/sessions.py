@@ -70,6 +70,18 @@ def normalize_provider(name: str) -> str:
     raise ConfigError(f"unknown execution provider {name!r}: choose one of {choices}")
 
 
+def short_provider(provider: str) -> str:
+    """``CPUExecutionProvider`` -> ``CPU``: the label tables and reports print."""
+    return provider.replace("ExecutionProvider", "")
+
+
+def listed_providers() -> list[str]:
+    """The providers this onnxruntime build lists, in ``PROVIDERS`` order: the default of
+    ``--providers`` (a listed one that cannot run here gets a "not measured: why" row)."""
+    listed = set(ort.get_available_providers())
+    return [p for p in PROVIDERS.values() if p in listed]
+
+
 def normalize_opt_level(name: str) -> str:
     """A short name (``disable``/``basic``/``extended``/``all``) or an ORT name -> the ORT name."""
     key = name.strip()

@@ -45,6 +45,7 @@ from ..fileio import save_onnx
 from ..onnx_wire import model_with_weights_by_reference, onnx_nodes
 from .latency import quant_format
 from .outliers import TensorAccumulator
+from .sessions import CPU
 
 # A graph output that gets quantized keeps its name on the DQ output; its float input is renamed.
 _Q_INPUT_SUFFIX = "_QuantizeLinear_Input"
@@ -148,7 +149,7 @@ def open_beside(model_path: Path, model: onnx.ModelProto, options: ort.SessionOp
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(model.SerializeToString())
-        return ort.InferenceSession(graph_path, sess_options=options, providers=["CPUExecutionProvider"])
+        return ort.InferenceSession(graph_path, sess_options=options, providers=[CPU])
     except Exception as exc:  # onnxruntime raises its own untyped errors
         raise MeasureError(f"cannot load ONNX model {model_path} with tapped outputs: {exc}") from exc
     finally:
@@ -163,7 +164,7 @@ def _open_copied(model_path: Path, model: onnx.ModelProto, options: ort.SessionO
         path = Path(tmp) / "tapped.onnx"
         save_onnx(model, path)
         try:
-            return ort.InferenceSession(str(path), sess_options=options, providers=["CPUExecutionProvider"])
+            return ort.InferenceSession(str(path), sess_options=options, providers=[CPU])
         except Exception as exc:  # onnxruntime raises its own untyped errors
             raise MeasureError(f"cannot load ONNX model {model_path} with tapped outputs: {exc}") from exc
 

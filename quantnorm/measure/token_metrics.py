@@ -2,9 +2,8 @@
 
 Causal LMs: FORMULAS.md's perplexity, KL(p_fp32 || p_int8) ladder and top-1 agreement, with
 tokens where the zoo has bytes (``level: "token"``, bits per *token*). The math is
-``quantnorm.measure.accuracy``'s (``pair_stats``: NLL of the target, KL and agreement per position; the PPL result); only
-the windows differ: a real vocabulary has a token 256, which the zoo's byte-level checks would
-take for its BOS.
+``quantnorm.measure.accuracy``'s ``PairLadder``; only the windows differ: a real vocabulary has a
+token 256, which the zoo's byte-level checks would take for its BOS.
 
 Encoders (sentence embeddings): per evaluation passage (window) the cosine similarity of the FP32
 and INT8 embeddings (mean, 1st percentile, min); nearest-neighbour agreement: for each passage,
@@ -20,7 +19,7 @@ import math
 import numpy as np
 
 from ..errors import MeasureError
-from .accuracy import pair_stats, ppl_result
+from .accuracy import PairLadder
 
 LOGIT_BUDGET_BYTES = 256 * 1024 * 1024  # float64 log-probs of one batch, both models
 
@@ -60,35 +59,21 @@ def compare_tokens(fp32_session, int8_session, inputs: np.ndarray, targets: np.n
         raise MeasureError(f"inputs {inputs.shape} and targets {targets.shape} must be the same [n, seq]")
     if scored is None:
         scored = np.ones(inputs.shape, dtype=bool)
-    nll_p = nll_q = 0.0
-    agree = 0
-    klds: list[np.ndarray] = []
+    ladder = PairLadder()
     batch_size = batch_size or auto_batch(inputs.shape[1], _vocab(fp32_session))
     for (lo, lp), (_, lq) in zip(_run(fp32_session, inputs, output, batch_size),
                                  _run(int8_session, inputs, output, batch_size), strict=True):
         if lp.shape != lq.shape:
             raise MeasureError(f"FP32 and INT8 logits differ in shape: {lp.shape} vs {lq.shape}")
-        hi = lo + len(lp)
-        mask = scored[lo:hi]
-        tgt = targets[lo:hi][mask]
+        mask = scored[lo:lo + len(lp)]
+        tgt = targets[lo:lo + len(lp)][mask]
         if tgt.size and tgt.max() >= lp.shape[-1]:
             raise MeasureError(f"a target id {int(tgt.max())} is outside the model's vocabulary of {lp.shape[-1]}")
-        np_, nq, kl, same = pair_stats(lp[mask], lq[mask], tgt)
-        nll_p += float(np_.sum())
-        nll_q += float(nq.sum())
-        klds.append(kl)
-        agree += int(same.sum())
-    kld = np.concatenate(klds)
-    n = int(kld.size)
-    if n == 0:
-        raise MeasureError("no scored positions")
-    p, q = ppl_result(nll_p, n), ppl_result(nll_q, n)
-    return {
-        "ppl_fp32": p.ppl, "ppl_int8": q.ppl, "ppl_ratio": q.ppl / p.ppl,
-        "kld_mean": float(kld.mean()), "kld_p99": float(np.percentile(kld, 99)), "kld_max": float(kld.max()),
-        "top1_agreement": agree / n, "n_scored": n, "level": "token",
-        "bits_per_token_fp32": p.mean_nll / math.log(2), "bits_per_token_int8": q.mean_nll / math.log(2),
-    }
+        ladder.add(lp[mask], lq[mask], tgt)
+    s = ladder.summary()
+    nll_p, nll_q = s.pop("mean_nll_fp32"), s.pop("mean_nll_int8")
+    return {**s, "level": "token",
+            "bits_per_token_fp32": nll_p / math.log(2), "bits_per_token_int8": nll_q / math.log(2)}
 
 
 def cosine_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:

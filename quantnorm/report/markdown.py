@@ -24,11 +24,6 @@ def table(header: list[str], rows: list[list]) -> list[str]:
     return lines
 
 
-def short_provider(provider: str) -> str:
-    """``CPUExecutionProvider`` -> ``CPU``."""
-    return provider.replace("ExecutionProvider", "")
-
-
 def token_suffix(entry: dict) -> str:
     """`` `<token>` `` after a position, when the probe recorded the token there."""
     token = entry.get("token")

@@ -16,6 +16,7 @@ from matplotlib.ticker import NullLocator
 
 from ..fileio import atomic_path
 from ..measure.outliers import MASSIVE_ABS, MASSIVE_RATIO
+from ..measure.sessions import CPU
 from ..measure.sqnr import spearman
 
 _DPI = 120
@@ -120,7 +121,7 @@ def plot_sqnr_vs_outlier(rows: list[dict], out_png: Path, title: str) -> Path:
 def plot_recipe_tradeoff(recipes: list[dict], latency_rows: list[dict], out_png: Path, title: str) -> Path:
     """Per recipe: PPL ratio (left bars) and CPU p50 latency relative to FP32 at the largest
     measured batch (right bars). ``recipes`` are results.json recipe entries with accuracy."""
-    cpu = [r for r in latency_rows if r.get("status") == "measured" and r["provider"] == "CPUExecutionProvider"]
+    cpu = [r for r in latency_rows if r.get("status") == "measured" and r["provider"] == CPU]
     batch = max((r["batch"] for r in cpu), default=None)
     p50 = {r["variant"]: r["p50_ms"] for r in cpu if r["batch"] == batch}
     names = [r["name"] for r in recipes]

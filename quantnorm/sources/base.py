@@ -33,10 +33,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..errors import ConfigError
+from ..transforms.variants import FP32Variants
 from .hf_loader import DETECTED
 
-__all__ = ["DETECTED", "ModelSource", "NoTransforms", "SearchScoring", "SourceData"]
+__all__ = ["DETECTED", "ModelSource", "SearchScoring", "SourceData", "no_transforms"]
 
 
 @dataclass(frozen=True)
@@ -80,22 +80,13 @@ class ModelSource(Protocol):
     def sections(self, detected: dict) -> dict: ...
 
 
-class NoTransforms:
+def no_transforms(what: str, run_dir: Path) -> FP32Variants:
     """For a source without a torch module (an ONNX export): every recipe quantizes the FP32 graph
     as it is; a SmoothQuant or rotation recipe is refused with the reason, recorded as "not
     applicable" in results.json and the report."""
-
-    exports: dict = {}
-    rotated: dict = {}
-
-    def __init__(self, what: str):
-        self.what = what
-
-    def fp32_for(self, recipe, default: Path) -> Path:
-        if getattr(recipe, "smoothquant_alpha", None) is not None:
-            raise ConfigError(f"SmoothQuant is not available for {self.what}: it folds scales into the torch "
-                              f"module's norms (export from the checkpoint directory to use it)")
-        if getattr(recipe, "rotation", None) is not None:
-            raise ConfigError(f"rotation is not available for {self.what}: it rotates the torch module's weights "
-                              f"(export from the checkpoint directory to use it)")
-        return default
+    return FP32Variants(
+        run_dir,
+        no_smooth=f"SmoothQuant is not available for {what}: it folds scales into the torch module's norms "
+                  "(export from the checkpoint directory to use it)",
+        no_rotate=f"rotation is not available for {what}: it rotates the torch module's weights "
+                  "(export from the checkpoint directory to use it)")

@@ -4,7 +4,8 @@ load (local files only, ``quantnorm.sources.hf_loader``) -> tokenize the corpus 
 tokenizer -> export the wrapper with the parity gate. Accuracy is token-level for causal LMs (PPL
 ratio, KL, top-1 over next tokens) and embedding agreement for encoders (plus the masked positions
 for an encoder with an MLM head). SmoothQuant recipes smooth the checkpoint with the zoo's fold
-rule (``quantnorm.sources.hf_fold``); rotation recipes rotate it (``quantnorm.transforms.rotation``).
+rule (``quantnorm.sources.hf_fold`` says how, ``quantnorm.transforms.smoothquant`` does it);
+rotation recipes rotate it (``quantnorm.transforms.rotation``).
 ``--recipes auto`` scores trials over tokens: next tokens for causal LMs, the masked positions
 for MLM encoders; an encoder without an MLM head has no perplexity to target and is refused.
 """
@@ -24,10 +25,13 @@ from ..measure.fp16_check import fp16_check
 from ..measure.token_metrics import compare_tokens, encoder_compare, encoder_outputs
 from ..portable import portable_path
 from ..runs import check_out_dir
+from ..transforms.rotation import rotate_and_export, rotated_onnx_file
+from ..transforms.smoothquant import smooth_and_export
+from ..transforms.variants import FP32Variants
 from .base import SearchScoring, SourceData
 from .gguf import gguf_checkpoint, resolve_gguf
 from .hf_export import export_hf_onnx, make_wrapper, output_names
-from .hf_fold import HFSmoothedModels
+from .hf_fold import fold_rules, missing_fold_rule
 from .hf_loader import DETECTED, GRAPH_DETECTED_FROM, NORM_FORMULAS, TABLE_DETECTED_FROM, load_checkpoint
 from .tokenized import AUTO_EVAL_WINDOWS, mlm_windows, prepare_hf_data
 
@@ -178,10 +182,24 @@ class HFSource:
             self.wrapper = make_wrapper(self.loaded)
         return self.loaded, self.wrapper
 
-    def transforms(self, cfg):
-        return HFSmoothedModels(self.weights, self.data.calib_inputs,
-                                self.data.eval_inputs[: cfg.parity_windows], self.run_dir, outputs=self.outputs,
-                                max_positions=self.max_positions, opset=cfg.opset, spec=self.loaded.spec)
+    def transforms(self, cfg) -> FP32Variants:
+        """One smoothed export per alpha (this checkpoint's fold rules) and one rotated export per
+        form, each made on first use from the weights (reloaded if the export let them go)."""
+        parity = self.data.eval_inputs[: cfg.parity_windows]
+        shape = {"outputs": self.outputs, "max_positions": self.max_positions, "opset": cfg.opset}
+
+        def smooth(alpha: float, path: Path):
+            loaded, wrapper = self.weights()
+            return smooth_and_export(wrapper, fold_rules(loaded.spec), self.data.calib_inputs, parity, path,
+                                     alpha=alpha, **shape)
+
+        def rotate(recipe):
+            loaded, wrapper = self.weights()
+            return rotate_and_export(loaded, wrapper, parity, self.run_dir / rotated_onnx_file(recipe.rotation),
+                                     form=recipe.rotation, **shape)
+        spec = self.loaded.spec   # the table row: a recipe without a fold rule is refused before any reload
+        return FP32Variants(self.run_dir, smooth=smooth, rotate=rotate,
+                            refuse=lambda recipe: missing_fold_rule(spec, recipe))
 
     def accuracy(self, fp32_session, cfg) -> Callable:
         return TokenAccuracy(self.kind, fp32_session, self.data, self.mlm, cfg.eval_batch_size)

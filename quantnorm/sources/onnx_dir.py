@@ -40,9 +40,11 @@ from ..data import BUILTIN_PYDOC
 from ..errors import ConfigError, ExportError
 from ..export import count_norm_ops
 from ..fileio import atomic_path, external_data_file, save_onnx
+from ..measure.sessions import CPU
 from ..portable import portable_path
 from ..runs import check_out_dir
-from .base import NoTransforms, SearchScoring
+from ..transforms.variants import FP32Variants
+from .base import SearchScoring, no_transforms
 from .hf import TokenAccuracy, default_out_dir, hf_data, token_namer, token_search_scoring
 from .hf_loader import (
     DETECTED,
@@ -266,8 +268,8 @@ class OnnxDirSource:
         del original, bound
         parity_inputs = self.data.eval_inputs[: max(1, cfg.parity_windows)]
         try:
-            reference = ort.InferenceSession(str(source_file), providers=["CPUExecutionProvider"])
-            candidate = ort.InferenceSession(str(fp32_path), providers=["CPUExecutionProvider"])
+            reference = ort.InferenceSession(str(source_file), providers=[CPU])
+            candidate = ort.InferenceSession(str(fp32_path), providers=[CPU])
         except Exception as exc:  # noqa: BLE001 - ORT's untyped errors
             fp32_path.unlink(missing_ok=True)
             raise ConfigError(f"--model {self.dir}: onnxruntime cannot load {ONNX_FILE}: "
@@ -312,8 +314,8 @@ class OnnxDirSource:
         return {name: float(np.abs(ref[name] - got[name]).max() / max(1.0, float(np.abs(ref[name]).max())))
                 for name in OUTPUTS[self.kind]}
 
-    def transforms(self, cfg) -> NoTransforms:
-        return NoTransforms("an ONNX source")
+    def transforms(self, cfg) -> FP32Variants:
+        return no_transforms("an ONNX source", self.run_dir)
 
     def accuracy(self, fp32_session, cfg) -> Callable:
         return TokenAccuracy(self.kind, fp32_session, self.data, None, cfg.eval_batch_size)

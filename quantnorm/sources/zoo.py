@@ -7,7 +7,6 @@ torch model (the probe itself reads the graph, as for every source).
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,60 +14,27 @@ import numpy as np
 
 from ..calibration import calibration_windows
 from ..data import PreparedData, evaluation_windows, prepare_data
-from ..errors import ConfigError, ExportError, QuantizeError
+from ..errors import ConfigError, QuantizeError
 from ..export import export_onnx
-from ..measure.accuracy import compare, run_logits
+from ..measure.accuracy import compare
 from ..measure.diagnostics import diagnostics
-from ..measure.sessions import SessionSpec, make_session
-from ..module_export import max_output_diff
 from ..runs import TRAIN_SUMMARY_FILE, RunDir, check_out_dir
 from ..train import RunConfig, load_model, train
-from ..transforms.rotation import RotatedExport, online_plan, rotate_every_linear_input
-from ..transforms.smoothquant import DEFAULT_PARITY_TOLERANCE, SmoothedModels, torch_logits
+from ..transforms.rotation import ROTATED_ONLINE_ONNX_FILE, RotatedExport, export_online_rotated
+from ..transforms.smoothquant import smoothing
+from ..transforms.variants import FP32Variants
 from .base import SearchScoring, SourceData
 
-ROTATED_ONLINE_ONNX_FILE = "model.fp32.rotated-online.onnx"
 
-
-def export_online_rotated(model, parity_inputs: np.ndarray, out_path: Path, *, opset: int,
-                          tolerance: float = DEFAULT_PARITY_TOLERANCE) -> RotatedExport:
-    """Form (b) of the rotation on a zoo model (every Linear's input rotated in the graph; exact for
-    every placement, the head is already untied) and its export, checked twice: the ONNX file against
-    the rotated torch model (the export's own gate), then against the *original* model's logits,
-    relative to their scale (the INT8 model is judged against the original). A failure keeps no file."""
-    rotated = copy.deepcopy(model).eval()
-    count, widths = rotate_every_linear_input(rotated)
-    out_path = Path(out_path)
-    exported = export_onnx(rotated, out_path, parity_inputs, opset=opset)
-    got = np.concatenate(list(run_logits(make_session(out_path, SessionSpec(threads=1)), np.asarray(parity_inputs))))
-    diff = max_output_diff([torch_logits(model, np.asarray(parity_inputs))], [got], relative=True)
-    if not diff <= tolerance:
-        out_path.unlink(missing_ok=True)
-        raise ExportError(f"rotated ONNX model does not match the original model: max relative |delta logit| = "
-                          f"{diff:.3g} > {tolerance:g}; no file kept")
-    plan = online_plan(model.cfg.d_model, count, widths, model.cfg.n_layers, untied=False)
-    return RotatedExport(out_path, plan, exported, diff)
-
-
-class ZooTransforms(SmoothedModels):
-    """The zoo's SmoothQuant exports (one per alpha) and its rotated export, each made on first use."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.rotated: dict[str, RotatedExport] = {}
-
-    def fp32_for(self, recipe, default: Path) -> Path:
-        form = getattr(recipe, "rotation", None)
-        if form is None:
-            return super().fp32_for(recipe, default)
-        if form != "online":
+def zoo_rotation(model, parity_inputs: np.ndarray, out_dir: Path, opset: int):
+    """The zoo's rotated export: the online form (a zoo model has no Pre-RMSNorm stream to fold)."""
+    def rotate(recipe) -> RotatedExport:
+        if recipe.rotation != "online":
             raise ConfigError(f"recipe {recipe.name}: the residual-stream rotation (form a) folds the norm weights "
-                              "of a Pre-RMSNorm Llama-family checkpoint (quantnorm.transforms.rotation); a zoo model takes "
-                              "the online form, online-rotated-pertoken-fused")
-        if form not in self.rotated:
-            self.rotated[form] = export_online_rotated(self.model, self.parity_inputs,
-                                                       self.out_dir / ROTATED_ONLINE_ONNX_FILE, opset=self.opset)
-        return self.rotated[form].path
+                              "of a Pre-RMSNorm Llama-family checkpoint (quantnorm.transforms.rotation); a zoo model "
+                              "takes the online form, online-rotated-pertoken-fused")
+        return export_online_rotated(model, parity_inputs, Path(out_dir) / ROTATED_ONLINE_ONNX_FILE, opset=opset)
+    return rotate
 
 
 def ensure_trained(run: RunConfig, out_dir: Path, data: PreparedData, progress: bool) -> RunDir:
@@ -108,9 +74,11 @@ class ZooSource:
         exported = export_onnx(self.model, fp32_path, self.data.eval_inputs[: cfg.parity_windows], opset=cfg.opset)
         return exported.to_dict(self.run_dir)
 
-    def transforms(self, cfg) -> ZooTransforms:
-        return ZooTransforms(self.model, self.data.calib_inputs, self.data.eval_inputs[: cfg.parity_windows],
-                              self.run_dir, opset=cfg.opset)
+    def transforms(self, cfg) -> FP32Variants:
+        """The zoo's SmoothQuant exports (one per alpha) and its rotated export, each made on first use."""
+        parity = self.data.eval_inputs[: cfg.parity_windows]
+        return FP32Variants(self.run_dir, smooth=smoothing(self.model, self.data.calib_inputs, parity, opset=cfg.opset),
+                            rotate=zoo_rotation(self.model, parity, self.run_dir, cfg.opset))
 
     def accuracy(self, fp32_session, cfg) -> Callable:
         def score(int8_session) -> dict:

@@ -35,7 +35,8 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from ..module_export import export_matching_original
+from ..export import export_onnx
+from ..module_export import check_matches_original, export_matching_original
 
 ROTATABLE_FAMILIES = ("llama", "mistral", "qwen2")
 PALEY_PRIMES = (11, 19, 23, 43, 47, 59, 67, 71, 79, 83)  # q = 3 mod 4: Hadamard order q + 1
@@ -321,3 +322,27 @@ def rotate_and_export(loaded, wrapper, parity_inputs: np.ndarray, out_path: Path
                                               outputs=outputs, max_positions=max_positions, opset=opset,
                                               tolerance=tolerance)
     return RotatedExport(Path(out_path), plan, exported, diff)
+
+
+ROTATED_ONNX_FILE = "model.fp32.rotated.onnx"
+ROTATED_ONLINE_ONNX_FILE = "model.fp32.rotated-online.onnx"
+
+
+def rotated_onnx_file(form: str) -> str:
+    """The file a rotated export of ``form`` is written to (the Hadamard stream rotation keeps the plain name)."""
+    return ROTATED_ONNX_FILE if form == "hadamard" else ROTATED_ONNX_FILE.replace("rotated", f"rotated-{form}")
+
+
+def export_online_rotated(model, parity_inputs: np.ndarray, out_path: Path, *, opset: int,
+                          tolerance: float = DEFAULT_PARITY_TOLERANCE) -> RotatedExport:
+    """Form (b) of the rotation on a zoo model (every Linear's input rotated in the graph; exact for
+    every placement, the head is already untied) and its export, checked twice: the ONNX file against
+    the rotated torch model (the export's own gate), then against the *original* model's logits,
+    relative to their scale (the INT8 model is judged against the original). A failure keeps no file."""
+    rotated = copy.deepcopy(model).eval()
+    count, widths = rotate_every_linear_input(rotated)
+    out_path = Path(out_path)
+    exported = export_onnx(rotated, out_path, parity_inputs, opset=opset)
+    diff = check_matches_original(model, out_path, parity_inputs, what="rotated", tolerance=tolerance, batch_size=16)
+    plan = online_plan(model.cfg.d_model, count, widths, model.cfg.n_layers, untied=False)
+    return RotatedExport(out_path, plan, exported, diff)

@@ -63,19 +63,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import ConfigError, ExportError, QuantizeError
+from ..errors import ConfigError, QuantizeError
 from ..export import export_onnx, torch_outputs
-from ..measure.accuracy import run_logits
 from ..measure.latency import bench_model
-from ..measure.sessions import SessionSpec, make_session
 from ..models import CausalLM
 from ..models.norms import NORMS
-from ..module_export import max_output_diff
+from ..module_export import check_matches_original, export_matching_original, max_output_diff
+from .variants import FP32Variants
 
 SCALE_MIN = 1e-5
 SCALE_MAX = 1e5
 DEFAULT_ALPHA = 0.5
-SMOOTHED_ONNX_FILE = "model.fp32.smoothquant.onnx"
 # Smoothing is exact algebra; what is left is float32 rounding of W*s and of norm weights / s.
 DEFAULT_PARITY_TOLERANCE = 1e-3
 LATENCY_BATCH = 8  # the batch the issue judges latency at
@@ -484,12 +482,8 @@ def export_smoothed(model: CausalLM, calib_inputs: np.ndarray, parity_inputs: np
     smoothed, plan = smooth_model(model, calib_inputs, alpha, parity_tolerance=parity_tolerance)
     out_path = Path(out_path)
     exported = export_onnx(smoothed, out_path, parity_inputs, opset=opset)
-    got = np.concatenate(list(run_logits(make_session(out_path, SessionSpec(threads=1)), np.asarray(parity_inputs))))
-    diff = max_output_diff([torch_logits(model, np.asarray(parity_inputs))], [got])
-    if not diff <= parity_tolerance:
-        out_path.unlink(missing_ok=True)
-        raise ExportError(f"smoothed ONNX model does not match the original model: max |delta logit| = {diff:.3g} "
-                          f"> {parity_tolerance:g}; no file kept")
+    diff = check_matches_original(model, out_path, parity_inputs, what="smoothed", tolerance=parity_tolerance,
+                                  relative=False, batch_size=16)
     return SmoothQuantExport(out_path, plan, exported, diff, smoothed)
 
 
@@ -519,30 +513,62 @@ def fp32_latency_cost(fp32_path: Path, smoothed_path: Path, spec, *, seq: int, b
     }
 
 
-class SmoothedModels:
-    """Smoothed FP32 exports of one run, made on first use and shared by the recipe loop and the
-    search (one export per alpha)."""
+@dataclass(frozen=True)
+class FoldRules:
+    """What a source tells SmoothQuant about its model: the placement and norm (recorded in the
+    plan), which modules are norms, how 1/s goes into one (``fold``, and its formula as recorded),
+    and the name prefix its export drops from node names."""
+
+    placement: str
+    norm: str
+    is_norm: Callable[[nn.Module], bool]
+    fold: Callable[[nn.Module, torch.Tensor], None]
+    formula: str
+    strip_prefix: str = ""
+
+
+@dataclass(frozen=True)
+class SmoothedModuleExport:
+    """A smoothed copy of any module (a checkpoint's export wrapper), exported with the parity gates."""
+
+    path: Path
+    plan: SmoothQuantPlan
+    export: object                      # module_export.ModuleExportResult (parity vs the smoothed module)
+    onnx_vs_original_max_abs_logit_diff: float   # relative to max(1, max |original output|)
+    fold_formula: str
+
+    def to_dict(self, run_dir: Path | None = None) -> dict:
+        return {**self.plan.to_dict(), "path": Path(self.path).name, "export": self.export.to_dict(run_dir),
+                "onnx_vs_original_max_abs_logit_diff": self.onnx_vs_original_max_abs_logit_diff,
+                "parity_rule": "max |delta| / max(1, max |original|) per output, max over outputs",
+                "fold_formula": self.fold_formula}
+
+
+def smooth_and_export(wrapper, rules: FoldRules, calib_inputs: np.ndarray, parity_inputs: np.ndarray,
+                      out_path: Path, *, alpha: float, outputs: tuple[str, ...], max_positions: int | None,
+                      opset: int, tolerance: float = DEFAULT_PARITY_TOLERANCE) -> SmoothedModuleExport:
+    """Smooth ``wrapper`` (a deep copy; the original is untouched) by the source's fold ``rules``,
+    export it and prove that the ONNX file computes the original outputs. A failure leaves no file."""
+    smoothed, plan = smooth_module(wrapper, calib_inputs, alpha, placement=rules.placement, norm=rules.norm,
+                                   is_norm=rules.is_norm, fold=rules.fold, batch_size=8,
+                                   parity_tolerance=tolerance, relative_parity=True,
+                                   strip_prefix=rules.strip_prefix)  # names as the ONNX nodes carry them
+    exported, diff = export_matching_original(smoothed, wrapper, out_path, parity_inputs, what="smoothed",
+                                              outputs=outputs, max_positions=max_positions, opset=opset,
+                                              tolerance=tolerance)
+    return SmoothedModuleExport(Path(out_path), plan, exported, diff, rules.formula)
+
+
+def smoothing(model: CausalLM, calib_inputs: np.ndarray, parity_inputs: np.ndarray, *, opset: int = 18) -> Callable:
+    """``smooth(alpha, path)`` for ``FP32Variants``: a zoo model's smoothed export."""
+    def smooth(alpha: float, path: Path) -> SmoothQuantExport:
+        return export_smoothed(model, calib_inputs, parity_inputs, path, alpha=alpha, opset=opset)
+    return smooth
+
+
+class SmoothedModels(FP32Variants):
+    """A zoo model's smoothed FP32 exports, one per alpha, made on first use (no rotated export)."""
 
     def __init__(self, model: CausalLM, calib_inputs: np.ndarray, parity_inputs: np.ndarray, out_dir: Path,
                  *, opset: int = 18):
-        self.model, self.calib_inputs, self.parity_inputs = model, calib_inputs, parity_inputs
-        self.out_dir, self.opset = Path(out_dir), opset
-        self.exports: dict[float, SmoothQuantExport] = {}
-
-    def get(self, alpha: float) -> SmoothQuantExport:
-        alpha = float(alpha)
-        if alpha not in self.exports:
-            name = SMOOTHED_ONNX_FILE if not self.exports else SMOOTHED_ONNX_FILE.replace(".onnx", f".a{alpha:g}.onnx")
-            self.exports[alpha] = self._export(alpha, self.out_dir / name)
-        return self.exports[alpha]
-
-    def _export(self, alpha: float, path: Path) -> SmoothQuantExport:
-        return export_smoothed(self.model, self.calib_inputs, self.parity_inputs, path, alpha=alpha, opset=self.opset)
-
-    def fp32_for(self, recipe, default: Path) -> Path:
-        """The FP32 model ``recipe`` quantizes: the smoothed export for a SmoothQuant recipe."""
-        if getattr(recipe, "rotation", None) is not None:
-            raise ConfigError(f"recipe {recipe.name}: this source makes no rotated export (rotation lives in the "
-                              "checkpoint and zoo sources' transforms, quantnorm.transforms.rotation)")
-        alpha = getattr(recipe, "smoothquant_alpha", None)
-        return default if alpha is None else self.get(alpha).path
+        super().__init__(out_dir, smooth=smoothing(model, calib_inputs, parity_inputs, opset=opset))
