@@ -20,10 +20,10 @@ from ..results import (
     is_pretrained,
     latency_rows,
     source_kind,
+    status_from_results,
     validate_results,
 )
 from ..runs import CONFIG_FILE, RESULTS_FILE, TRAIN_SUMMARY_FILE
-from ..train_status import status_from_results
 
 EXIT_PASS, EXIT_FAIL, EXIT_ERROR = 0, 1, 2
 

@@ -16,7 +16,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from .. import results as results_file
-from ..train_status import STATUSES, TRAINED
+from ..results import STATUS_TRAINED as TRAINED
+from ..results import STATUSES
 from .markdown import table
 from .stats import (
     NOT_TESTED,
