@@ -42,6 +42,17 @@ from .fileio import write_json_atomic
 from .measure.sessions import CPU, hardware_info
 from .runs import RESULTS_FILE
 
+# A run's training status as read back from its results.json (train and data sections): the
+# reports and the gate read it here, the owner of what results.json holds, not from the trainer.
+from .train_status import (  # noqa: F401 - the read view the report package and the gate import
+    DEFAULT_COLLAPSE_MARGIN,
+    DIVERGED,
+    STATUSES,
+    check_margin,
+    status_from_results,
+)
+from .train_status import TRAINED as STATUS_TRAINED  # noqa: F401 - beside the source kind TRAINED below
+
 SCHEMA_VERSION = 2
 READABLE_SCHEMAS = (1, 2)
 

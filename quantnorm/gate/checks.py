@@ -17,8 +17,7 @@ from .. import results as results_file
 from ..errors import QuantnormError
 from ..measure.sessions import short_provider
 from ..policy import ACCURACY_LIMITS, Policy, within
-from ..results import FP32_VARIANT, OK_STATUS, is_pretrained, latency_rows, source_kind
-from ..train_status import status_from_results
+from ..results import FP32_VARIANT, OK_STATUS, is_pretrained, latency_rows, source_kind, status_from_results
 from .verdict import Check, ResultsError, RunVerdict
 
 

@@ -14,8 +14,9 @@ from pathlib import Path
 
 from .. import results as results_file
 from ..fileio import write_text_atomic
+from ..results import DIVERGED, STATUSES
+from ..results import STATUS_TRAINED as TRAINED
 from ..runs import PLOTS_DIR, REPORT_FILE
-from ..train_status import DIVERGED, STATUSES, TRAINED
 from .findings import (
     FINDINGS_FILE,
     FINDINGS_JSON,

@@ -13,7 +13,8 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from ..train_status import STATUSES, TRAINED
+from ..results import STATUS_TRAINED as TRAINED
+from ..results import STATUSES
 from .stats import NOT_TESTED, SubTest, combine, finite, fmt_pct, holm, sign_test
 from .sweep import CellResult, Sweep
 

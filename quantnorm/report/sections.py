@@ -10,7 +10,8 @@ from __future__ import annotations
 from .. import results as results_file
 from ..errors import QuantnormError
 from ..measure.sessions import short_provider
-from ..train_status import TRAINED, status_from_results
+from ..results import STATUS_TRAINED as TRAINED
+from ..results import status_from_results
 from .markdown import fmt, table
 
 # ------------------------------------------------------------------------------ every run

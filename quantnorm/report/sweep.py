@@ -19,8 +19,9 @@ from pathlib import Path
 from .. import results as results_file
 from ..errors import DataError, RunDirError
 from ..manifest import MANIFEST_FILE, read_manifest
+from ..results import DEFAULT_COLLAPSE_MARGIN, DIVERGED, STATUSES, check_margin, status_from_results
+from ..results import STATUS_TRAINED as TRAINED
 from ..runs import CONFIG_FILE, PLOTS_DIR, RESULTS_FILE, TRAIN_LOG_FILE, TRAIN_SUMMARY_FILE
-from ..train_status import DEFAULT_COLLAPSE_MARGIN, DIVERGED, STATUSES, TRAINED, check_margin, status_from_results
 from .stats import Estimate, estimate, finite, line_fit
 
 PLACEMENT_ORDER = ("post", "pre", "peri", "deepnorm", "residual")
