@@ -151,7 +151,9 @@ class DecodeSession:
 def greedy_decode(model, prompts: np.ndarray, max_new_tokens: int, *, threads: int | None = 1) -> np.ndarray:
     """Greedy generation through the cache: ``prompts`` [batch, prompt] int -> [batch, max_new_tokens].
 
-    The prompt is one step after an empty past, then each new token is one step. Always
+    The prompt is one step after an empty past, then each new token is one step; the cache stays
+    in ONNX Runtime between steps (``DecodeSession``: I/O binding on any provider, the CPU's
+    included); only the logits come back to numpy. Always
     ``max_new_tokens`` tokens (no stop at an end-of-sequence token: generations are compared
     position by position). A prompt plus new tokens past the graph's stated positions is a
     ``ConfigError``.

@@ -94,8 +94,8 @@ class HFWithPast(nn.Module):
 
         self.model = model
         self._cache_class = DynamicCache
-        # transformers 5.25 renamed the forward's past_key_values to cache (the old name still
-        # works, with a warning)
+        # the forward's cache argument is ``cache`` in recent transformers (``past_key_values``, the
+        # older name, still works there but warns)
         self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         config = model.config.get_text_config(decoder=True)
         probe = DynamicCache(config=model.config)
