@@ -114,7 +114,7 @@ def export_module_onnx(wrapper, out_path: Path, parity_inputs: np.ndarray, *, ou
         if exporter is None:
             raise ExportError("torch.onnx.export failed with both exporters: "
                               + "; ".join(f"{a['exporter']} opset {a['opset']}: {a['status']}" for a in attempts))
-        model = finish_onnx_file(tmp, lambda m: _name_nodes(m, getattr(wrapper, "node_prefix", "")), out_path)
+        model = finish_onnx_file(tmp, lambda m: name_nodes_by_module(m, getattr(wrapper, "node_prefix", "")), out_path)
         norm_ops = count_norm_ops(model)
         del model   # the graph's Python copy (1 GB for Gemma 3) is not needed while the parity session runs
 
@@ -143,7 +143,7 @@ def _export_once(wrapper, tmp: Path, parity_inputs: np.ndarray, outputs, max_pos
                               input_names=[INPUT_NAME], output_names=list(outputs), dynamic_axes=axes)
 
 
-def _name_nodes(model: onnx.ModelProto, prefix: str) -> None:
+def name_nodes_by_module(model: onnx.ModelProto, prefix: str) -> None:
     """Nodes named after the module they came from (``model.layers.0.mlp.down_proj/MatMul``): the
     zoo's renaming, then the wrapper's own attribute (its ``node_prefix``) dropped from the front."""
     rename_nodes_by_module(model)

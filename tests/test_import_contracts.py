@@ -58,6 +58,9 @@ def test_the_real_tree_keeps_every_contract():
     ("sweep/grid.py", "from quantnorm.sweep import executors",
      ["The sweep package: run_sweep (its __init__) > the executors and a cell's process > sweep.json > the grid "
       "BROKEN"]),
+    # Inside the generation package: running a with-past graph never needs its exporter.
+    ("generation/decode.py", "from quantnorm.generation import with_past",
+     ["The generation package: the with-past export > decoding on ONNX Runtime BROKEN"]),
     # A model source reaching up into the pipeline.
     ("sources/hf_loader.py", "from quantnorm.sweep import run_sweep", ["A model source never imports the pipeline BROKEN"]),
     # A transform reaching into a model source (transforms serve every source).

@@ -135,6 +135,45 @@ def test_model_readout_and_final_norm(placement):
     torch.testing.assert_close(model(ids), hidden @ model.head.weight.T, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+def test_the_kv_cache_gives_the_whole_windows_logits(placement):
+    """A prompt after an empty past, then one token at a time against the cache: the same logits
+    as the whole window (positions continue from the past), for every placement."""
+    cfg = ModelConfig(placement=placement, norm="layer", n_layers=2, d_model=32, n_heads=4, context=16)
+    model = CausalLM(cfg).eval()
+    randomize_norms(model)
+    ids = torch.randint(0, 257, (3, 12))
+    with torch.no_grad():
+        whole = model(ids)
+        logits, past = model.forward_with_past(ids[:, :5])
+        steps = [logits]
+        for t in range(5, 12):
+            logits, past = model.forward_with_past(ids[:, t:t + 1], past)
+            steps.append(logits)
+    torch.testing.assert_close(torch.cat(steps, dim=1), whole, rtol=1e-4, atol=1e-5)
+    assert len(past) == cfg.n_layers
+    assert all(k.shape == v.shape == (3, 4, 12, 8) for k, v in past)
+
+
+def test_the_kv_cache_honours_padding_and_position_ids():
+    """A left-padded row (mask 0 on the pads, positions from its first real token) gives the
+    logits of the same tokens alone, before and after a cached step."""
+    model = CausalLM(ModelConfig(placement="pre", n_layers=2, d_model=32, n_heads=4, context=16)).eval()
+    real = torch.randint(0, 257, (1, 6))
+    padded = torch.cat([torch.zeros(1, 3, dtype=torch.int64), real], dim=1)
+    mask = torch.tensor([[0, 0, 0] + [1] * 6])
+    positions = torch.tensor([[0, 0, 0, 0, 1, 2, 3, 4, 5]])
+    nxt = torch.randint(0, 257, (1, 1))
+    with torch.no_grad():
+        want = model(torch.cat([real, nxt], dim=1))
+        got, past = model.forward_with_past(padded, position_ids=positions, attention_mask=mask)
+        step, _ = model.forward_with_past(nxt, past, position_ids=torch.tensor([[6]]),
+                                          attention_mask=torch.cat([mask, torch.ones(1, 1, dtype=torch.int64)], 1))
+    torch.testing.assert_close(got[:, 3:], want[:, :6], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(step, want[:, 6:], rtol=1e-4, atol=1e-5)
+    assert torch.isfinite(got).all()  # the padded queries see only themselves: no 0/0
+
+
 @pytest.mark.parametrize("norm_cls", [LayerNorm, RMSNorm])
 def test_norm_formulas(norm_cls):
     norm = norm_cls(24)

@@ -1,14 +1,21 @@
 """A GPT-style causal language model whose only varying parts are the norm and its placement.
 
-Read top to bottom: config -> attention -> MLP -> block -> model. Learned positions, GELU MLP,
-separate q/k/v projections (so DeepNorm can initialize v apart from q and k, and each weight
-is its own MatMul for the quantizer), no dropout, an untied LM head.
+Read top to bottom: config -> KV cache -> attention -> MLP -> block -> model. Learned positions,
+GELU MLP, separate q/k/v projections (so DeepNorm can initialize v apart from q and k, and each
+weight is its own MatMul for the quantizer), no dropout, an untied LM head.
+
+Two forwards: ``forward(input_ids)`` scores whole windows (what is trained, exported and
+quantized); ``forward_with_past`` is one step of generation against a KV cache (a prompt after
+an empty past, then a token at a time), each attention keeping its own keys and values. ResiDual's
+second stream needs nothing more: the cache holds only what attention computed.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +54,44 @@ class ModelConfig:
         return asdict(self)
 
 
+KV = tuple[torch.Tensor, torch.Tensor]  # one attention's (keys, values), each [batch, heads, length, head_dim]
+
+
+@dataclass
+class LayerCache:
+    """One attention's cache during a step: its keys and values so far, and the visibility mask.
+
+    ``keep`` (``cache_keep``) is 1 where a new query may attend a key. The attention
+    appends this step's keys and values (``extend``), so after the step ``key``/``value`` are the
+    present that the next step takes as its past.
+    """
+    key: torch.Tensor
+    value: torch.Tensor
+    keep: torch.Tensor
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor) -> KV:
+        self.key = torch.cat([self.key, k], dim=2)
+        self.value = torch.cat([self.value, v], dim=2)
+        return self.key, self.value
+
+
+def cache_keep(past: int, seq: int, attention_mask: torch.Tensor | None, device=None) -> torch.Tensor:
+    """Which keys the ``seq`` new queries see after ``past`` cached ones, as 1/0: [seq, past + seq],
+    or [batch, 1, seq, past + seq] with an ``attention_mask``.
+
+    Causal in cache slots (query i sits in slot past + i) and, with an ``attention_mask``
+    [batch, past + seq] (0 = padding), never a padded key, except a query's own slot: a row with
+    nothing to attend to would divide by zero in ``masked_softmax`` (a padded query's output is
+    never read).
+    """
+    slots = torch.arange(past + seq, device=device)
+    keep = slots[None, :] <= slots[past:, None]
+    if attention_mask is not None:
+        own = slots[None, :] == slots[past:, None]
+        keep = keep & ((attention_mask[:, None, None, :] != 0) | own)
+    return keep.float()
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -61,13 +106,17 @@ class CausalSelfAttention(nn.Module):
         # A no-op whose forward hook lets the probe read the attention weights.
         self.probs_tap = nn.Identity()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        """Whole windows (``cache`` None), or one generation step that extends ``cache``."""
         B, T, C = x.shape
         q = self.q(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         v = self.v(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        if cache is not None:
+            k, v = cache.extend(k, v)  # the past's keys and values, then this step's
         scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
-        probs = self.probs_tap(masked_softmax(scores, self.causal[:T, :T]))
+        keep = self.causal[:T, :T] if cache is None else cache.keep
+        probs = self.probs_tap(masked_softmax(scores, keep))
         y = (probs @ v).transpose(1, 2).reshape(B, T, C)
         return self.proj(y)
 
@@ -113,8 +162,9 @@ class Block(nn.Module):
         self.attn_norms = nn.ModuleDict({n: make_norm(cfg.norm, cfg.d_model) for n in self.placement.sublayer_norms})
         self.mlp_norms = nn.ModuleDict({n: make_norm(cfg.norm, cfg.d_model) for n in self.placement.sublayer_norms})
 
-    def forward(self, stream: Stream) -> Stream:
-        stream = self.placement.step(stream, self.attn, self.attn_norms, self.alpha)
+    def forward(self, stream: Stream, cache: LayerCache | None = None) -> Stream:
+        attn = self.attn if cache is None else partial(self.attn, cache=cache)
+        stream = self.placement.step(stream, attn, self.attn_norms, self.alpha)
         return self.placement.step(stream, self.mlp, self.mlp_norms, self.alpha)
 
 
@@ -162,6 +212,32 @@ class CausalLM(nn.Module):
         for block in self.blocks:
             stream = block(stream)
         return self.head(self.placement.readout(stream, self.final_norm))
+
+    def forward_with_past(self, input_ids: torch.Tensor, past: Sequence[KV] | None = None,
+                          position_ids: torch.Tensor | None = None,
+                          attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, list[KV]]:
+        """One generation step: ``input_ids`` [batch, seq] after ``past`` -> (logits, present).
+
+        ``past``: per layer (keys, values) [batch, heads, past, head_dim], None for a prompt.
+        ``position_ids`` [batch, seq] default to past, past + 1, ... (positions continue from the
+        cache); ``attention_mask`` [batch, past + seq] (1 = token, 0 = padding) defaults to all
+        ones. ``present``: per layer the past with this step's keys and values appended.
+        """
+        B, T = input_ids.shape
+        if past is None:
+            empty = self.tok_emb.weight.new_zeros(B, self.cfg.n_heads, 0, self.cfg.d_model // self.cfg.n_heads)
+            past = [(empty, empty)] * self.cfg.n_layers
+        P = past[0][0].shape[2]
+        if position_ids is None:
+            position_ids = torch.arange(P, P + T, device=input_ids.device)[None].expand(B, T)
+        keep = cache_keep(P, T, attention_mask, device=input_ids.device)
+        caches = [LayerCache(k, v, keep) for k, v in past]
+        x = self.tok_emb(input_ids) + self.pos_emb(position_ids)
+        stream: Stream = (x,) * self.placement.n_streams
+        for block, cache in zip(self.blocks, caches, strict=True):
+            stream = block(stream, cache)
+        logits = self.head(self.placement.readout(stream, self.final_norm))
+        return logits, [(c.key, c.value) for c in caches]
 
     def n_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -1,0 +1,241 @@
+"""A with-past ONNX graph on ONNX Runtime: steps with the KV cache carried, greedy decoding, and
+the cache proof (scoring through the cache equals scoring whole windows).
+
+The graph's interface is the one Optimum and ONNX Runtime GenAI use: inputs ``input_ids``
+[batch, seq], ``attention_mask`` [batch, past + seq], ``position_ids`` [batch, seq] (each of the
+last two optional: a graph without them is fed without them) and ``past_key_values.{i}.key`` /
+``.value`` [batch, kv_heads, past, head_dim]; outputs ``logits`` [batch, seq, vocab] and
+``present.{i}.key`` / ``.value`` [batch, kv_heads, past + seq, head_dim]. A prompt is a step
+after an empty past (length 0).
+
+The cache stays in ONNX Runtime between steps: ``DecodeSession`` binds each step's ``present``
+outputs as ORT-allocated values (I/O binding, which the CPU provider supports) and binds those
+same values as the next step's ``past`` inputs, so no key or value is copied to numpy and back;
+only the logits are read out. (The graph itself concatenates past and new keys into a fresh
+present each step: a cache of fixed size updated in place is another graph.)
+
+Prompts in a batch have equal length (windows of the evaluation split): the attention mask is
+all ones and positions run past, past + 1, ...
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from ..errors import ConfigError
+from ..measure.accuracy import nll_rows
+from ..measure.sessions import SessionSpec, make_session
+
+INPUT_IDS = "input_ids"
+ATTENTION_MASK = "attention_mask"
+POSITION_IDS = "position_ids"
+LOGITS = "logits"
+MAX_LENGTH_KEY = "quantnorm.max_length"   # model metadata: the longest past + seq the graph is exact for
+_PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
+_ORT_FLOAT = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+
+
+def past_names(n_layers: int) -> list[str]:
+    return [f"past_key_values.{i}.{kv}" for i in range(n_layers) for kv in ("key", "value")]
+
+
+def present_names(n_layers: int) -> list[str]:
+    return [f"present.{i}.{kv}" for i in range(n_layers) for kv in ("key", "value")]
+
+
+@dataclass(frozen=True)
+class PastLayout:
+    """The cache a with-past graph takes: ``n_layers`` (keys, values) of [batch, kv_heads, past, head_dim]."""
+    n_layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: type = np.float32
+    max_length: int | None = None   # from the graph's metadata; None: not stated
+
+    def empty(self, batch: int) -> list[np.ndarray]:
+        return [np.zeros((batch, self.kv_heads, 0, self.head_dim), self.dtype)] * (2 * self.n_layers)
+
+    @classmethod
+    def of_session(cls, session: ort.InferenceSession, where: str = "the graph") -> PastLayout:
+        """Read from the graph's inputs and outputs; a graph that is not a with-past causal LM, or
+        whose ``present`` outputs do not match its ``past`` inputs, is a ``ConfigError``."""
+        inputs = {i.name: i for i in session.get_inputs()}
+        outputs = {o.name: o for o in session.get_outputs()}
+        found = sorted({int(m.group(1)) for name in inputs if (m := _PAST.match(name))})
+        if INPUT_IDS not in inputs or LOGITS not in outputs or not found:
+            raise ConfigError(f"{where} is not a with-past causal LM: it needs inputs input_ids and "
+                              f"past_key_values.{{i}}.key/.value and output logits (export it with past)")
+        n_layers = len(found)
+        if found != list(range(n_layers)):
+            raise ConfigError(f"{where}: past_key_values layers are {found}, expected 0..{n_layers - 1}")
+        missing = [n for n in past_names(n_layers) if n not in inputs] + \
+                  [n for n in present_names(n_layers) if n not in outputs]
+        if missing:
+            raise ConfigError(f"{where}: the present outputs do not match the past inputs (missing {missing[0]})")
+        first = inputs[past_names(1)[0]]
+        shape = first.shape
+        if len(shape) != 4 or not isinstance(shape[1], int) or not isinstance(shape[3], int):
+            raise ConfigError(f"{where}: past_key_values.0.key has shape {shape}, expected "
+                              f"[batch, kv_heads, past, head_dim] with fixed heads and head_dim")
+        for past, present in zip(past_names(n_layers), present_names(n_layers)):
+            a, b = inputs[past], outputs[present]
+            if a.type != b.type or [a.shape[i] for i in (1, 3)] != [shape[1], shape[3]] or \
+                    len(b.shape) != 4 or [b.shape[i] for i in (1, 3)] != [shape[1], shape[3]]:
+                raise ConfigError(f"{where}: {present} ({b.type} {b.shape}) does not match {past} ({a.type} {a.shape})")
+        if first.type not in _ORT_FLOAT:
+            raise ConfigError(f"{where}: the cache is {first.type}; float or float16 expected")
+        meta = session.get_modelmeta().custom_metadata_map
+        max_length = int(meta[MAX_LENGTH_KEY]) if MAX_LENGTH_KEY in meta else None
+        return cls(n_layers, shape[1], shape[3], _ORT_FLOAT[first.type], max_length)
+
+
+def open_session(model, threads: int | None = 1) -> ort.InferenceSession:
+    """``model``: an ``ort.InferenceSession`` (returned as is) or the path of an ONNX file (CPU session)."""
+    if isinstance(model, ort.InferenceSession):
+        return model
+    return make_session(Path(model), SessionSpec(threads=threads))
+
+
+class DecodeSession:
+    """A with-past graph and its cache, kept as ORT values between steps (see the module doc)."""
+
+    def __init__(self, model, *, threads: int | None = 1):
+        self.session = open_session(model, threads)
+        self.layout = PastLayout.of_session(self.session)
+        self.feeds = {i.name for i in self.session.get_inputs()}
+        self.outputs = [LOGITS, *present_names(self.layout.n_layers)]
+        self.reset(1)
+
+    def reset(self, batch: int) -> None:
+        """Start over with an empty cache for ``batch`` sequences."""
+        self.batch = batch
+        self.length = 0
+        self.past = [ort.OrtValue.ortvalue_from_numpy(a) for a in self.layout.empty(batch)]
+
+    def step(self, input_ids: np.ndarray) -> np.ndarray:
+        """Feed ``input_ids`` [batch, seq] after the cache, keep the present as the new cache;
+        return the logits [batch, seq, vocab] as numpy."""
+        ids = np.ascontiguousarray(input_ids, dtype=np.int64)
+        if ids.ndim != 2 or ids.shape[0] != self.batch or ids.shape[1] < 1:
+            raise ConfigError(f"a step takes input_ids [{self.batch}, seq >= 1], got {list(ids.shape)}")
+        max_length = self.layout.max_length
+        if max_length is not None and self.length + ids.shape[1] > max_length:
+            raise ConfigError(f"{self.length + ids.shape[1]} tokens exceed the model's {max_length} positions "
+                              f"(prompt plus new tokens): use a shorter prompt or fewer new tokens")
+        total = self.length + ids.shape[1]
+        host = {INPUT_IDS: ids,   # kept referenced until the run: the binding holds their memory
+                ATTENTION_MASK: np.ones((self.batch, total), np.int64),
+                POSITION_IDS: np.ascontiguousarray(np.broadcast_to(np.arange(self.length, total), ids.shape))}
+        binding = self.session.io_binding()
+        for name, array in host.items():
+            if name in self.feeds:
+                binding.bind_cpu_input(name, array)
+        for name, value in zip(past_names(self.layout.n_layers), self.past):
+            binding.bind_ortvalue_input(name, value)
+        for name in self.outputs:
+            binding.bind_output(name, "cpu")
+        self.session.run_with_iobinding(binding)
+        logits, *present = binding.get_outputs()
+        self.past, self.length = present, total
+        return logits.numpy()
+
+    def cache(self) -> list[np.ndarray]:
+        """The cache as numpy arrays (a copy), in ``past_names`` order."""
+        return [value.numpy() for value in self.past]
+
+
+def greedy_decode(model, prompts: np.ndarray, max_new_tokens: int, *, threads: int | None = 1) -> np.ndarray:
+    """Greedy generation through the cache: ``prompts`` [batch, prompt] int -> [batch, max_new_tokens].
+
+    The prompt is one step after an empty past, then each new token is one step; the cache stays
+    in ONNX Runtime between steps (``DecodeSession``: I/O binding on any provider, the CPU's
+    included); only the logits come back to numpy. Always
+    ``max_new_tokens`` tokens (no stop at an end-of-sequence token: generations are compared
+    position by position). A prompt plus new tokens past the graph's stated positions is a
+    ``ConfigError``.
+    """
+    prompts = np.asarray(prompts)
+    if prompts.ndim != 2 or prompts.shape[1] < 1 or not np.issubdtype(prompts.dtype, np.integer):
+        raise ConfigError(f"prompts must be integer token ids [batch, prompt >= 1], got {prompts.dtype} {prompts.shape}")
+    if max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    runner = model if isinstance(model, DecodeSession) else DecodeSession(model, threads=threads)
+    max_length = runner.layout.max_length
+    if max_length is not None and prompts.shape[1] + max_new_tokens - 1 > max_length:
+        raise ConfigError(f"a {prompts.shape[1]}-token prompt and {max_new_tokens} new tokens exceed the model's "
+                          f"{max_length} positions: use a shorter prompt or fewer new tokens")
+    runner.reset(len(prompts))
+    logits = runner.step(prompts)
+    tokens = []
+    while True:
+        tokens.append(logits[:, -1].argmax(-1).astype(np.int64))
+        if len(tokens) == max_new_tokens:
+            return np.stack(tokens, axis=1)
+        logits = runner.step(tokens[-1][:, None])
+
+
+# ---------------------------------------------------------------------------------------------
+# The cache proof
+
+
+@dataclass(frozen=True)
+class CacheCheck:
+    """Mean next-token NLL (nats) of the same windows scored through the cache and whole."""
+    nll_cached: float
+    nll_whole: float
+    prefill: int
+    windows: list[int]          # [n, seq]
+    tolerance: float
+
+    @property
+    def relative_diff(self) -> float:
+        return abs(self.nll_cached - self.nll_whole) / max(abs(self.nll_whole), 1e-30)
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.relative_diff <= self.tolerance)   # NaN fails
+
+    def to_dict(self) -> dict:
+        return {"nll_cached": self.nll_cached, "nll_whole": self.nll_whole, "relative_diff": self.relative_diff,
+                "tolerance": self.tolerance, "ok": self.ok, "prefill": self.prefill, "windows": list(self.windows)}
+
+
+def check_cache(model, windows: np.ndarray, prefill: int, *, whole=None, tolerance: float = 1e-4,
+                batch_size: int = 8, threads: int | None = 1) -> CacheCheck:
+    """Score ``windows`` [n, seq] through the cache (prefill ``prefill`` tokens, then one token at
+    a time, teacher-forced, the cache carried between steps) and whole, and return both NLLs.
+
+    ``whole``: the whole-window graph (input ``input_ids`` -> ``logits``) or its path; None scores
+    the windows whole with the with-past graph itself (one step after an empty past). Exact in
+    FP32 and for per-token recipes; a per-tensor dynamic recipe's scales differ between a prompt
+    and one row, so its two NLLs need not agree (PITFALLS.md 20).
+    """
+    windows = np.ascontiguousarray(windows, dtype=np.int64)
+    if windows.ndim != 2 or len(windows) < 1:
+        raise ConfigError(f"windows must be token ids [n, seq], got shape {windows.shape}")
+    if not 1 <= prefill < windows.shape[1]:
+        raise ConfigError(f"prefill must be in [1, {windows.shape[1] - 1}] for {windows.shape[1]}-token windows, "
+                          f"got {prefill}")
+    runner = DecodeSession(model, threads=threads)
+    whole_session = None if whole is None else open_session(whole, threads)
+    cached_sum = whole_sum = 0.0
+    for lo in range(0, len(windows), batch_size):
+        batch = windows[lo:lo + batch_size]
+        runner.reset(len(batch))
+        parts = [runner.step(batch[:, :prefill])]
+        for t in range(prefill, batch.shape[1] - 1):
+            parts.append(runner.step(batch[:, t:t + 1]))
+        cached_sum += float(nll_rows(np.concatenate(parts, axis=1), batch[:, 1:]).sum())
+        if whole_session is None:
+            runner.reset(len(batch))
+            whole_logits = runner.step(batch)
+        else:
+            whole_logits = whole_session.run([LOGITS], {INPUT_IDS: batch})[0]
+        whole_sum += float(nll_rows(whole_logits[:, :-1], batch[:, 1:]).sum())
+    n = windows.shape[0] * (windows.shape[1] - 1)
+    return CacheCheck(cached_sum / n, whole_sum / n, prefill, list(windows.shape), tolerance)
+

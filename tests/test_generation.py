@@ -1,0 +1,181 @@
+"""The with-past (KV cache) export, decoding it on ONNX Runtime, and the cache proof.
+
+Tiny models only, nothing downloaded: a zoo model of each placement, and tiny random Llama and
+Gemma 3 checkpoints built from their configs (tests/test_hf.py's table). Each graph is exported
+once per module and only read by the tests.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from quantnorm.errors import ConfigError, ExportError
+from quantnorm.export import export_onnx
+from quantnorm.generation import (
+    DecodeSession,
+    HFWithPast,
+    ZooWithPast,
+    check_cache,
+    export_with_past,
+    greedy_decode,
+    past_names,
+    present_names,
+)
+from quantnorm.models import PLACEMENTS, CausalLM, ModelConfig
+
+transformers = pytest.importorskip("transformers")  # the hf extra; .ci/run installs it
+
+CONTEXT = 24
+
+
+def zoo_model(placement: str) -> CausalLM:
+    torch.manual_seed(0)
+    model = CausalLM(ModelConfig(placement=placement, n_layers=2, d_model=32, n_heads=4, context=CONTEXT)).eval()
+    for m in model.modules():  # an untrained model's logits are nearly flat: give the argmax margins
+        if isinstance(m, torch.nn.Linear):
+            torch.nn.init.normal_(m.weight, std=0.3)
+    return model
+
+
+def hf_model(name: str, **overrides):
+    from test_hf import ARCHS
+
+    torch.manual_seed(0)
+    config = ARCHS[name][0]()
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def windows(n: int, seq: int, vocab: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(3, vocab, size=(n, seq)).astype(np.int64)
+
+
+def torch_greedy(logits_of, prompts: np.ndarray, new: int) -> np.ndarray:
+    """Greedy tokens from whole-window forwards in PyTorch (no cache at all): the reference."""
+    ids = torch.from_numpy(prompts)
+    with torch.no_grad():
+        for _ in range(new):
+            ids = torch.cat([ids, logits_of(ids)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids[:, prompts.shape[1]:].numpy()
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """name -> (with-past path, export result, torch model); zoo placements and "llama"."""
+    root = tmp_path_factory.mktemp("with-past")
+    done = {}
+
+    def get(name: str):
+        if name not in done:
+            if name in PLACEMENTS:
+                model = zoo_model(name)
+                wrapper, vocab = ZooWithPast(model), model.cfg.vocab_size
+            else:
+                model = hf_model(name)
+                wrapper, vocab = HFWithPast(model), model.config.vocab_size
+            result = export_with_past(wrapper, root / f"{name}.onnx", windows(2, 6, vocab))
+            done[name] = (result.path, result, model)
+        return done[name]
+
+    return get
+
+
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+def test_zoo_cache_proof_and_greedy_tokens(exported, placement):
+    path, result, model = exported(placement)
+    assert set(result.max_abs_diff) == {"prompt", "decode 1", "decode 2"}
+    assert max(result.max_abs_diff.values()) <= 1e-4
+    graph = onnx.load(str(path))
+    assert [i.name for i in graph.graph.input] == ["input_ids", "attention_mask", "position_ids", *past_names(2)]
+    assert [o.name for o in graph.graph.output] == ["logits", *present_names(2)]
+
+    check = check_cache(path, windows(3, 20, 257, seed=1), prefill=7)
+    assert check.ok and check.relative_diff <= 1e-4, check.to_dict()
+    assert 0 < check.nll_whole < 20
+
+    prompts = windows(3, 5, 257, seed=2)
+    tokens = greedy_decode(path, prompts, 10)
+    assert tokens.shape == (3, 10)
+    np.testing.assert_array_equal(tokens, torch_greedy(model, prompts, 10))
+
+
+def test_llama_through_transformers_cache(exported):
+    path, result, model = exported("llama")
+    assert result.kv_heads == 2 and result.head_dim == 8 and result.max_length == 128   # grouped-query attention
+    check = check_cache(path, windows(3, 20, 300, seed=1), prefill=5)
+    assert check.ok, check.to_dict()
+
+    prompts = windows(2, 6, 300, seed=2)
+    tokens = greedy_decode(path, prompts, 12)
+    np.testing.assert_array_equal(tokens, torch_greedy(lambda ids: model(ids, use_cache=False).logits, prompts, 12))
+    generation = transformers.GenerationConfig(do_sample=False, max_new_tokens=12, min_new_tokens=12,
+                                               eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        generated = model.generate(torch.from_numpy(prompts), generation_config=generation)
+    np.testing.assert_array_equal(tokens, generated[:, 6:].numpy())
+
+
+def test_the_check_scores_whole_windows_with_the_whole_window_graph_too(exported, tmp_path):
+    path, _, model = exported("pre")
+    ids = windows(3, 20, 257, seed=1)
+    whole = export_onnx(model, tmp_path / "whole.onnx", ids).path
+    check = check_cache(path, ids, prefill=4, whole=whole)
+    assert check.ok, check.to_dict()
+
+
+def test_a_cache_that_loses_its_past_fails_the_check(exported, monkeypatch):
+    """The check can fail: a step that forgets the cache (as a graph ignoring its past would)
+    scores differently from the whole window."""
+    path, _, _ = exported("pre")
+    step = DecodeSession.step
+
+    def forgetful(self, input_ids):
+        logits = step(self, input_ids)
+        self.past = [type(v).ortvalue_from_numpy(np.zeros_like(v.numpy())) for v in self.past]
+        return logits
+
+    monkeypatch.setattr(DecodeSession, "step", forgetful)
+    check = check_cache(path, windows(2, 12, 257, seed=1), prefill=3)
+    assert not check.ok and check.relative_diff > 1e-3
+
+
+def test_parity_failure_raises_and_leaves_no_file(tmp_path):
+    model = zoo_model("post")
+    with pytest.raises(ExportError, match="does not match PyTorch with its cache"):
+        export_with_past(ZooWithPast(model), tmp_path / "past.onnx", windows(2, 6, 257), tolerance=1e-12)
+    assert list(tmp_path.iterdir()) == [], "a failed export left files behind"
+
+
+def test_sliding_window_layers_state_their_maximum_length(tmp_path):
+    """Gemma 3's sliding layers keep window - 1 keys: the graph is exact up to that length, says
+    so in its metadata, and a decode past it is refused in one line."""
+    wrapper = HFWithPast(hf_model("gemma3_text", sliding_window=12))
+    assert wrapper.max_length == 11
+    path = export_with_past(wrapper, tmp_path / "gemma3.onnx", windows(2, 5, 300)).path
+    assert check_cache(path, windows(2, 11, 300, seed=1), prefill=4).ok
+    assert DecodeSession(path).layout.max_length == 11
+    with pytest.raises(ConfigError, match="exceed the model's 11 positions"):
+        greedy_decode(path, windows(1, 8, 300), 5)
+
+
+def test_bad_graphs_and_prompts_are_one_line_errors(exported, tmp_path):
+    path, _, _ = exported("pre")
+    with pytest.raises(ConfigError, match=f"exceed the model's {CONTEXT} positions"):
+        greedy_decode(path, windows(1, 20, 257), 6)
+    with pytest.raises(ConfigError, match="parity prompt and 2 decode steps need"):
+        export_with_past(ZooWithPast(zoo_model("pre")), tmp_path / "x.onnx", windows(1, CONTEXT - 1, 257))
+    assert not (tmp_path / "x.onnx").exists()
+
+    graph = onnx.load(str(path))
+    dropped = [o for o in graph.graph.output if o.name == "present.1.value"][0]
+    graph.graph.output.remove(dropped)
+    onnx.save(graph, str(tmp_path / "mismatched.onnx"))
+    with pytest.raises(ConfigError, match="present outputs do not match the past inputs"):
+        greedy_decode(tmp_path / "mismatched.onnx", windows(1, 4, 257), 2)
+
+    whole = export_onnx(zoo_model("pre"), tmp_path / "whole.onnx", windows(2, 8, 257)).path
+    with pytest.raises(ConfigError, match="not a with-past causal LM"):
+        greedy_decode(whole, windows(1, 4, 257), 2)
