@@ -73,24 +73,30 @@ def available_cpus() -> int:
 
 
 @functools.lru_cache(maxsize=1)
-def gpu_names() -> tuple[str, ...]:
-    """Names of the NVIDIA GPUs ``nvidia-smi`` lists; empty when it is missing, fails or lists none.
-
-    Cached: it is asked by every provider check and the answer does not change within a run.
-    """
+def _nvidia_smi_gpus() -> tuple[tuple[str, ...], ...]:
+    """One row per GPU ``nvidia-smi`` lists: name, driver, memory, compute capability; empty when
+    it is missing, fails or lists none. Cached: asked by every provider check, and the answer does
+    not change within a run."""
     exe = shutil.which("nvidia-smi")
     if exe is None:
         return ()
     try:
-        proc = subprocess.run(
-            [exe, "--query-gpu=name", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=20, check=False,
-        )
+        proc = subprocess.run([exe, "--query-gpu=name,driver_version,memory.total,compute_cap",
+                               "--format=csv,noheader"], capture_output=True, text=True, timeout=20, check=False)
     except (OSError, subprocess.SubprocessError):
         return ()
     if proc.returncode != 0:
         return ()
-    return tuple(line.strip() for line in proc.stdout.splitlines() if line.strip())
+    rows = [line.strip() for line in proc.stdout.splitlines() if line.strip()]
+    return tuple(tuple(([p.strip() for p in row.split(",")] + [""] * 4)[:4]) for row in rows)
+
+
+def gpu_names() -> tuple[str, ...]:
+    """Names of the NVIDIA GPUs ``nvidia-smi`` lists; empty when it is missing, fails or lists none."""
+    return tuple(row[0] for row in _nvidia_smi_gpus())
+
+
+gpu_names.cache_clear = _nvidia_smi_gpus.cache_clear  # one nvidia-smi answer a run, cleared as one
 
 
 def gpu_device_present() -> bool:
@@ -111,25 +117,13 @@ GPU_LIBRARY_DISTS = ("onnxruntime-gpu", "tensorrt", "tensorrt-cu13", "tensorrt-c
                      "nvidia-curand-cu12")
 
 
-@functools.lru_cache(maxsize=1)
 def gpu_details() -> dict | None:
     """Each GPU's name, driver, memory and compute capability (nvidia-smi) and the installed GPU
     libraries' versions; None where no GPU is listed."""
-    exe = shutil.which("nvidia-smi")
-    if exe is None:
-        return None
-    try:
-        proc = subprocess.run([exe, "--query-gpu=name,driver_version,memory.total,compute_cap",
-                               "--format=csv,noheader"], capture_output=True, text=True, timeout=20, check=False)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    rows = [line.strip() for line in proc.stdout.splitlines() if line.strip()] if proc.returncode == 0 else []
+    rows = _nvidia_smi_gpus()
     if not rows:
         return None
-    gpus = []
-    for row in rows:
-        parts = [p.strip() for p in row.split(",")] + [""] * 4
-        gpus.append({"name": parts[0], "driver": parts[1], "memory": parts[2], "compute_capability": parts[3]})
+    gpus = [{"name": n, "driver": d, "memory": m, "compute_capability": c} for n, d, m, c in rows]
     libraries = {}
     for dist in GPU_LIBRARY_DISTS:
         try:
