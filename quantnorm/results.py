@@ -316,6 +316,44 @@ def fp32_p50(results: dict | None, provider: str = CPU) -> tuple[float | None, i
     return row.p50_ms, row.batch
 
 
+# ------------------------------------------------------------------------------------ generation
+
+
+@dataclass(frozen=True)
+class GenerationModel:
+    """One entry of ``generation.models``: the FP32 model ("fp32") or a recipe on its with-past
+    graph. ``path``: the with-past ONNX file, relative to the run directory (None when the recipe
+    did not apply or broke); ``agreement``: greedy generation against FP32's (None for FP32);
+    ``decode``: prompt and generation speed rows (one per provider and batch)."""
+
+    name: str
+    status: str
+    path: str | None
+    cache_check: dict | None
+    agreement: dict | None
+    decode: list[dict]
+    entry: dict
+
+    @property
+    def ok(self) -> bool:
+        return self.status == OK
+
+
+def generation_models(results: dict | None) -> list[GenerationModel]:
+    """``generation.models`` in the run's order (FP32 first); [] for a run without generation."""
+    entries = (section(results, "generation") or {}).get("models")
+    if not isinstance(entries, list):
+        return []
+    return [GenerationModel(name=e.get("name"), status=e.get("status", OK), path=e.get("path"),
+                            cache_check=e.get("cache_check"), agreement=e.get("agreement"),
+                            decode=[r for r in e.get("decode") or [] if isinstance(r, dict)], entry=e)
+            for e in entries if isinstance(e, dict)]
+
+
+def generation_model(results: dict | None, name: str) -> GenerationModel | None:
+    return next((m for m in generation_models(results) if m.name == name), None)
+
+
 # ------------------------------------------------------------------------------------ activations
 
 

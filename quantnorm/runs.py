@@ -35,6 +35,12 @@ def int8_onnx_file(recipe: str) -> str:
     return f"model.int8.{recipe}.onnx"
 
 
+def past_onnx_file(name: str) -> str:
+    """The with-past (KV-cache) graph of the FP32 model (``name`` "fp32") or of a recipe."""
+    return FP32_ONNX_FILE.replace(".onnx", ".past.onnx") if name == "fp32" else \
+        int8_onnx_file(name).replace(".onnx", ".past.onnx")
+
+
 def config_hash(config: dict[str, Any]) -> str:
     """A short, stable hash of a JSON-able configuration (key order does not matter)."""
     blob = json.dumps(config, sort_keys=True, separators=(",", ":")).encode()
