@@ -209,6 +209,17 @@ def evaluate_options(func):
                      help="Seconds of timed runs per latency cell: a cell stops before --iters once its runs "
                           "add up to this (5 runs at least; the report gives each cell's count). 0: no budget, "
                           "all --iters runs.  [default: 10 with --model, else no budget]"),
+        click.option("--generation/--no-generation", default=None,
+                     help="Causal models: export each recipe with a KV cache and measure generation as deployed: "
+                          "prompt and generation tokens/s, per-token p50/p90, peak memory, and greedy generations "
+                          "against FP32's. [default: on for evaluate, off for sweep]"),
+        click.option("--gen-batches", default="1,4", show_default=True,
+                     help="Generation: batch sizes of the decode-speed rows."),
+        click.option("--gen-tokens", default="128,128", show_default=True,
+                     help="Generation: prompt tokens and new tokens of the decode-speed rows (cut to the model's "
+                          "positions when they do not fit)."),
+        click.option("--agreement", default="16,64", show_default=True,
+                     help="Generation agreement: prompts (from the evaluation split) and greedy new tokens each."),
         click.option("--no-outliers", is_flag=True,
                      help="Skip the activation probe and per-tensor SQNR (a sweep's residual-growth and outlier "
                           "findings need them)."),
@@ -218,7 +229,8 @@ def evaluate_options(func):
     return func
 
 
-def evaluate_config(flags: dict, progress: bool, *, with_model: bool = False) -> EvaluateConfig:
+def evaluate_config(flags: dict, progress: bool, *, with_model: bool = False,
+                    generation_default: bool = True) -> EvaluateConfig:
     """The EvaluateConfig of the ``evaluate_options`` flags, which it pops off ``flags`` (the
     command's keyword arguments): validated here, before anything runs. ``with_model``: evaluate
     was given ``--model`` (a checkpoint: the latency cells get a time budget by default)."""
@@ -235,7 +247,20 @@ def evaluate_config(flags: dict, progress: bool, *, with_model: bool = False) ->
         outliers=not f["no_outliers"], progress=progress, sq_alpha=f["sq_alpha"], max_ppl_ratio=policy.max_ppl_ratio,
         min_top1=policy.min_top1, max_kld=policy.max_kld, max_kld_p99=policy.max_kld_p99, search_pick=f["search_pick"],
         search_space=tuple(_csv(f["search_space"])) if f["search_space"] else None, exclude=tuple(f["exclude"]),
+        **generation_fields(f, generation_default),
     )
+
+
+def generation_fields(f: dict, default: bool) -> dict:
+    prompt_new = _int_csv(f["gen_tokens"], "--gen-tokens")
+    agreement = _int_csv(f["agreement"], "--agreement")
+    for flag, pair in (("--gen-tokens", prompt_new), ("--agreement", agreement)):
+        if len(pair) != 2:
+            raise click.BadParameter(f"expected two comma-separated integers, got {','.join(map(str, pair))}",
+                                     param_hint=flag)
+    return {"generation": default if f["generation"] is None else f["generation"],
+            "gen_batches": _int_csv(f["gen_batches"], "--gen-batches"), "gen_prompt_tokens": prompt_new[0],
+            "gen_new_tokens": prompt_new[1], "agreement_prompts": agreement[0], "agreement_new_tokens": agreement[1]}
 
 
 # The parameter names evaluate_options adds, read off a command it decorates (one list, not two).
@@ -491,7 +516,7 @@ def sweep(ctx, placements, norms, seeds, warmups, depths, d_model, heads, contex
         depths=_int_csv(depths, "--depths"), lrs=_float_csv(lrs, "--lrs") if lrs is not None else None,
         d_model=d_model, heads=heads, context=context, steps=steps,
         batch_size=batch_size, lr=lr, corpus=corpus,
-        evaluate=evaluate_config(flags, progress=False),  # cells write logs, not progress bars
+        evaluate=evaluate_config(flags, progress=False, generation_default=False),  # cells write logs, not progress bars
     )
     outcome = run_sweep(cfg, out, jobs=jobs, executor=executor, ray_address=ray_address, progress=not quiet,
                         command=_command_line(), echo=click.echo)

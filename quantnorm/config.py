@@ -54,6 +54,16 @@ class EvaluateConfig:
     search_pick: str = "fastest"        # the search's pick: fastest or first passing model
     search_space: tuple[str, ...] | None = None  # the search's recipes (None: every weight-MatMul recipe)
     exclude: tuple[str, ...] = ()       # node names / fnmatch patterns kept in FP32 by every recipe
+    # Generation (causal models): each recipe on the with-past (KV-cache) graph, decode speed and
+    # generation agreement (quantnorm.generation). Off unless asked: `quantnorm evaluate` turns it
+    # on by default; a sweep only with --generation, so recorded sweeps resume unchanged.
+    generation: bool = False
+    gen_batches: tuple[int, ...] = (1, 4)
+    gen_prompt_tokens: int = 128        # decode speed: prompt length and new tokens (cut to the model's positions)
+    gen_new_tokens: int = 128
+    gen_rounds: int = 2
+    agreement_prompts: int = 16         # generation agreement: prompts from the evaluation split
+    agreement_new_tokens: int = 64
 
     def __post_init__(self) -> None:
         if not self.recipes:
@@ -74,6 +84,14 @@ class EvaluateConfig:
             raise ConfigError(f"--latency-budget must be > 0 seconds (0 on the command line: no budget), "
                               f"got {self.latency_seconds}")
         SessionSpec(graph_optimization_level=self.graph_optimization_level, threads=self.threads)
+        if not self.gen_batches or min(self.gen_batches) < 1:
+            raise ConfigError(f"--gen-batches must be >= 1, got {self.gen_batches}")
+        for flag, value, least in (("--gen-prompt-tokens", self.gen_prompt_tokens, 1),
+                                   ("--gen-new-tokens", self.gen_new_tokens, 2), ("--gen-rounds", self.gen_rounds, 1),
+                                   ("--agreement-prompts", self.agreement_prompts, 1),
+                                   ("--agreement-new-tokens", self.agreement_new_tokens, 1)):
+            if value < least:
+                raise ConfigError(f"{flag} must be >= {least}, got {value}")
 
     @property
     def searches(self) -> bool:

@@ -25,6 +25,7 @@ from tqdm import tqdm
 from .config import AUTO, EvaluateConfig
 from .errors import ConfigError, QuantizeError
 from .fileio import release_memory, sweep_stale_temporaries
+from .generation_stage import generation_section
 from .hardware import cpu_has_vnni
 from .measure.graph_probe import graph_probe
 from .measure.latency import bench_grid
@@ -38,7 +39,7 @@ from .report import write_report
 from .report.plots import plot_activation_heatmap
 from .results import ResultsBuilder
 from .runs import FP32_ONNX_FILE, PLOTS_DIR, RunDir, int8_onnx_file
-from .search import keep_trial_model, search_recipes
+from .search import keep_trial_model, search_recipes, trial_recipe
 from .sources.base import DETECTED, ModelSource, SearchScoring
 from .sources.zoo import ZooSource, ensure_trained
 from .transforms.smoothquant import fp32_latency_cost
@@ -74,6 +75,7 @@ class _Run:
     preprocessed: PreprocessCache
     fp32_sources: dict[str, Path] = field(default_factory=dict)  # recipe -> the FP32 model it quantized
     int8_paths: dict[str, Path] = field(default_factory=dict)
+    recipes: dict[str, Any] = field(default_factory=dict)   # name -> the Recipe each ok model was made with
 
     def measure(self, path: Path) -> dict:
         return self.accuracy(make_session(path, self.spec))
@@ -105,11 +107,17 @@ def evaluate(source: ModelSource | RunDir, cfg: EvaluateConfig, *, command: str)
         with stage("search"):
             out.section("search", run_search(run.run_dir, cfg, run.fp32_path, run.transforms, source.data.calib_inputs,
                                              source.search_scoring(cfg), run.spec, run.vnni, out.recipes,
-                                             run.int8_paths, run.fp32_sources, measure=run.measure,
+                                             run.int8_paths, run.fp32_sources, recipes_used=run.recipes,
+                                             measure=run.measure,
                                              preprocessed=run.preprocessed, fp32_session=run.fp32_scores))
     run.close()
     transform_sections(run, out)
     measure_models(run, out)
+    if cfg.generation:
+        with stage("generation"):
+            out.section("generation", generation_section(source, cfg, run_dir=run.run_dir, fp32_path=run.fp32_path,
+                                                         recipes=run.recipes, int8_paths=run.int8_paths,
+                                                         vnni=run.vnni, stage=stage))
     results = out.write(run.run_dir, stage_seconds)
     write_report(run.run_dir, results)  # the sections are chosen by the source's kind (quantnorm.report.run)
     return results
@@ -189,6 +197,7 @@ def quantize_recipe(run: _Run, recipe) -> dict:
         else:
             entry["accuracy"] = acc
             run.int8_paths[name] = q.path
+            run.recipes[name] = recipe
     else:
         entry["problems"] = q.problems
     return entry
@@ -285,6 +294,7 @@ def smoothquant_section(run_dir: Path, cfg: EvaluateConfig, fp32_path: Path, smo
 def run_search(run_dir: Path, cfg: EvaluateConfig, fp32_path: Path, transforms, calib_inputs,
                scoring: SearchScoring, spec: SessionSpec, vnni: bool, recipes_out: list[dict],
                int8_paths: dict[str, Path], fp32_sources: dict[str, Path], *, measure: Callable[[Path], dict],
+               recipes_used: dict[str, Any] | None = None,
                preprocessed: PreprocessCache | None = None, fp32_session=None) -> dict:
     """``--recipes auto``: search, keep the chosen model (or, when none passes, the best one) as the
     recipe entry ``auto:<recipe>``, measured by ``measure(int8_path)`` (the run's own accuracy dict,
@@ -305,6 +315,8 @@ def run_search(run_dir: Path, cfg: EvaluateConfig, fp32_path: Path, transforms, 
                                 "path": path.name, "size_bytes": path.stat().st_size, "accuracy": measure(path),
                                 "search_passed": keep.passed})
             int8_paths[name] = path
+            if recipes_used is not None:
+                recipes_used[name] = trial_recipe(cfg.search_config(), keep)
             quantized_from = transforms.fp32_for(cfg.search_config().resolve(keep.recipe), fp32_path)
             if quantized_from != fp32_path:
                 fp32_sources[name] = quantized_from

@@ -35,10 +35,17 @@ def int8_onnx_file(recipe: str) -> str:
     return f"model.int8.{recipe}.onnx"
 
 
+PAST_SUFFIX = ".past"   # the with-past (KV-cache) twin of a graph: ``model.fp32.onnx`` -> ``model.fp32.past.onnx``
+
+
+def past_file(name: str) -> str:
+    """The with-past twin of the ONNX file ``name``."""
+    return name[: -len(".onnx")] + PAST_SUFFIX + ".onnx" if name.endswith(".onnx") else name + PAST_SUFFIX
+
+
 def past_onnx_file(name: str) -> str:
     """The with-past (KV-cache) graph of the FP32 model (``name`` "fp32") or of a recipe."""
-    return FP32_ONNX_FILE.replace(".onnx", ".past.onnx") if name == "fp32" else \
-        int8_onnx_file(name).replace(".onnx", ".past.onnx")
+    return past_file(FP32_ONNX_FILE if name == "fp32" else int8_onnx_file(name))
 
 
 def config_hash(config: dict[str, Any]) -> str:

@@ -509,6 +509,12 @@ def _dequantized_matmuls(int8_path: Path) -> dict[str, list[str]]:
     return out
 
 
+def trial_recipe(cfg: SearchConfig, trial: Trial) -> Recipe:
+    """The recipe a trial ran: the registry recipe, with the fallback's FP32-kept nodes if any."""
+    recipe = cfg.resolve(trial.recipe)
+    return with_exclusions(recipe, trial.excluded_nodes, name=trial.name) if trial.excluded_nodes else recipe
+
+
 def fallback_ks(n: int) -> list[int]:
     """1, 2, 4, ... below n, then n - 1: keeping all n in FP32 would leave no INT8 model."""
     ks, k = [], 1

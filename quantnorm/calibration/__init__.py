@@ -86,7 +86,7 @@ class WindowCalibrationReader(CalibrationDataReader):
     """
 
     def __init__(self, inputs: np.ndarray, batch_size: int = 1, input_name: str = "input_ids",
-                 progress: bool = False, description: str = "calibrating"):
+                 progress: bool = False, description: str = "calibrating", feed=None):
         inputs = np.asarray(inputs)
         if inputs.ndim != 2 or len(inputs) == 0:
             raise ConfigError(f"calibration inputs must be token ids of shape [n, seq] with n >= 1, got {inputs.shape}")
@@ -95,6 +95,8 @@ class WindowCalibrationReader(CalibrationDataReader):
         self.inputs = np.ascontiguousarray(inputs, dtype=np.int64)
         self.batch_size = batch_size
         self.input_name = input_name
+        # ids -> the graph's whole feed (``quantnorm.feeds.window_feeder``: a with-past graph's cache)
+        self.feed = feed
         self.progress = progress
         self.description = description
         self._batches = [self.inputs[i:i + batch_size] for i in range(0, len(self.inputs), batch_size)]
@@ -123,7 +125,7 @@ class WindowCalibrationReader(CalibrationDataReader):
         self._next += 1
         if self._bar is not None:
             self._bar.update(1)
-        return {self.input_name: batch}
+        return self.feed(batch) if self.feed is not None else {self.input_name: batch}
 
     def _close_bar(self) -> None:
         if self._bar is not None:

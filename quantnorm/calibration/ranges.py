@@ -20,6 +20,7 @@ import onnxruntime as ort
 from onnxruntime.quantization.calibrate import CalibraterBase, HistogramCollector, create_calibrator
 from tqdm import tqdm
 
+from ..feeds import window_feeder
 from ..fileio import onnx_needs_external_data, release_memory
 from . import WindowCalibrationReader, get_calibration_method
 from .entropy import ENTROPY_NUM_BINS, ENTROPY_QUANTIZED_BINS, fast_entropy_collector
@@ -129,19 +130,20 @@ def collect_ranges(model_path: str | Path, method: str, inputs: np.ndarray, *, o
     if method == "minmax-nosink":
         return collect_ranges_without_positions(model_path, inputs, op_types=op_types, skip_positions=SINK_POSITIONS,
                                                 batch_size=batch_size, progress=progress, inputs_only=inputs_only)
-    reader = WindowCalibrationReader(inputs, batch_size=batch_size)
     with tempfile.TemporaryDirectory(prefix="quantnorm-calib-") as tmp:
         def make_calibrator():
             return _make_calibrator(model_path, method, calibrate_method, op_types, percentile, inputs_only, Path(tmp))
 
         calibrator = make_calibrator()
+        feed = window_feeder(calibrator.infer_session)
+        reader = WindowCalibrationReader(inputs, batch_size=batch_size, feed=feed)
         # A batch whose collected tensors alone pass the buffer is split: on Gemma 3 with every op
         # calibrated, one batch of 4 windows holds 512 MiB of logits plus every block's tensors. The
         # ranges do not depend on how the windows are batched (MinMax reduces, histograms add).
         per_window = batch_bytes(calibrator.infer_session, inputs, 1)
         if batch_size > 1 and per_window * batch_size > buffer_bytes:
             batch_size = max(1, int(buffer_bytes // max(1, per_window)))
-            reader = WindowCalibrationReader(inputs, batch_size=batch_size)
+            reader = WindowCalibrationReader(inputs, batch_size=batch_size, feed=feed)
         # Streamed: ORT's calibrators keep every batch's tensors (the logits too) until
         # ``collect_data`` returns, which peaked near 21 GB on SmolLM2 (PITFALLS.md 11). Each call
         # gets as many batches as fit in ``buffer_bytes`` and folds them into the running ranges /
@@ -303,10 +305,10 @@ def collect_ranges_without_positions(model_path: str | Path, inputs: np.ndarray,
     keep = np.setdiff1d(np.arange(seq), np.asarray(skip_positions, dtype=np.int64))
     lo: dict[str, float] = {}
     hi: dict[str, float] = {}
-    input_name = session.get_inputs()[0].name
+    feed = window_feeder(session)
     for start in tqdm(range(0, len(windows), batch_size), desc="calibrating (minmax-nosink)", unit="batch",
                       disable=not progress, leave=False):
-        values = session.run(tensors, {input_name: windows[start:start + batch_size]})
+        values = session.run(tensors, feed(windows[start:start + batch_size]))
         for name, value in zip(tensors, values):
             v = np.asarray(value)
             if v.ndim >= 2 and v.shape[1] == seq and len(keep):

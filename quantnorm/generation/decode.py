@@ -28,7 +28,7 @@ import onnxruntime as ort
 
 from ..errors import ConfigError
 from ..measure.accuracy import nll_rows
-from ..measure.sessions import SessionSpec, make_session
+from ..measure.sessions import CUDA, SessionSpec, make_session
 
 INPUT_IDS = "input_ids"
 ATTENTION_MASK = "attention_mask"
@@ -93,19 +93,22 @@ class PastLayout:
         return cls(n_layers, shape[1], shape[3], _ORT_FLOAT[first.type], max_length)
 
 
-def open_session(model, threads: int | None = 1) -> ort.InferenceSession:
-    """``model``: an ``ort.InferenceSession`` (returned as is) or the path of an ONNX file (CPU session)."""
+def open_session(model, threads: int | None = 1, spec: SessionSpec | None = None) -> ort.InferenceSession:
+    """``model``: an ``ort.InferenceSession`` (returned as is) or the path of an ONNX file (a
+    session as ``spec`` says; None: the CPU provider with ``threads``)."""
     if isinstance(model, ort.InferenceSession):
         return model
-    return make_session(Path(model), SessionSpec(threads=threads))
+    return make_session(Path(model), spec or SessionSpec(threads=threads))
 
 
 class DecodeSession:
     """A with-past graph and its cache, kept as ORT values between steps (see the module doc)."""
 
-    def __init__(self, model, *, threads: int | None = 1):
-        self.session = open_session(model, threads)
+    def __init__(self, model, *, threads: int | None = 1, spec: SessionSpec | None = None):
+        self.session = open_session(model, threads, spec)
         self.layout = PastLayout.of_session(self.session)
+        # the cache stays where the provider computes it: host memory for the CPU, the GPU's for CUDA
+        self.device = "cuda" if self.session.get_providers()[0] == CUDA else "cpu"
         self.feeds = {i.name for i in self.session.get_inputs()}
         self.outputs = [LOGITS, *present_names(self.layout.n_layers)]
         self.reset(1)
@@ -137,7 +140,7 @@ class DecodeSession:
         for name, value in zip(past_names(self.layout.n_layers), self.past):
             binding.bind_ortvalue_input(name, value)
         for name in self.outputs:
-            binding.bind_output(name, "cpu")
+            binding.bind_output(name, self.device)
         self.session.run_with_iobinding(binding)
         logits, *present = binding.get_outputs()
         self.past, self.length = present, total

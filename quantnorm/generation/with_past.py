@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import inspect
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -123,6 +124,24 @@ class HFWithPast(nn.Module):
                          use_cache=True, **{self._cache_kw: cache})
         # the model appended this step's keys and values to the cache it was given: the present
         return (out.logits, *[t for layer in cache.layers for t in (layer.keys, layer.values)])
+
+
+@dataclass(frozen=True)
+class WithPastSource:
+    """What a causal model source gives the generation stage: ``export(path)`` makes its FP32
+    with-past graph; ``variants`` (a ``transforms.variants.FP32Variants``) makes the rotated and
+    smoothed with-past graphs a recipe quantizes, on first use, by the same dispatch as the
+    whole-window ones; ``release()`` lets the torch weights go once every graph is made."""
+    export: Callable[[Path], WithPastExportResult]
+    variants: object
+    release: Callable[[], None] = lambda: None
+
+
+def parity_prompts(windows: np.ndarray, max_length: int | None, n: int) -> np.ndarray:
+    """The with-past parity prompts: ``n`` evaluation windows, cut to leave room for the decode steps."""
+    windows = np.asarray(windows)
+    room = windows.shape[1] if max_length is None else min(windows.shape[1], max_length - DEFAULT_DECODE_STEPS)
+    return np.ascontiguousarray(windows[:max(1, n), :max(_EXAMPLE_PAST + _EXAMPLE_SEQ, room // 2)])
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ import numpy as np
 
 from ..data import BOS
 from ..errors import MeasureError
+from ..feeds import window_feeder
 
 
 class _Session(Protocol):
@@ -196,11 +197,11 @@ def run_logits(session: _Session, inputs: np.ndarray, batch_size: int = 16) -> I
     """Run ``inputs`` [windows, seq] through the session ``batch_size`` windows at a time; yield the
     logits [b, seq, vocab] of each batch in order."""
     inputs, _ = _check_windows(inputs, None, 0, batch_size)
-    name = session.get_inputs()[0].name
+    feed = window_feeder(session)
     for lo in range(0, inputs.shape[0], batch_size):
         batch = np.ascontiguousarray(inputs[lo:lo + batch_size])
         try:
-            out = session.run(None, {name: batch})[0]
+            out = session.run(None, feed(batch))[0]
         except MeasureError:
             raise
         except Exception as exc:

@@ -26,6 +26,7 @@ import math
 
 import numpy as np
 
+from ..feeds import window_feeder
 from .accuracy import PairLadder
 from .sessions import CPU
 
@@ -192,7 +193,7 @@ def graph_fp16_range(fp32_path, window: np.ndarray, top: int = 5) -> dict:
     opts.log_severity_level = 3
     try:
         session = ort.InferenceSession(model.SerializeToString(), opts, providers=[CPU])
-        values = session.run(names, {session.get_inputs()[0].name: np.ascontiguousarray(window, dtype=np.int64)})
+        values = session.run(names, window_feeder(session)(window))
     except Exception as exc:  # noqa: BLE001
         return {"status": f"not measured: {' '.join(str(exc).split())[:200]}"}
     peaks = {n: float(np.max(np.abs(v))) if v.size else 0.0 for n, v in zip(names, values)}

@@ -30,6 +30,7 @@ import numpy as np
 import onnx
 
 from ..errors import MeasureError
+from ..feeds import window_feeder
 from .fake_quant import FakeQuantSqnr
 from .outliers import (
     MASSIVE_ABS,
@@ -120,10 +121,10 @@ def graph_probe(fp32_path: Path, inputs: np.ndarray, *, n_blocks: int | None = N
     probe = _Accumulated(taps, causal)
     # The tapped tensors only: the logits are neither computed nor returned.
     session = open_beside(fp32_path, expose_tensors(fp32_path, wanted, only=True))
-    input_name = session.get_inputs()[0].name
+    feed = window_feeder(session)
     for start in range(0, len(windows), batch_size):
         batch = np.ascontiguousarray(windows[start:start + batch_size])
-        probe.add(dict(zip(wanted, session.run(wanted, {input_name: batch}))), len(batch), start)
+        probe.add(dict(zip(wanted, session.run(wanted, feed(batch)))), len(batch), start)
     del session
     return probe.report(windows, token or (lambda sample, position: None)), probe.first_window
 

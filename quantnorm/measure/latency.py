@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from ..data import BOS
 from ..errors import MeasureError
+from ..feeds import window_feeder
 from ..onnx_wire import onnx_nodes
 from .sessions import (
     CPU,
@@ -138,7 +139,7 @@ def random_input_ids(session, batch: int, seq: int, seed: int = 0) -> dict[str, 
     ids = np.random.default_rng(seed).integers(0, high, size=(batch, seq), dtype=np.int64)
     if not isinstance(vocab, int) or vocab > BOS:
         ids[:, 0] = BOS
-    return {inp.name: ids}
+    return window_feeder(session)(ids)
 
 
 def peak_rss_mb() -> float:

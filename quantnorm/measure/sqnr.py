@@ -41,6 +41,7 @@ from onnxruntime.quantization import qdq_loss_debug
 from scipy import stats as scipy_stats
 
 from ..errors import MeasureError
+from ..feeds import window_feeder
 from ..fileio import save_onnx
 from ..onnx_wire import model_with_weights_by_reference, onnx_nodes
 from .latency import quant_format
@@ -94,7 +95,7 @@ def _batches(inputs: np.ndarray, batch_size: int) -> Iterator[np.ndarray]:
 
 
 def _feed(session: ort.InferenceSession, batch: np.ndarray) -> dict[str, np.ndarray]:
-    return {session.get_inputs()[0].name: batch.astype(np.int64)}
+    return window_feeder(session)(batch)
 
 
 def expose_tensors(model_path: Path, names: Sequence[str], *, only: bool = False) -> onnx.ModelProto:

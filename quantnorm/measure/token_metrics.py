@@ -19,6 +19,7 @@ import math
 import numpy as np
 
 from ..errors import MeasureError
+from ..feeds import window_feeder
 from .accuracy import PairLadder
 
 LOGIT_BUDGET_BYTES = 256 * 1024 * 1024  # float64 log-probs of one batch, both models
@@ -31,11 +32,11 @@ def auto_batch(seq: int, vocab: int, cap: int = 16) -> int:
 
 
 def _run(session, inputs: np.ndarray, output: str, batch_size: int):
-    name = session.get_inputs()[0].name
+    feed = window_feeder(session)
     for lo in range(0, len(inputs), batch_size):
         batch = np.ascontiguousarray(inputs[lo:lo + batch_size], dtype=np.int64)
         try:
-            out = session.run([output], {name: batch})[0]
+            out = session.run([output], feed(batch))[0]
         except Exception as exc:  # noqa: BLE001 - ORT's untyped errors
             raise MeasureError(f"running the model on a batch of shape {batch.shape} failed: "
                                f"{' '.join(str(exc).split())[:300]}") from exc
@@ -105,12 +106,12 @@ def encoder_outputs(session, inputs: np.ndarray, batch_size: int = 16) -> dict[s
     """One pass over ``inputs``: the sentence embeddings and last hidden states, concatenated.
     The FP32 model's are computed once per run and compared with every recipe's."""
     inputs = np.asarray(inputs, dtype=np.int64)
-    name = session.get_inputs()[0].name
+    feed = window_feeder(session)
     parts: dict[str, list[np.ndarray]] = {k: [] for k in ENCODER_OUTPUTS}
     for lo in range(0, len(inputs), batch_size):
         batch = np.ascontiguousarray(inputs[lo:lo + batch_size])
         try:
-            values = session.run(list(ENCODER_OUTPUTS), {name: batch})
+            values = session.run(list(ENCODER_OUTPUTS), feed(batch))
         except Exception as exc:  # noqa: BLE001 - ORT's untyped errors
             raise MeasureError(f"running the model on a batch of shape {batch.shape} failed: "
                                f"{' '.join(str(exc).split())[:300]}") from exc

@@ -21,12 +21,13 @@ import numpy as np
 
 from ..data import BUILTIN_PYDOC
 from ..errors import ConfigError
+from ..generation.with_past import HFWithPast, WithPastSource, export_with_past, parity_prompts
 from ..measure.fp16_check import fp16_check
 from ..measure.token_metrics import compare_tokens, encoder_compare, encoder_outputs
 from ..portable import portable_path
-from ..runs import check_out_dir
-from ..transforms.rotation import rotate_and_export, rotated_onnx_file
-from ..transforms.smoothquant import smooth_and_export
+from ..runs import PAST_SUFFIX, check_out_dir, past_file
+from ..transforms.rotation import rotate_and_export, rotated_copy, rotated_onnx_file
+from ..transforms.smoothquant import smooth_and_export, smooth_by_rules
 from ..transforms.variants import FP32Variants
 from .base import SearchScoring, SourceData
 from .gguf import gguf_checkpoint, resolve_gguf
@@ -200,6 +201,32 @@ class HFSource:
         spec = self.loaded.spec   # the table row: a recipe without a fold rule is refused before any reload
         return FP32Variants(self.run_dir, smooth=smooth, rotate=rotate,
                             refuse=lambda recipe: missing_fold_rule(spec, recipe))
+
+    def with_past(self, cfg) -> WithPastSource:
+        """The with-past graphs of a causal checkpoint: the model through transformers' own cache,
+        its smoothed copies (this checkpoint's fold rules) and its rotated ones, each made from the
+        weights (reloaded if the export let them go) on first use."""
+        if self.kind != "causal":
+            raise ConfigError(f"{self.loaded.spec.model_type} is an encoder: it embeds a whole text at once and "
+                              f"generates nothing, so it has no KV cache to decode with")
+        prompts = parity_prompts(self.data.eval_inputs, self.max_positions, cfg.parity_windows)
+
+        def export(wrapper, path: Path):
+            return export_with_past(HFWithPast(wrapper.model), path, prompts, opset=cfg.opset)
+
+        def smooth(alpha: float, path: Path):
+            loaded, wrapper = self.weights()
+            return export(smooth_by_rules(wrapper, fold_rules(loaded.spec), self.data.calib_inputs, alpha)[0], path)
+
+        def rotate(recipe):
+            loaded, wrapper = self.weights()
+            rotated, _ = rotated_copy(loaded, wrapper, recipe.rotation)
+            return export(rotated, self.run_dir / past_file(rotated_onnx_file(recipe.rotation)))
+        spec = self.loaded.spec
+        return WithPastSource(export=lambda path: export(self.weights()[1], path),
+                              variants=FP32Variants(self.run_dir, smooth=smooth, rotate=rotate, suffix=PAST_SUFFIX,
+                                                    refuse=lambda recipe: missing_fold_rule(spec, recipe)),
+                              release=self.release_weights)
 
     def accuracy(self, fp32_session, cfg) -> Callable:
         return TokenAccuracy(self.kind, fp32_session, self.data, self.mlm, cfg.eval_batch_size)

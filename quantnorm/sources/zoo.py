@@ -16,25 +16,50 @@ from ..calibration import calibration_windows
 from ..data import PreparedData, evaluation_windows, prepare_data
 from ..errors import ConfigError, QuantizeError
 from ..export import export_onnx
+from ..generation.with_past import WithPastSource, ZooWithPast, export_with_past, parity_prompts
 from ..measure.accuracy import compare
 from ..measure.diagnostics import diagnostics
-from ..runs import TRAIN_SUMMARY_FILE, RunDir, check_out_dir
+from ..runs import PAST_SUFFIX, TRAIN_SUMMARY_FILE, RunDir, check_out_dir, past_file
 from ..train import RunConfig, load_model, train
-from ..transforms.rotation import ROTATED_ONLINE_ONNX_FILE, RotatedExport, export_online_rotated
-from ..transforms.smoothquant import smoothing
+from ..transforms.rotation import (
+    ROTATED_ONLINE_ONNX_FILE,
+    RotatedExport,
+    export_online_rotated,
+    online_rotated_copy,
+)
+from ..transforms.smoothquant import smooth_model, smoothing
 from ..transforms.variants import FP32Variants
 from .base import SearchScoring, SourceData
+
+
+def _online_only(recipe) -> None:
+    if recipe.rotation != "online":
+        raise ConfigError(f"recipe {recipe.name}: the residual-stream rotation (form a) folds the norm weights "
+                          "of a Pre-RMSNorm Llama-family checkpoint (quantnorm.transforms.rotation); a zoo model "
+                          "takes the online form, online-rotated-pertoken-fused")
 
 
 def zoo_rotation(model, parity_inputs: np.ndarray, out_dir: Path, opset: int):
     """The zoo's rotated export: the online form (a zoo model has no Pre-RMSNorm stream to fold)."""
     def rotate(recipe) -> RotatedExport:
-        if recipe.rotation != "online":
-            raise ConfigError(f"recipe {recipe.name}: the residual-stream rotation (form a) folds the norm weights "
-                              "of a Pre-RMSNorm Llama-family checkpoint (quantnorm.transforms.rotation); a zoo model "
-                              "takes the online form, online-rotated-pertoken-fused")
+        _online_only(recipe)
         return export_online_rotated(model, parity_inputs, Path(out_dir) / ROTATED_ONLINE_ONNX_FILE, opset=opset)
     return rotate
+
+
+def zoo_with_past(model, calib_inputs: np.ndarray, prompts: np.ndarray, out_dir: Path, opset: int) -> WithPastSource:
+    """The zoo model's with-past graphs: the model itself, its smoothed copies, its online-rotated copy."""
+    def export(module, path: Path):
+        return export_with_past(ZooWithPast(module), path, prompts, opset=opset)
+
+    def smooth(alpha: float, path: Path):
+        return export(smooth_model(model, calib_inputs, alpha)[0], path)
+
+    def rotate(recipe):
+        _online_only(recipe)
+        return export(online_rotated_copy(model)[0], Path(out_dir) / past_file(ROTATED_ONLINE_ONNX_FILE))
+    return WithPastSource(export=lambda path: export(model, path),
+                          variants=FP32Variants(out_dir, smooth=smooth, rotate=rotate, suffix=PAST_SUFFIX))
 
 
 def ensure_trained(run: RunConfig, out_dir: Path, data: PreparedData, progress: bool) -> RunDir:
@@ -73,6 +98,10 @@ class ZooSource:
     def export(self, fp32_path: Path, cfg) -> dict:
         exported = export_onnx(self.model, fp32_path, self.data.eval_inputs[: cfg.parity_windows], opset=cfg.opset)
         return exported.to_dict(self.run_dir)
+
+    def with_past(self, cfg) -> WithPastSource:
+        prompts = parity_prompts(self.data.eval_inputs, self.config.model.context, cfg.parity_windows)
+        return zoo_with_past(self.model, self.data.calib_inputs, prompts, self.run_dir, cfg.opset)
 
     def transforms(self, cfg) -> FP32Variants:
         """The zoo's SmoothQuant exports (one per alpha) and its rotated export, each made on first use."""

@@ -68,8 +68,10 @@ def check_compatible(previous: dict | None, cfg: SweepConfig, out_dir: Path) -> 
     # a sweep that never searches ran no differently under other search targets (a manifest written
     # before the search took the policy's defaults records None for them)
     searches = AUTO in (old_evaluate.get("recipes") or ()) or AUTO in new["evaluate"]["recipes"]
-    diffs += [f"evaluate.{k} {old_evaluate.get(k)!r} -> {v!r}" for k, v in new["evaluate"].items()
-              if old_evaluate.get(k) != v and (searches or k not in SEARCH_ONLY_FIELDS)]
+    # a field newer than the manifest ran at its default there
+    defaults = EvaluateConfig().to_dict()
+    diffs += [f"evaluate.{k} {old_evaluate.get(k, defaults.get(k))!r} -> {v!r}" for k, v in new["evaluate"].items()
+              if old_evaluate.get(k, defaults.get(k)) != v and (searches or k not in SEARCH_ONLY_FIELDS)]
     if diffs:
         raise ConfigError(f"{out_dir} holds a sweep with other settings ({'; '.join(diffs)}): "
                           f"use the same flags to resume it, or another --out")

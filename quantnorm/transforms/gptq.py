@@ -23,6 +23,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from ..feeds import window_feeder
 from ..measure.sqnr import expose_tensors, open_beside
 
 DAMP = 0.01
@@ -60,10 +61,10 @@ def collect_activation_stats(model_path: Path, windows: np.ndarray, *, hessians_
     # The graph with the tensors tapped, on the original weights, with ORT's full optimizations
     # (an optimizer never fuses away a graph output).
     session = open_beside(model_path, expose_tensors(model_path, tensors, only=True), ort.SessionOptions())
-    input_name = session.get_inputs()[0].name
+    feed = window_feeder(session)
     for lo in range(0, len(windows), HESSIAN_BATCH):
         batch = np.ascontiguousarray(windows[lo:lo + HESSIAN_BATCH])
-        outputs = session.run(tensors, {input_name: batch})
+        outputs = session.run(tensors, feed(batch))
         for name, x in zip(tensors, outputs, strict=True):
             x = np.asarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
             if name in want_max:

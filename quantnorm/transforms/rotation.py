@@ -314,10 +314,14 @@ class RotatedExport:
                 "parity_rule": "max |delta| / max(1, max |original|) per output, max over outputs"}
 
 
+def rotated_copy(loaded, wrapper, form: str = "hadamard"):
+    """(rotated deep copy of a checkpoint's ``wrapper``, plan): form (a) "hadamard" or (b) "online"."""
+    return rotate_wrapper(wrapper, loaded.spec) if form == "hadamard" else rotate_linear_inputs(wrapper, loaded.spec)
+
+
 def rotate_and_export(loaded, wrapper, parity_inputs: np.ndarray, out_path: Path, *, outputs, max_positions,
                       opset: int, tolerance: float = DEFAULT_PARITY_TOLERANCE, form: str = "hadamard") -> RotatedExport:
-    rotated, plan = rotate_wrapper(wrapper, loaded.spec) if form == "hadamard" else \
-        rotate_linear_inputs(wrapper, loaded.spec)
+    rotated, plan = rotated_copy(loaded, wrapper, form)
     exported, diff = export_matching_original(rotated, wrapper, out_path, parity_inputs, what="rotated",
                                               outputs=outputs, max_positions=max_positions, opset=opset,
                                               tolerance=tolerance)
@@ -333,14 +337,20 @@ def rotated_onnx_file(form: str) -> str:
     return ROTATED_ONNX_FILE if form == "hadamard" else ROTATED_ONNX_FILE.replace("rotated", f"rotated-{form}")
 
 
+def online_rotated_copy(model):
+    """(a zoo model's deep copy with every Linear's input rotated online, count, widths)."""
+    rotated = copy.deepcopy(model).eval()
+    count, widths = rotate_every_linear_input(rotated)
+    return rotated, count, widths
+
+
 def export_online_rotated(model, parity_inputs: np.ndarray, out_path: Path, *, opset: int,
                           tolerance: float = DEFAULT_PARITY_TOLERANCE) -> RotatedExport:
     """Form (b) of the rotation on a zoo model (every Linear's input rotated in the graph; exact for
     every placement, the head is already untied) and its export, checked twice: the ONNX file against
     the rotated torch model (the export's own gate), then against the *original* model's logits,
     relative to their scale (the INT8 model is judged against the original). A failure keeps no file."""
-    rotated = copy.deepcopy(model).eval()
-    count, widths = rotate_every_linear_input(rotated)
+    rotated, count, widths = online_rotated_copy(model)
     out_path = Path(out_path)
     exported = export_onnx(rotated, out_path, parity_inputs, opset=opset)
     diff = check_matches_original(model, out_path, parity_inputs, what="rotated", tolerance=tolerance, batch_size=16)

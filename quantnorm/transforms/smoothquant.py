@@ -544,15 +544,20 @@ class SmoothedModuleExport:
                 "fold_formula": self.fold_formula}
 
 
+def smooth_by_rules(wrapper, rules: FoldRules, calib_inputs: np.ndarray, alpha: float,
+                    tolerance: float = DEFAULT_PARITY_TOLERANCE):
+    """(a smoothed deep copy of ``wrapper`` by the source's fold ``rules``, its plan)."""
+    return smooth_module(wrapper, calib_inputs, alpha, placement=rules.placement, norm=rules.norm,
+                         is_norm=rules.is_norm, fold=rules.fold, batch_size=8, parity_tolerance=tolerance,
+                         relative_parity=True, strip_prefix=rules.strip_prefix)  # names as the ONNX nodes carry them
+
+
 def smooth_and_export(wrapper, rules: FoldRules, calib_inputs: np.ndarray, parity_inputs: np.ndarray,
                       out_path: Path, *, alpha: float, outputs: tuple[str, ...], max_positions: int | None,
                       opset: int, tolerance: float = DEFAULT_PARITY_TOLERANCE) -> SmoothedModuleExport:
     """Smooth ``wrapper`` (a deep copy; the original is untouched) by the source's fold ``rules``,
     export it and prove that the ONNX file computes the original outputs. A failure leaves no file."""
-    smoothed, plan = smooth_module(wrapper, calib_inputs, alpha, placement=rules.placement, norm=rules.norm,
-                                   is_norm=rules.is_norm, fold=rules.fold, batch_size=8,
-                                   parity_tolerance=tolerance, relative_parity=True,
-                                   strip_prefix=rules.strip_prefix)  # names as the ONNX nodes carry them
+    smoothed, plan = smooth_by_rules(wrapper, rules, calib_inputs, alpha, tolerance)
     exported, diff = export_matching_original(smoothed, wrapper, out_path, parity_inputs, what="smoothed",
                                               outputs=outputs, max_positions=max_positions, opset=opset,
                                               tolerance=tolerance)

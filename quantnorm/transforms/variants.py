@@ -28,13 +28,14 @@ class FP32Variants:
     """
 
     def __init__(self, out_dir: Path, *, smooth: Callable | None = None, rotate: Callable | None = None,
-                 refuse: Callable | None = None,
+                 refuse: Callable | None = None, suffix: str = "",
                  no_smooth: str = "recipe {recipe}: this source makes no smoothed export",
                  no_rotate: str = "recipe {recipe}: this source makes no rotated export (rotation lives in the "
                                   "checkpoint and zoo sources' transforms, quantnorm.transforms.rotation)"):
         self.out_dir = Path(out_dir)
         self._smooth, self._rotate, self._refuse = smooth, rotate, refuse
         self.no_smooth, self.no_rotate = no_smooth, no_rotate
+        self.suffix = suffix   # before ".onnx" in the smoothed files' names (".past": the with-past graphs)
         self.exports: dict[float, object] = {}
         self.rotated: dict[str, object] = {}
 
@@ -45,6 +46,7 @@ class FP32Variants:
         alpha = float(alpha)
         if alpha not in self.exports:
             name = SMOOTHED_ONNX_FILE if not self.exports else SMOOTHED_ONNX_FILE.replace(".onnx", f".a{alpha:g}.onnx")
+            name = name.replace(".onnx", f"{self.suffix}.onnx")
             self.exports[alpha] = self._smooth(alpha, self.out_dir / name)
         return self.exports[alpha]
 

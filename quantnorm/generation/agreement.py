@@ -1,0 +1,85 @@
+"""Generation agreement: does a quantized model generate what the FP32 model generates?
+
+Greedy generation from the same prompts (windows of the evaluation split, cut to a prompt) by
+both with-past graphs, position by position (``greedy_decode``: no stop token), then:
+
+- ``first_divergence_mean``: the mean over prompts of the first position where the candidate's
+  token differs from FP32's (``new_tokens`` for a prompt that never diverged);
+- ``identical_before_divergence``: the share of all generated tokens that came before a prompt's
+  first divergence (1.0: every generation identical to FP32's);
+- ``identical_prompts``: how many prompts generated exactly FP32's tokens;
+- ``kl_mean`` / ``kl_max`` along FP32's own continuation: both models teacher-forced on the
+  prompt followed by FP32's tokens, KL(FP32 || candidate) of the next-token distribution at each
+  generated position (so a divergence does not send the two down different texts);
+- ``top1_along_fp32``: the share of those positions where the candidate's argmax is FP32's token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import ConfigError
+from ..measure.accuracy import PairLadder
+from .decode import DecodeSession, greedy_decode
+
+DEFAULT_PROMPTS = 16
+DEFAULT_NEW_TOKENS = 64
+DEFAULT_PROMPT_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """FP32's greedy tokens from ``prompts`` and its logits along them (computed once per run)."""
+    prompts: np.ndarray       # [n, prompt]
+    tokens: np.ndarray        # [n, new]
+    logits: np.ndarray        # [n, new, vocab]: the distribution each generated token was chosen from
+
+
+def agreement_prompts(eval_inputs: np.ndarray, max_length: int | None, *, n: int = DEFAULT_PROMPTS,
+                      prompt_tokens: int = DEFAULT_PROMPT_TOKENS,
+                      new_tokens: int = DEFAULT_NEW_TOKENS) -> tuple[np.ndarray, int]:
+    """(prompts [n, prompt], new tokens): the first ``n`` evaluation windows cut to
+    ``prompt_tokens``, the prompt shortened so that prompt + new tokens fit ``max_length``."""
+    windows = np.asarray(eval_inputs, dtype=np.int64)
+    if windows.ndim != 2 or len(windows) == 0:
+        raise ConfigError(f"generation agreement needs evaluation windows [n, seq], got {windows.shape}")
+    prompt = min(prompt_tokens, windows.shape[1])
+    if max_length is not None and prompt + new_tokens > max_length:
+        new_tokens = min(new_tokens, max_length // 2)
+        prompt = min(prompt, max_length - new_tokens)
+    if prompt < 1 or new_tokens < 1:
+        raise ConfigError(f"a model of {max_length} positions leaves no room for a prompt and new tokens")
+    return np.ascontiguousarray(windows[:n, :prompt]), new_tokens
+
+
+def _teacher_forced(runner: DecodeSession, prompts: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """Logits [n, new, vocab] predicting each of ``tokens`` after its prompt and the tokens before it."""
+    sequence = np.concatenate([prompts, tokens[:, :-1]], axis=1)
+    runner.reset(len(sequence))
+    return runner.step(sequence)[:, prompts.shape[1] - 1:]
+
+
+def fp32_continuation(fp32_path, prompts: np.ndarray, new_tokens: int, *, threads: int | None = 1) -> Continuation:
+    runner = DecodeSession(fp32_path, threads=threads)
+    tokens = greedy_decode(runner, prompts, new_tokens)
+    return Continuation(prompts, tokens, _teacher_forced(runner, prompts, tokens))
+
+
+def generation_agreement(candidate_path, reference: Continuation, *, threads: int | None = 1) -> dict:
+    """The candidate's agreement with FP32's continuation (see the module doc)."""
+    runner = DecodeSession(candidate_path, threads=threads)
+    n, new = reference.tokens.shape
+    tokens = greedy_decode(runner, reference.prompts, new)
+    differs = tokens != reference.tokens
+    first = np.where(differs.any(axis=1), differs.argmax(axis=1), new)
+    ladder = PairLadder()
+    ladder.add(reference.logits, _teacher_forced(runner, reference.prompts, reference.tokens), reference.tokens)
+    kld = ladder.kld
+    return {"prompts": n, "prompt_tokens": int(reference.prompts.shape[1]), "new_tokens": new,
+            "identical_before_divergence": round(float(first.sum()) / (n * new), 6),
+            "first_divergence_mean": round(float(first.mean()), 3),
+            "identical_prompts": int((first == new).sum()),
+            "kl_mean": float(kld.mean()), "kl_max": float(kld.max()),
+            "top1_along_fp32": round(ladder.agree / kld.size, 6)}

@@ -1,0 +1,143 @@
+"""The generation stage of ``evaluate``: every recipe as deployed to generate.
+
+For a causal model source (``source.with_past(cfg)``; an encoder says why it has none):
+
+1. the FP32 model exported with a KV cache (``quantnorm.generation.with_past``, parity against
+   PyTorch's own cache fatal), and the cache proof on it: evaluation windows scored through the
+   cache (prefill half, then a token at a time) against the whole-window FP32 graph;
+2. each recipe that is ok in the run quantized again on the with-past graph, from the same
+   transformed FP32 model (its rotated or smoothed with-past export) and the same calibration
+   windows (fed as a prompt after an empty cache), the cache itself left float; a recipe that
+   cannot apply says "not applicable: why", a broken one "broken: ..."; the cache proof is
+   recorded for each (exact for per-token and static recipes; per-tensor dynamic scales differ
+   between a prompt and one row, so there it measures that difference);
+3. decode speed (``generation.speed``) of FP32 and every ok recipe, per provider and batch, and
+   generation agreement with FP32's greedy generations (``generation.agreement``).
+
+The section it returns is ``results["generation"]`` (read back by ``results.generation_models``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from .errors import ConfigError, ExportError, QuantnormError
+from .fileio import release_memory
+from .generation.agreement import agreement_prompts, fp32_continuation, generation_agreement
+from .generation.decode import DecodeSession, check_cache
+from .generation.speed import decode_lengths, decode_speed
+from .measure.sessions import TENSORRT, SessionSpec, normalize_provider
+from .quantize import quantize
+from .runs import past_onnx_file
+
+CACHE_CHECK_WINDOWS = 4
+CACHE_TOLERANCE = 1e-4
+TENSORRT_NOTE = ("not measured: the decode loop runs on the CPU and CUDA providers (a TensorRT engine is built "
+                 "for a range of shapes, and a growing cache passes through them all)")
+
+
+def generation_section(source, cfg, *, run_dir: Path, fp32_path: Path, recipes: dict, int8_paths: dict[str, Path],
+                       vnni: bool, stage: Callable) -> dict:
+    """``results["generation"]``. ``recipes``: name -> the Recipe each ok recipe of the run was
+    quantized with (the search's pick under its ``auto:`` name); ``int8_paths``: their
+    whole-window models (only their names are read: the with-past ones are quantized here)."""
+    try:
+        past = source.with_past(cfg)
+    except ConfigError as exc:
+        return {"status": f"not applicable: {exc}"}
+    data = source.data
+    fp32_past = run_dir / past_onnx_file("fp32")
+    with stage("generation:export"):
+        exported = past.export(fp32_past)
+    max_length = DecodeSession(fp32_past, threads=cfg.threads).layout.max_length
+    prompt_tokens, new_tokens = decode_lengths(max_length, cfg.gen_prompt_tokens, cfg.gen_new_tokens)
+    prompts, agreement_new = agreement_prompts(data.eval_inputs, max_length, n=cfg.agreement_prompts,
+                                               new_tokens=cfg.agreement_new_tokens)
+    models = [{"name": "fp32", "status": "ok", "path": fp32_past.name, "size_bytes": fp32_past.stat().st_size,
+               "cache_check": _cache_check(fp32_past, data.eval_inputs, fp32_path, cfg)}]
+    if not models[0]["cache_check"]["ok"]:
+        raise ExportError(f"the with-past FP32 export fails the cache proof: NLL through the cache "
+                          f"{models[0]['cache_check']['nll_cached']:.6g} vs whole windows "
+                          f"{models[0]['cache_check']['nll_whole']:.6g} (relative tolerance {CACHE_TOLERANCE:g})")
+    with stage("generation:quantize"):
+        models += [_quantize_past(past.variants, name, recipe, fp32_past, data, cfg, run_dir, vnni,
+                                  fp32_path=fp32_path) for name, recipe in recipes.items() if name in int8_paths]
+    past.release()
+    release_memory()
+    with stage("generation:agreement"):
+        reference = fp32_continuation(fp32_past, prompts, agreement_new, threads=cfg.threads)
+        for entry in _bar(models[1:], "generation agreement", cfg):
+            if entry["status"] == "ok":
+                entry["agreement"] = generation_agreement(run_dir / entry["path"], reference, threads=cfg.threads)
+    with stage("generation:decode"):
+        speed_prompts = _speed_prompts(data.eval_inputs, prompt_tokens, max(cfg.gen_batches))
+        for entry in _bar(models, "decode speed", cfg):
+            if entry["status"] == "ok":
+                entry["decode"] = _decode_rows(run_dir / entry["path"], speed_prompts, new_tokens, cfg)
+    return {"status": "measured", "export": exported.to_dict(run_dir),
+            "settings": {"prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "batches": list(cfg.gen_batches),
+                         "rounds": cfg.gen_rounds, "max_length": max_length,
+                         "agreement_prompts": int(len(prompts)), "agreement_prompt_tokens": int(prompts.shape[1]),
+                         "agreement_new_tokens": agreement_new, "cache": "float32, kept in ONNX Runtime between "
+                         "steps (I/O binding)", "threads": cfg.threads},
+            "models": models}
+
+
+def _bar(items: list, what: str, cfg):
+    return tqdm(items, desc=what, unit="model", disable=not cfg.progress, leave=False)
+
+
+def _cache_check(path: Path, eval_inputs: np.ndarray, whole: Path, cfg) -> dict:
+    """The cache proof on the first evaluation windows: prefill half, then one token at a time."""
+    windows = np.asarray(eval_inputs)[:CACHE_CHECK_WINDOWS]
+    return check_cache(path, windows, max(1, windows.shape[1] // 2), whole=whole, tolerance=CACHE_TOLERANCE,
+                       threads=cfg.threads).to_dict()
+
+
+def _quantize_past(variants, name: str, recipe, fp32_past: Path, data, cfg, run_dir: Path, vnni: bool, *,
+                   fp32_path: Path) -> dict:
+    """One recipe on the with-past graph: ``generation.models`` entry (without speed and agreement)."""
+    started = time.perf_counter()
+    try:
+        source_past = variants.fp32_for(recipe, fp32_past)
+    except ConfigError as exc:
+        return {"name": name, "status": f"not applicable: {exc}"}
+    except QuantnormError as exc:   # a transformed with-past export that fails its parity gate
+        return {"name": name, "status": f"broken: {' '.join(str(exc).split())[:300]}"}
+    q = quantize(source_past, recipe, data.calib_inputs, run_dir / past_onnx_file(name), vnni=vnni,
+                 probe_inputs=data.eval_inputs[:2])
+    release_memory()
+    entry: dict = {"name": name, "status": q.status, "quantized_from": source_past.name,
+                   "seconds": round(time.perf_counter() - started, 2)}
+    if q.status != "ok" or q.path is None:
+        return {**entry, "problems": q.problems}
+    whole = run_dir / Path(fp32_path).name   # judged against the FP32 model's whole windows
+    return {**entry, "path": q.path.name, "size_bytes": q.path.stat().st_size,
+            "cache_check": _cache_check(q.path, data.eval_inputs, whole, cfg)}
+
+
+def _speed_prompts(eval_inputs: np.ndarray, prompt_tokens: int, batch: int) -> np.ndarray:
+    """``batch`` prompts of ``prompt_tokens`` tokens: evaluation text, windows joined end to end
+    when one window is shorter than the prompt, rows cycling through the windows."""
+    tokens = np.asarray(eval_inputs, dtype=np.int64).reshape(-1)
+    need = prompt_tokens * batch
+    tokens = np.resize(tokens, max(need, tokens.size))
+    return np.ascontiguousarray(tokens[:need].reshape(batch, prompt_tokens))
+
+
+def _decode_rows(path: Path, prompts: np.ndarray, new_tokens: int, cfg) -> list[dict]:
+    rows = []
+    for provider in cfg.provider_list():
+        for batch in cfg.gen_batches:
+            if normalize_provider(provider) == TENSORRT:
+                rows.append({"provider": TENSORRT, "batch": batch, "status": TENSORRT_NOTE})
+                continue
+            spec = SessionSpec(provider=normalize_provider(provider), threads=cfg.threads,
+                               graph_optimization_level=cfg.graph_optimization_level)
+            rows.append(decode_speed(path, prompts[:batch], new_tokens=new_tokens, spec=spec, rounds=cfg.gen_rounds))
+    return rows
