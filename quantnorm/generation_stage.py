@@ -83,7 +83,7 @@ def generation_section(source, cfg, *, run_dir: Path, fp32_path: Path, recipes: 
             "settings": {"prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "batches": list(cfg.gen_batches),
                          "rounds": cfg.gen_rounds, "max_length": max_length,
                          "agreement_prompts": int(len(prompts)), "agreement_prompt_tokens": int(prompts.shape[1]),
-                         "agreement_new_tokens": agreement_new, "cache": "float32, kept in ONNX Runtime between "
+                         "agreement_new_tokens": agreement_new, "cache": "float32, in ONNX Runtime between "
                          "steps (I/O binding)", "threads": cfg.threads},
             "models": models}
 

@@ -239,3 +239,18 @@ def plot_depth_series(series: dict[str, tuple[list[int], list[tuple]]], depths: 
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7, loc="best", ncol=2)
     return save(fig, out_png)
+
+
+def plot_token_latency(series: dict[str, list[float]], out_png: Path, title: str, *, start: int = 0) -> Path:
+    """Per-token decode latency (ms) against the position of the token, one line per model:
+    the cache grows with the position, so a line that climbs reads a cache that costs."""
+    fig = Figure(figsize=(8, 4.5))
+    ax = fig.subplots()
+    for name, times in series.items():
+        ax.plot(np.arange(start, start + len(times)), times, lw=1.0, label=name)
+    ax.set_xlabel("position of the generated token (prompt + tokens before it)")
+    ax.set_ylabel("step latency, ms")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=7, loc="upper left")
+    ax.set_title(title)
+    return save(fig, out_png)

@@ -1,0 +1,115 @@
+"""The run report's generation section: each recipe as deployed to generate (KV cache).
+
+Reads ``results["generation"]`` through ``results.generation_models``: decode speed per provider
+(prompt and generation tokens/s, per-token p50/p90, peak memory, the ratio to FP32 at the same
+batch), generation agreement with FP32's greedy tokens, the cache proof per model, and a plot of
+per-token latency against position. A run without the section (older runs, ``--no-generation``)
+gets no lines; an encoder gets the sentence that says why it has none.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .. import results as results_file
+from ..measure.sessions import CPU, short_provider
+from .markdown import fmt, pct, table
+from .plots import plot_token_latency
+
+PLOT_FILE = "token_latency.png"
+
+
+def generation(results: dict) -> list[str]:
+    section = results_file.section(results, "generation")
+    if section is None:
+        return []
+    L = ["", "## Generation (KV cache)", ""]
+    if section.get("status") != results_file.MEASURED:
+        return L + [f"{section.get('status')}.", ""]
+    s = section.get("settings") or {}
+    export = section.get("export") or {}
+    L += [f"Each model runs as deployed to generate: the graph exported with a KV cache ({export.get('n_layers')} "
+          f"layers x {export.get('kv_heads')} key/value heads x {export.get('head_dim')}; parity with PyTorch's "
+          f"own cache at the prompt and {len(export.get('max_abs_diff') or {}) - 1} decode steps), every recipe "
+          f"quantized again on it from the same calibration windows, the cache {s.get('cache')}. "
+          f"Decode speed: a {s.get('prompt_tokens')}-token prompt, then {s.get('new_tokens')} greedy tokens one "
+          f"step at a time, median of {s.get('rounds')} rounds after a warm-up, threads "
+          f"{s.get('threads') or 'ORT default'} (the CPU is the hardware section's).", ""]
+    models = results_file.generation_models(results)
+    L += _speed_tables(models)
+    L += _agreement_table(models, s)
+    skipped = [m for m in models if not m.ok]
+    if skipped:
+        L += ["Not on the with-past graph:", ""] + [f"- `{m.name}`: {m.status}" for m in skipped] + [""]
+    return L
+
+
+def _speed_tables(models: list) -> list[str]:
+    by_provider: dict[str, list[tuple]] = {}
+    for m in models:
+        for row in m.decode:
+            by_provider.setdefault(row.get("provider"), []).append((m.name, row))
+    L: list[str] = []
+    for provider, rows in by_provider.items():
+        L += [f"### Decode speed, {short_provider(provider)}", ""]
+        measured = [(n, r) for n, r in rows if r.get("status") == results_file.MEASURED]
+        if not measured:
+            L += [f"{rows[0][1].get('status')}.", ""]
+            continue
+        fp32 = {r["batch"]: r for n, r in measured if n == results_file.FP32_VARIANT}
+        lines = []
+        for name, r in rows:
+            if r.get("status") != results_file.MEASURED:
+                lines.append([f"`{name}`", r.get("batch"), r.get("status"), "", "", "", "", "", ""])
+                continue
+            base = fp32.get(r["batch"])
+            ratio = r["gen_tokens_per_s"] / base["gen_tokens_per_s"] if base else None
+            lines.append([f"`{name}`", r["batch"], fmt(r["prompt_tokens_per_s"], ",.0f"),
+                          fmt(r["gen_tokens_per_s"], ",.1f"), fmt(ratio, ".2f", "x"), fmt(r["token_ms_p50"], ".2f"),
+                          fmt(r["token_ms_p90"], ".2f"), fmt(r["peak_rss_mb"], ",.0f"), fmt(r["rss_increase_mb"], ",.0f")])
+        L += table(["model", "batch", "prompt tok/s", "generation tok/s", "generation vs fp32", "token p50 ms",
+                    "token p90 ms", "peak RSS MiB", "RSS added MiB"], lines)
+        L.append("")
+    return L
+
+
+def _agreement_table(models: list, settings: dict) -> list[str]:
+    lines = []
+    for m in models:
+        check = m.cache_check or {}
+        cache = fmt(check.get("relative_diff"), ".1e") + ("" if check.get("ok", True) else " (not exact)")
+        a = m.agreement
+        if m.name == results_file.FP32_VARIANT:
+            lines.append([f"`{m.name}`", "reference", "", "", "", "", cache])
+        elif m.ok and a:
+            lines.append([f"`{m.name}`", pct(a["identical_before_divergence"]),
+                          f"{a['first_divergence_mean']:.1f} / {a['new_tokens']}",
+                          f"{a['identical_prompts']} / {a['prompts']}", fmt(a["kl_mean"], ".2e"),
+                          pct(a["top1_along_fp32"]), cache])
+    if len(lines) <= 1:
+        return []
+    return [f"### Generation agreement ({settings.get('agreement_prompts')} prompts of "
+            f"{settings.get('agreement_prompt_tokens')} tokens from the evaluation split, "
+            f"{settings.get('agreement_new_tokens')} greedy tokens each)", "",
+            "Identical before divergence: the share of generated tokens before each prompt's first token that "
+            "differs from FP32's. KL and top-1 are taken along FP32's own continuation (both models "
+            "teacher-forced on it). Cache check: |NLL through the cache - NLL of whole windows| / NLL "
+            "(per-tensor dynamic scales differ between a prompt and one row, so those are not exact).", "",
+            *table(["recipe", "identical before divergence", "first divergence (mean)", "identical prompts",
+                    "KL mean along fp32", "top-1 along fp32", "cache check"], lines), ""]
+
+
+def plot(run_dir: Path, results: dict, out_dir: Path) -> dict[str, str]:
+    """Per-token latency against position, batch 1 on the CPU: {title: relative path} or {}."""
+    series = {}
+    start = None
+    for m in results_file.generation_models(results):
+        for row in m.decode:
+            if row.get("provider") == CPU and row.get("batch") == 1 and row.get("per_position_ms"):
+                series[m.name] = row["per_position_ms"]
+                start = row["prompt_tokens"] + 1
+    if not series:
+        return {}
+    path = plot_token_latency(series, out_dir / PLOT_FILE, "Decode: per-token latency by position (CPU, batch 1)",
+                              start=start)
+    return {"Per-token decode latency by position": str(path.relative_to(run_dir))}
