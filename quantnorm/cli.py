@@ -16,7 +16,7 @@ from pathlib import Path
 import click
 
 from . import __version__
-from .config import EvaluateConfig
+from .cli_flags import _csv, _float_csv, _int_csv, _threshold, evaluate_config, evaluate_options
 from .data import BUILTIN_PYDOC, DataConfig, evaluation_windows, prepare_data
 from .errors import QuantnormError
 from .evaluate import ensure_trained
@@ -24,10 +24,11 @@ from .evaluate import evaluate as run_evaluate
 from .export import export_onnx, write_onnx_dir
 from .fileio import write_json_atomic
 from .gate import run_gate, write_error_outputs, write_outputs
+from .generation.speed import decode_bench, decode_table
 from .measure.latency import bench_rounds
-from .measure.sessions import listed_providers, resolve_providers, short_provider
+from .measure.sessions import SessionSpec, listed_providers, resolve_providers, short_provider
 from .models import NORMS, PLACEMENTS, ModelConfig
-from .policy import DEFAULT_POLICY, resolve_policy
+from .policy import resolve_policy
 from .portable import PKG_PREFIX, portable_args, resolve_arg
 from .quantize import DEFAULT_RECIPES, RECIPES
 from .report import write_comparison, write_findings, write_report
@@ -48,10 +49,6 @@ DEFAULT_TRAIN = TrainConfig()
 SWEEP_TRAINING_FLAGS = ("--d-model", "--heads", "--context", "--steps", "--batch-size", "--lr", "--corpus")
 
 
-# --model's default --latency-budget: a checkpoint's cells take seconds a run (Gemma 3's FP32
-# batch of 8, 3 s on 2 cores: 5 timed runs; its INT8 ones about 9). 20 s made latency the
-# third-largest stage of Gemma 3's evaluate (266 s).
-MODEL_LATENCY_BUDGET_S = 10.0
 
 
 def training_options(required: bool, only: tuple[str, ...] | None = None):
@@ -142,129 +139,6 @@ def train(out, quiet, **flags):
                    f"{result.wall_s:.0f} s")
 
 
-def _csv(value: str | None) -> list[str] | None:
-    return None if value is None else [v.strip() for v in value.split(",") if v.strip()]
-
-
-def _int_csv(value: str, flag: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(v) for v in _csv(value))
-    except ValueError:
-        raise click.BadParameter(f"expected comma-separated integers, got {value!r}", param_hint=flag) from None
-
-
-def _float_csv(value: str, flag: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(v) for v in _csv(value))
-    except ValueError:
-        raise click.BadParameter(f"expected comma-separated numbers, got {value!r}", param_hint=flag) from None
-
-
-def _threshold(flag: str, what: str):  # a policy threshold; not given (None): the policy file's or the default
-    default = getattr(DEFAULT_POLICY, flag[2:].replace("-", "_"))
-    return click.option(flag, type=float, default=None, help=f"{what} [default: {default if default else 'off'}]")
-
-
-def evaluate_options(func):
-    """The flags of an EvaluateConfig, shared by ``evaluate`` and ``sweep`` (a sweep hands every cell
-    the one configuration they build); ``evaluate_config`` turns them into it."""
-    options = [
-        click.option("--recipes", default=None,
-                     help="Comma-separated INT8 recipes (see `quantnorm recipes`), or `auto` for the accuracy-aware "
-                          "search (may be combined with names). A SmoothQuant recipe takes an alpha as "
-                          "NAME@ALPHA (smoothquant@0.7), several side by side. [default: the default set]"),
-        click.option("--sq-alpha", type=float, default=None,
-                     help="SmoothQuant migration strength alpha in [0, 1] for the smoothquant recipe (not for "
-                          "smoothquant@ALPHA names, which keep theirs). [default: 0.5]"),
-        click.option("--policy", "policy_file", type=click.Path(path_type=Path), default=None,
-                     help="--recipes auto: the acceptance policy file `quantnorm gate --policy` takes (TOML); the "
-                          "flags below override it. [default: the gate's defaults]"),
-        _threshold("--max-ppl-ratio", "--recipes auto: the INT8/FP32 perplexity ratio a model must reach."),
-        _threshold("--min-top1", "--recipes auto: the least top-1 agreement with FP32 (0: any)."),
-        _threshold("--max-kld", "--recipes auto: the largest mean KL divergence from FP32, in nats."),
-        click.option("--search-space", default=None,
-                     help="With --recipes auto: the comma-separated recipes the search tries, in order "
-                          "(weight-MatMul recipes only). [default: every weight-MatMul recipe of `quantnorm recipes`]"),
-        click.option("--search-pick", type=click.Choice(["fastest", "first"]), default="fastest", show_default=True,
-                     help="--recipes auto: keep the fastest passing model (CPU p50, batch 8) or the first one found."),
-        click.option("--providers", default=None,
-                     help="Comma-separated execution providers for latency: cpu, cuda, tensorrt. "
-                          "[default: all this onnxruntime lists; unusable ones are reported as not measured]"),
-        click.option("--calib-samples", type=int, default=64, show_default=True,
-                     help="Calibration windows (taken evenly from the calibration range only)."),
-        click.option("--exclude", multiple=True,
-                     help="Keep matching nodes in FP32 in every recipe (mixed precision); a node name or an fnmatch "
-                          "pattern such as 'head/*' or 'blocks.*.mlp.down/*'. Repeatable."),
-        click.option("--opset", type=int, default=18, show_default=True,
-                     help="ONNX opset (18: RMSNorm decomposed; 23: native RMSNormalization)."),
-        click.option("--opt-level", default="all", show_default=True,
-                     help="ONNX Runtime graph optimization for accuracy and latency: disable, basic, extended, all."),
-        click.option("--threads", type=int, default=None,
-                     help="Intra-op threads for ONNX Runtime (in a sweep: per cell, torch's too). [default: ORT's; "
-                          "in a sweep: the cores divided by --jobs]"),
-        click.option("--batches", default="1,8", show_default=True, help="Latency batch sizes (sequence = context)."),
-        click.option("--iters", type=int, default=30, show_default=True,
-                     help="Timed runs per latency cell (after warm-up)."),
-        click.option("--latency-budget", type=click.FloatRange(min=0), default=None,
-                     help="Seconds of timed runs per latency cell: a cell stops before --iters once its runs "
-                          "add up to this (5 runs at least; the report gives each cell's count). 0: no budget, "
-                          "all --iters runs.  [default: 10 with --model, else no budget]"),
-        click.option("--generation/--no-generation", default=None,
-                     help="Causal models: export each recipe with a KV cache and measure generation as deployed: "
-                          "prompt and generation tokens/s, per-token p50/p90, peak memory, and greedy generations "
-                          "against FP32's. [default: on for evaluate, off for sweep]"),
-        click.option("--gen-batches", default="1,4", show_default=True,
-                     help="Generation: batch sizes of the decode-speed rows."),
-        click.option("--gen-tokens", default="128,128", show_default=True,
-                     help="Generation: prompt tokens and new tokens of the decode-speed rows (cut to the model's "
-                          "positions when they do not fit)."),
-        click.option("--agreement", default="16,64", show_default=True,
-                     help="Generation agreement: prompts (from the evaluation split) and greedy new tokens each."),
-        click.option("--no-outliers", is_flag=True,
-                     help="Skip the activation probe and per-tensor SQNR (a sweep's residual-growth and outlier "
-                          "findings need them)."),
-    ]
-    for option in reversed(options):
-        func = option(func)
-    return func
-
-
-def evaluate_config(flags: dict, progress: bool, *, with_model: bool = False,
-                    generation_default: bool = True) -> EvaluateConfig:
-    """The EvaluateConfig of the ``evaluate_options`` flags, which it pops off ``flags`` (the
-    command's keyword arguments): validated here, before anything runs. ``with_model``: evaluate
-    was given ``--model`` (a checkpoint: the latency cells get a time budget by default)."""
-    f = {name: flags.pop(name) for name in EVALUATE_FLAGS}
-    policy = resolve_policy(f["policy_file"], max_ppl_ratio=f["max_ppl_ratio"], min_top1=f["min_top1"],
-                            max_kld=f["max_kld"])
-    return EvaluateConfig(
-        recipes=tuple(_csv(f["recipes"])) if f["recipes"] else DEFAULT_RECIPES,
-        providers=tuple(_csv(f["providers"])) if f["providers"] else None,
-        calib_samples=f["calib_samples"], opset=f["opset"], graph_optimization_level=f["opt_level"],
-        threads=f["threads"], latency_batches=_int_csv(f["batches"], "--batches"), latency_iters=f["iters"],
-        latency_seconds=(MODEL_LATENCY_BUDGET_S if with_model else None) if f["latency_budget"] is None
-        else (f["latency_budget"] or None),
-        outliers=not f["no_outliers"], progress=progress, sq_alpha=f["sq_alpha"], max_ppl_ratio=policy.max_ppl_ratio,
-        min_top1=policy.min_top1, max_kld=policy.max_kld, max_kld_p99=policy.max_kld_p99, search_pick=f["search_pick"],
-        search_space=tuple(_csv(f["search_space"])) if f["search_space"] else None, exclude=tuple(f["exclude"]),
-        **generation_fields(f, generation_default),
-    )
-
-
-def generation_fields(f: dict, default: bool) -> dict:
-    prompt_new = _int_csv(f["gen_tokens"], "--gen-tokens")
-    agreement = _int_csv(f["agreement"], "--agreement")
-    for flag, pair in (("--gen-tokens", prompt_new), ("--agreement", agreement)):
-        if len(pair) != 2:
-            raise click.BadParameter(f"expected two comma-separated integers, got {','.join(map(str, pair))}",
-                                     param_hint=flag)
-    return {"generation": default if f["generation"] is None else f["generation"],
-            "gen_batches": _int_csv(f["gen_batches"], "--gen-batches"), "gen_prompt_tokens": prompt_new[0],
-            "gen_new_tokens": prompt_new[1], "agreement_prompts": agreement[0], "agreement_new_tokens": agreement[1]}
-
-
-# The parameter names evaluate_options adds, read off a command it decorates (one list, not two).
-EVALUATE_FLAGS = tuple(p.name for p in click.command()(evaluate_options(lambda **_: None)).params)
 
 
 def _given_flags(ctx: click.Context, exempt: tuple[str, ...]) -> list[str]:
@@ -397,8 +271,15 @@ def export(run_dir, opset, onnx_dir):
               help="Time every cell this many times, interleaved across the models, and keep each cell's "
                    "lowest p50 (a neighbour's load only adds time; the note lists every round).")
 @click.option("--json", "json_out", type=click.Path(path_type=Path), default=None, help="Also write the rows as JSON.")
-def bench(models, providers, batches, seq, iters, warmup, threads, opt_level, rounds, json_out):
-    """Latency of ONNX models (p50/p90/p99, tokens/s) per execution provider and batch size."""
+@click.option("--decode", is_flag=True,
+              help="Time generation instead (with-past graphs, e.g. a run's model.*.past.onnx): a --seq-token prompt, "
+                   "then --new-tokens greedy tokens one step at a time with the KV cache kept in ONNX Runtime; prints "
+                   "prompt and generation tokens/s, per-token p50/p90 and peak memory.")
+@click.option("--new-tokens", type=click.IntRange(min=2), default=128, show_default=True,
+              help="--decode: tokens generated after the prompt.")
+def bench(models, providers, batches, seq, iters, warmup, threads, opt_level, rounds, json_out, decode, new_tokens):
+    """Latency of ONNX models (p50/p90/p99, tokens/s) per execution provider and batch size, or
+    with --decode their generation speed (prompt and generation tokens/s)."""
     if not models:
         raise click.UsageError("give at least one .onnx file")
     for path in models:
@@ -406,6 +287,14 @@ def bench(models, providers, batches, seq, iters, warmup, threads, opt_level, ro
             raise click.BadParameter(f"{path} is not a file", param_hint="MODELS")
     names = resolve_providers(_csv(providers)) if providers else listed_providers()
     variants = {path.name: path for path in models}
+    if decode:
+        specs = [SessionSpec(provider=n, threads=threads, graph_optimization_level=opt_level) for n in names]
+        rows = decode_bench(variants, specs, list(_int_csv(batches, "--batches")), prompt_tokens=seq,
+                            new_tokens=new_tokens, rounds=rounds)
+        click.echo("\n".join(decode_table(rows)))
+        if json_out:
+            write_json_atomic(json_out, rows)
+        return
     rows = bench_rounds(variants, names, list(_int_csv(batches, "--batches")), seq, rounds=rounds, threads=threads,
                         graph_optimization_level=opt_level, warmup=warmup, iters=iters, progress=True)
     click.echo(f"{'model':<40} {'provider':<10} {'batch':>5} {'p50 ms':>9} {'p90 ms':>9} {'p99 ms':>9} {'tokens/s':>11}")
@@ -444,6 +333,9 @@ def recipes():
 @_threshold("--max-kld", "Max mean KL(FP32 || INT8) in nats.")
 @_threshold("--max-kld-p99", "Max 99th-percentile KL in nats.")
 @_threshold("--min-top1", "Min top-1 agreement, a fraction.")
+@_threshold("--min-gen-speed-ratio", "Min generation tokens/s of INT8 / FP32 (same provider and batch).")
+@_threshold("--min-gen-tokens-per-s", "Min generation tokens/s of the recipe (every measured decode row).")
+@_threshold("--min-gen-agreement", "Min share of greedy tokens identical to FP32's before the first divergence.")
 @_threshold("--max-latency-ratio", "Max INT8 p50 / FP32 p50 latency (same provider and batch).")
 @click.option("--require-provider", multiple=True,
               help="Provider that must have measured latency (cpu, cuda, tensorrt); repeat or comma-separate.")

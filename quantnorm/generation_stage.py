@@ -9,8 +9,9 @@ For a causal model source (``source.with_past(cfg)``; an encoder says why it has
    transformed FP32 model (its rotated or smoothed with-past export) and the same calibration
    windows (fed as a prompt after an empty cache), the cache itself left float; a recipe that
    cannot apply says "not applicable: why", a broken one "broken: ..."; the cache proof is
-   recorded for each (exact for per-token and static recipes; per-tensor dynamic scales differ
-   between a prompt and one row, so there it measures that difference);
+   recorded for each (its graph through the cache against the same graph scored whole: exact for
+   per-token and static recipes; per-tensor dynamic scales differ between a prompt and one row,
+   so there it measures that difference);
 3. decode speed (``generation.speed``) of FP32 and every ok recipe, per provider and batch, and
    generation agreement with FP32's greedy generations (``generation.agreement``).
 
@@ -65,8 +66,8 @@ def generation_section(source, cfg, *, run_dir: Path, fp32_path: Path, recipes: 
                           f"{models[0]['cache_check']['nll_cached']:.6g} vs whole windows "
                           f"{models[0]['cache_check']['nll_whole']:.6g} (relative tolerance {CACHE_TOLERANCE:g})")
     with stage("generation:quantize"):
-        models += [_quantize_past(past.variants, name, recipe, fp32_past, data, cfg, run_dir, vnni,
-                                  fp32_path=fp32_path) for name, recipe in recipes.items() if name in int8_paths]
+        models += [_quantize_past(past.variants, name, recipe, fp32_past, data, cfg, run_dir, vnni)
+                   for name, recipe in recipes.items() if name in int8_paths]
     past.release()
     release_memory()
     with stage("generation:agreement"):
@@ -92,15 +93,15 @@ def _bar(items: list, what: str, cfg):
     return tqdm(items, desc=what, unit="model", disable=not cfg.progress, leave=False)
 
 
-def _cache_check(path: Path, eval_inputs: np.ndarray, whole: Path, cfg) -> dict:
-    """The cache proof on the first evaluation windows: prefill half, then one token at a time."""
+def _cache_check(path: Path, eval_inputs: np.ndarray, whole: Path | None, cfg) -> dict:
+    """The cache proof on the first evaluation windows: prefill half, then one token at a time,
+    against ``whole`` (the FP32 whole-window graph) or, None, the same graph scored whole."""
     windows = np.asarray(eval_inputs)[:CACHE_CHECK_WINDOWS]
     return check_cache(path, windows, max(1, windows.shape[1] // 2), whole=whole, tolerance=CACHE_TOLERANCE,
                        threads=cfg.threads).to_dict()
 
 
-def _quantize_past(variants, name: str, recipe, fp32_past: Path, data, cfg, run_dir: Path, vnni: bool, *,
-                   fp32_path: Path) -> dict:
+def _quantize_past(variants, name: str, recipe, fp32_past: Path, data, cfg, run_dir: Path, vnni: bool) -> dict:
     """One recipe on the with-past graph: ``generation.models`` entry (without speed and agreement)."""
     started = time.perf_counter()
     try:
@@ -116,9 +117,9 @@ def _quantize_past(variants, name: str, recipe, fp32_past: Path, data, cfg, run_
                    "seconds": round(time.perf_counter() - started, 2)}
     if q.status != "ok" or q.path is None:
         return {**entry, "problems": q.problems}
-    whole = run_dir / Path(fp32_path).name   # judged against the FP32 model's whole windows
+    # the same graph scored whole: the cache's exactness, apart from what the recipe itself changes
     return {**entry, "path": q.path.name, "size_bytes": q.path.stat().st_size,
-            "cache_check": _cache_check(q.path, data.eval_inputs, whole, cfg)}
+            "cache_check": _cache_check(q.path, data.eval_inputs, None, cfg)}
 
 
 def _speed_prompts(eval_inputs: np.ndarray, prompt_tokens: int, batch: int) -> np.ndarray:

@@ -14,6 +14,9 @@ exit 2). :func:`load_policy` reads the TOML file the gate and ``evaluate --polic
     max_kld_p99 = 0.05          # accuracy.kld_p99        <= this   (optional)
     min_top1 = 0.98             # accuracy.top1_agreement >= this
     max_latency_ratio = 1.0     # INT8 p50 / FP32 p50     <= this   (optional)
+    min_gen_speed_ratio = 1.0   # generation tokens/s, INT8 / FP32, same provider and batch >= this (optional)
+    min_gen_tokens_per_s = 50   # generation tokens/s of the recipe >= this (optional)
+    min_gen_agreement = 0.9     # generation.identical_before_divergence >= this (optional)
     require_provider = ["cpu"]  # providers that must have measured latency rows
     recipes = []                # [] = the best recipe must pass; a list = each listed must pass
     collapse_margin = 0.8       # a trained model's eval bits/byte must be this far below the unigram baseline
@@ -36,7 +39,14 @@ class PolicyError(ConfigError):
     """The acceptance policy (file or flags) has an unknown key, a wrong type or an invalid value."""
 
 
-_FLOAT_KEYS = ("max_ppl_ratio", "max_kld", "max_kld_p99", "min_top1", "max_latency_ratio", "collapse_margin")
+_FLOAT_KEYS = ("max_ppl_ratio", "max_kld", "max_kld_p99", "min_top1", "max_latency_ratio", "min_gen_speed_ratio",
+               "min_gen_tokens_per_s", "min_gen_agreement", "collapse_margin")
+# The generation thresholds (policy key, what the gate compares): read off results["generation"].
+GENERATION_LIMITS = (
+    ("min_gen_speed_ratio", "gen_speed_ratio"),
+    ("min_gen_tokens_per_s", "gen_tokens_per_s"),
+    ("min_gen_agreement", "identical_before_divergence"),
+)
 _LIST_KEYS = ("require_provider", "recipes")
 
 
@@ -76,6 +86,9 @@ class Policy:
     max_kld_p99: float | None = None
     min_top1: float | None = 0.98
     max_latency_ratio: float | None = None
+    min_gen_speed_ratio: float | None = None
+    min_gen_tokens_per_s: float | None = None
+    min_gen_agreement: float | None = None
     require_provider: tuple[str, ...] = ()
     recipes: tuple[str, ...] = ()
     collapse_margin: float | None = DEFAULT_COLLAPSE_MARGIN   # None: no training-status check
@@ -90,7 +103,7 @@ class Policy:
             if not math.isfinite(value):
                 raise PolicyError(f"policy key {key!r} must be a finite number, got {value}")
             object.__setattr__(self, key, float(value))
-        for key in ("max_ppl_ratio", "max_latency_ratio"):
+        for key in ("max_ppl_ratio", "max_latency_ratio", "min_gen_speed_ratio", "min_gen_tokens_per_s"):
             value = getattr(self, key)
             if value is not None and value <= 0:
                 raise PolicyError(f"policy key {key!r} must be > 0, got {value}")
@@ -98,8 +111,10 @@ class Policy:
             value = getattr(self, key)
             if value is not None and value < 0:
                 raise PolicyError(f"policy key {key!r} must be >= 0, got {value}")
-        if self.min_top1 is not None and not 0.0 <= self.min_top1 <= 1.0:
-            raise PolicyError(f"policy key 'min_top1' must be in [0, 1] (a fraction, not %), got {self.min_top1}")
+        for key in ("min_top1", "min_gen_agreement"):
+            value = getattr(self, key)
+            if value is not None and not 0.0 <= value <= 1.0:
+                raise PolicyError(f"policy key {key!r} must be in [0, 1] (a fraction, not %), got {value}")
         for key in _LIST_KEYS:
             value = getattr(self, key)
             if isinstance(value, str) or not isinstance(value, (list, tuple)) or \
@@ -147,6 +162,12 @@ class Policy:
             parts.append(f"top-1 agreement >= {self.min_top1:g}")
         if self.max_latency_ratio is not None:
             parts.append(f"INT8/FP32 p50 latency <= {self.max_latency_ratio:g}")
+        if self.min_gen_speed_ratio is not None:
+            parts.append(f"generation tokens/s INT8/FP32 >= {self.min_gen_speed_ratio:g}")
+        if self.min_gen_tokens_per_s is not None:
+            parts.append(f"generation >= {self.min_gen_tokens_per_s:g} tokens/s")
+        if self.min_gen_agreement is not None:
+            parts.append(f"greedy tokens identical to FP32's before divergence >= {self.min_gen_agreement:g}")
         if self.collapse_margin is not None:
             parts.append(f"trained (eval bits/byte >= {self.collapse_margin:g} below the unigram baseline)")
         if self.require_provider:

@@ -165,10 +165,11 @@ def _copy(src: Path, dst: Path) -> Path:
     return dst
 
 
-def _with_past_input(path: Path) -> None:
+def _with_past_input(path: Path, kinds=("key",)) -> None:
     model = onnx.load(str(path))
-    model.graph.input.append(helper.make_tensor_value_info("past_key_values.0.key", TensorProto.FLOAT,
-                                                           ["batch", 2, "past", 16]))
+    for kind in kinds:
+        model.graph.input.append(helper.make_tensor_value_info(f"past_key_values.0.{kind}", TensorProto.FLOAT,
+                                                               ["batch", 2, "past", 16]))
     onnx.save(model, str(path))
 
 
@@ -187,7 +188,10 @@ def _external_data_lost(path: Path) -> None:
 
 
 CASES = {
-    "past_key_values": (lambda d: _with_past_input(d / "model.onnx"), "use_cache=False"),
+    "a cache input without its pair": (lambda d: _with_past_input(d / "model.onnx"),
+                                       "not named past_key_values.{i}.key/.value"),
+    "a cache without present outputs": (lambda d: _with_past_input(d / "model.onnx", ("key", "value")),
+                                        "present outputs do not match its past inputs"),
     "truncated model.onnx": (lambda d: (d / "model.onnx").write_bytes((d / "model.onnx").read_bytes()[:999]),
                              "not a readable ONNX model"),
     "no config.json": (lambda d: (d / "config.json").unlink(), "no config.json"),

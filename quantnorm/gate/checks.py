@@ -16,7 +16,7 @@ from typing import Any
 from .. import results as results_file
 from ..errors import QuantnormError
 from ..measure.sessions import short_provider
-from ..policy import ACCURACY_LIMITS, Policy, within
+from ..policy import ACCURACY_LIMITS, GENERATION_LIMITS, Policy, within
 from ..results import FP32_VARIANT, OK_STATUS, is_pretrained, latency_rows, source_kind, status_from_results
 from .verdict import Check, ResultsError, RunVerdict
 
@@ -170,7 +170,50 @@ def _train_status_check(results: dict, policy: Policy) -> list[Check]:
 RunCheckFn = Callable[[dict, Policy], list[Check]]
 RecipeCheckFn = Callable[[dict, dict, Policy], list[Check]]
 RUN_CHECKS: tuple[RunCheckFn, ...] = (_train_status_check,)
-RECIPE_CHECKS: tuple[RecipeCheckFn, ...] = (_status_check, _accuracy_checks, _provider_checks, _latency_checks)
+def _generation_checks(results: dict, entry: dict, policy: Policy) -> list[Check]:
+    """Generation speed (tokens/s, absolute and as a ratio to FP32 at the same provider and batch,
+    every measured row) and agreement, from ``results["generation"]``; a run without it fails."""
+    wanted = [(metric, getattr(policy, key)) for key, metric in GENERATION_LIMITS if getattr(policy, key) is not None]
+    if not wanted:
+        return []
+    name = entry["name"]
+    model = results_file.generation_model(results, name)
+    fp32 = results_file.generation_model(results, FP32_VARIANT)
+    out: list[Check] = []
+    for metric, threshold in wanted:
+        limit = f">= {threshold:g}"
+        if model is None or not model.ok:
+            why = "no generation section (run evaluate with --generation)" if model is None else f"recipe {model.status}"
+            out.append(Check(name, metric, None, limit, False, f"missing: {why}"))
+            continue
+        if metric == "identical_before_divergence":
+            value = (model.agreement or {}).get(metric)
+            out.append(_at_least(name, metric, value, threshold, limit))
+            continue
+        rows = [r for r in model.decode if r.get("status") == results_file.MEASURED]
+        if not rows:
+            out.append(Check(name, metric, None, limit, False, "missing: no measured decode row"))
+        for row in rows:
+            label = f"{metric} {short_provider(row['provider'])} b={row['batch']}"
+            value = row.get("gen_tokens_per_s")
+            if metric == "gen_speed_ratio":
+                base = next((r for r in (fp32.decode if fp32 else []) if r.get("provider") == row["provider"]
+                             and r.get("batch") == row["batch"] and r.get("status") == results_file.MEASURED), None)
+                value = value / base["gen_tokens_per_s"] if base and _is_number(value) and \
+                    _is_number(base.get("gen_tokens_per_s")) and base["gen_tokens_per_s"] > 0 else None
+            out.append(_at_least(name, label, value, threshold, limit))
+    return out
+
+
+def _at_least(name: str, label: str, value, threshold: float, limit: str) -> Check:
+    if not _is_number(value):
+        return Check(name, label, None, limit, False, f"missing: {label} {_describe_bad(value)}")
+    passed = value >= threshold
+    return Check(name, label, float(value), limit, passed, "" if passed else f"{value:.6g} not {limit}")
+
+
+RECIPE_CHECKS: tuple[RecipeCheckFn, ...] = (_status_check, _accuracy_checks, _provider_checks, _latency_checks,
+                                            _generation_checks)
 
 
 def evaluate_gate(results: dict, policy: Policy, source: str = "results.json") -> RunVerdict:

@@ -118,3 +118,55 @@ def decode_speed(path: str | Path, prompts: np.ndarray, *, new_tokens: int, spec
             "per_position_ms": [round(float(v) * 1e3, 4) for v in np.median(steps, axis=0)],
             "peak_rss_mb": round(memory.peak / 2**20, 1),
             "rss_increase_mb": round((memory.peak - memory.before) / 2**20, 1)}
+
+
+def random_prompts(path: str | Path, batch: int, prompt_tokens: int, seed: int = 0) -> np.ndarray:
+    """Seeded token ids [batch, prompt_tokens] within the graph's vocabulary (speed does not read them)."""
+    runner = DecodeSession(path)
+    vocab = runner.session.get_outputs()[0].shape[-1]
+    high = vocab if isinstance(vocab, int) and vocab > 0 else 256
+    return np.random.default_rng(seed).integers(0, high, size=(batch, prompt_tokens), dtype=np.int64)
+
+
+def decode_bench(models: dict[str, Path], specs: list[SessionSpec], batches: list[int], *, prompt_tokens: int,
+                 new_tokens: int, rounds: int = 1) -> list[dict]:
+    """``quantnorm bench --decode``: a ``decode_speed`` row per model x provider x batch, timed in
+    ``rounds`` interleaved across the models (a neighbour's load hits them alike); each cell keeps
+    its round with the most generation tokens/s, and lists every round's figure."""
+    if not models or not batches or min(batches) < 1 or rounds < 1:
+        raise ConfigError(f"decode bench needs models, batches >= 1 and rounds >= 1, got {list(models)}, "
+                          f"{batches}, {rounds}")
+    cells: dict[tuple, list[dict]] = {}
+    lengths = {}
+    for name, path in models.items():
+        layout = DecodeSession(path).layout   # a one-line ConfigError for a graph without a cache
+        lengths[name] = decode_lengths(layout.max_length, prompt_tokens, new_tokens)
+    for _ in range(rounds):
+        for name, path in models.items():
+            prompt, new = lengths[name]
+            for spec in specs:
+                for batch in batches:
+                    row = decode_speed(path, random_prompts(path, batch, prompt), new_tokens=new, spec=spec, rounds=1)
+                    cells.setdefault((name, spec.provider, batch), []).append(row)
+    out = []
+    for (name, _, _), runs in cells.items():
+        measured = [r for r in runs if r["status"] == "measured"]
+        best = max(measured, key=lambda r: r["gen_tokens_per_s"]) if measured else runs[0]
+        out.append({"model": name, **best, "rounds": rounds,
+                    "round_gen_tokens_per_s": [r.get("gen_tokens_per_s") for r in runs]})
+    return out
+
+
+def decode_table(rows: list[dict]) -> list[str]:
+    """The rows as the terminal table ``quantnorm bench --decode`` prints."""
+    lines = [f"{'model':<44} {'provider':<10} {'batch':>5} {'prompt':>6} {'new':>4} {'prompt tok/s':>12} "
+             f"{'gen tok/s':>10} {'p50 ms':>8} {'p90 ms':>8} {'peak MiB':>9}"]
+    for r in rows:
+        head = f"{r['model']:<44} {r['provider'].replace('ExecutionProvider', ''):<10} {r['batch']:>5}"
+        if r["status"] != "measured":
+            lines.append(f"{head} {r['status']}")
+            continue
+        lines.append(f"{head} {r['prompt_tokens']:>6} {r['new_tokens']:>4} {r['prompt_tokens_per_s']:>12,.0f} "
+                     f"{r['gen_tokens_per_s']:>10,.1f} {r['token_ms_p50']:>8.2f} {r['token_ms_p90']:>8.2f} "
+                     f"{r['peak_rss_mb']:>9,.0f}")
+    return lines

@@ -28,9 +28,11 @@ def generation(results: dict) -> list[str]:
         return L + [f"{section.get('status')}.", ""]
     s = section.get("settings") or {}
     export = section.get("export") or {}
-    L += [f"Each model runs as deployed to generate: the graph exported with a KV cache ({export.get('n_layers')} "
-          f"layers x {export.get('kv_heads')} key/value heads x {export.get('head_dim')}; parity with PyTorch's "
-          f"own cache at the prompt and {len(export.get('max_abs_diff') or {}) - 1} decode steps), every recipe "
+    steps = len(export.get("max_abs_diff") or {}) - 1
+    how = (f"exported with a KV cache ({export.get('n_layers')} layers x {export.get('kv_heads')} key/value heads x "
+           f"{export.get('head_dim')}; parity with PyTorch's own cache at the prompt and {steps} decode steps)"
+           if steps >= 0 else f"with a KV cache as given ({export.get('exporter')}; checked by the cache proof below)")
+    L += [f"Each model runs as deployed to generate: the graph {how}, every recipe "
           f"quantized again on it from the same calibration windows, the cache {s.get('cache')}. "
           f"Decode speed: a {s.get('prompt_tokens')}-token prompt, then {s.get('new_tokens')} greedy tokens one "
           f"step at a time, median of {s.get('rounds')} rounds after a warm-up, threads "

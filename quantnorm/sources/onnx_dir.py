@@ -8,8 +8,11 @@ when it has one), ``config.json`` and the tokenizer files beside it. Accepted gr
 - an encoder: inputs ``input_ids`` (and optionally ``attention_mask``, ``token_type_ids``),
   output ``last_hidden_state``; scored by embedding cosine and nearest-neighbour agreement.
 
-A graph with ``past_key_values`` inputs (a ``use_cache=True`` export) is refused: the evaluation
-scores whole windows, with no cache.
+A causal graph may also take a KV cache (``past_key_values.{i}.key`` / ``.value`` in,
+``present.{i}.key`` / ``.value`` out: Optimum's ``text-generation-with-past``, or a quantnorm
+bundle): whole windows are then scored as one step after an empty cache (``quantnorm.feeds``),
+and the generation stage takes the graph itself, unbound, as its with-past FP32 model. Cache
+inputs under any other names, or ``present`` outputs that do not match them, are refused.
 
 "Export" for this source is *binding*: every window the pipeline runs is full length, so the
 optional inputs are fixed inside the graph (``attention_mask`` = 1, ``token_type_ids`` = 0,
@@ -39,7 +42,9 @@ from onnx import TensorProto, helper, numpy_helper
 from ..data import BUILTIN_PYDOC
 from ..errors import ConfigError, ExportError
 from ..export import count_norm_ops
+from ..feeds import PAST_INPUT, window_feeder
 from ..fileio import atomic_path, external_data_file, save_onnx
+from ..generation.with_past import WithPastSource
 from ..measure.sessions import CPU
 from ..portable import portable_path
 from ..runs import check_out_dir
@@ -92,6 +97,11 @@ class GraphInterface:
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     opset: int
+    past: tuple[str, ...] = ()     # the KV-cache inputs of a with-past graph
+
+    @property
+    def with_past(self) -> bool:
+        return bool(self.past)
 
 
 def read_interface(path: Path) -> GraphInterface:
@@ -107,15 +117,12 @@ def read_interface(path: Path) -> GraphInterface:
     initializers = {i.name for i in graph.initializer}
     inputs = tuple(i.name for i in graph.input if i.name not in initializers)
     outputs = tuple(o.name for o in graph.output)
-    past = [name for name in inputs if name.startswith("past_key_values") or name.startswith("past.")]
-    if past:
-        raise ConfigError(f"--model {path.parent}: {path.name} takes past_key_values inputs ({past[0]}, ...): export "
-                          f"it again with use_cache=False (optimum-cli export onnx --task text-generation, not "
-                          f"text-generation-with-past); windows are scored whole, without a cache")
+    past = tuple(name for name in inputs if name.startswith("past_key_values") or name.startswith("past."))
+    _check_cache_names(path, past, outputs)
     if INPUT_IDS not in inputs:
         raise ConfigError(f"--model {path.parent}: {path.name} has no input_ids input (inputs: {', '.join(inputs)}); "
                           f"quantnorm feeds token ids")
-    unknown = [name for name in inputs if name != INPUT_IDS and name not in BOUND_INPUTS]
+    unknown = [name for name in inputs if name != INPUT_IDS and name not in BOUND_INPUTS and name not in past]
     if unknown:
         raise ConfigError(f"--model {path.parent}: {path.name} has inputs quantnorm cannot fill ({', '.join(unknown)}); "
                           f"accepted: input_ids, {', '.join(BOUND_INPUTS)}")
@@ -134,7 +141,26 @@ def read_interface(path: Path) -> GraphInterface:
         raise ConfigError(f"--model {path.parent}: {path.name} stores weights in 16-bit floats ({float16[0]}, ...): "
                           f"export in float32 (the FP32 graph is the baseline every INT8 recipe is measured against)")
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
-    return GraphInterface(kind, inputs, outputs, opset)
+    if past and kind != "causal":
+        raise ConfigError(f"--model {path.parent}: {path.name} takes a KV cache but has no logits output")
+    return GraphInterface(kind, inputs, outputs, opset, past)
+
+
+def _check_cache_names(path: Path, past: tuple[str, ...], outputs: tuple[str, ...]) -> None:
+    """A cache under Optimum's names with a ``present`` output for every ``past`` input."""
+    if not past:
+        return
+    layers = sorted({int(m.group(1)) for name in past if (m := PAST_INPUT.match(name))})
+    expected = [f"past_key_values.{i}.{kv}" for i in range(len(layers)) for kv in ("key", "value")]
+    if sorted(past) != sorted(expected):
+        raise ConfigError(f"--model {path.parent}: {path.name} takes cache inputs ({past[0]}, ...) not named "
+                          f"past_key_values.{{i}}.key/.value for layers 0..n-1: export it with Optimum's "
+                          f"text-generation-with-past, or with use_cache=False")
+    missing = [n.replace("past_key_values.", "present.") for n in expected
+               if n.replace("past_key_values.", "present.") not in outputs]
+    if missing:
+        raise ConfigError(f"--model {path.parent}: {path.name}'s present outputs do not match its past inputs "
+                          f"(no {missing[0]}): the graph cannot carry its cache from one step to the next")
 
 
 def _const(name: str, value: np.ndarray) -> onnx.NodeProto:
@@ -194,6 +220,22 @@ def bind_inputs(model: onnx.ModelProto, interface: GraphInterface, pooling: str)
     return model, dropped
 
 
+def _explicit_feeds(session, ids: np.ndarray) -> dict[str, np.ndarray]:
+    """The original graph's feed for whole windows, every optional input given its bound value
+    in its declared integer type (int32 masks exist), a cache empty."""
+    feeds = dict(window_feeder(session)(ids))
+    for i in session.get_inputs():
+        if i.name == "attention_mask":
+            feeds[i.name] = np.ones_like(ids)
+        elif i.name == "token_type_ids":
+            feeds[i.name] = np.zeros_like(ids)
+        elif i.name == "position_ids":
+            feeds[i.name] = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int64), ids.shape).copy()
+        if "int32" in i.type:
+            feeds[i.name] = feeds[i.name].astype(np.int32)
+    return feeds
+
+
 def _pooling_nodes(pooling: str, opset: int) -> list[onnx.NodeProto]:
     """``sentence_embedding`` from ``last_hidden_state`` [B, T, d]: mean, max or the first token."""
     out, src = "sentence_embedding", "last_hidden_state"
@@ -220,6 +262,18 @@ def _file_sha256(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class GivenWithPast:
+    """The with-past graph of an ONNX export directory, copied as given (its check: the cache proof)."""
+    path: Path
+    opset: int
+    n_layers: int
+
+    def to_dict(self, run_dir: Path | None = None) -> dict:
+        return {"path": Path(self.path).name, "opset": self.opset, "n_layers": self.n_layers,
+                "exporter": "the user's (ONNX export directory, used as given)", "max_abs_diff": {}}
 
 
 class OnnxDirSource:
@@ -295,24 +349,29 @@ class OnnxDirSource:
 
     def _parity(self, reference, candidate, inputs: np.ndarray) -> dict[str, float]:
         ids = np.ascontiguousarray(inputs, dtype=np.int64)
-        feeds = {INPUT_IDS: ids}
-        for i in reference.get_inputs():
-            if i.name == "attention_mask":
-                feeds[i.name] = np.ones_like(ids)
-            elif i.name == "token_type_ids":
-                feeds[i.name] = np.zeros_like(ids)
-            elif i.name == "position_ids":
-                feeds[i.name] = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int64), ids.shape).copy()
-        for i in reference.get_inputs():  # the declared integer type (int32 masks exist)
-            if "int32" in i.type:
-                feeds[i.name] = feeds[i.name].astype(np.int32)
+        feeds = _explicit_feeds(reference, ids)
         first = OUTPUTS[self.kind][0]
         ref = dict(zip([first], reference.run([first], feeds)))
         if self.kind == "encoder":
             ref["sentence_embedding"] = _pool(ref[first], self.pooling or "mean")
-        got = dict(zip(OUTPUTS[self.kind], candidate.run(list(OUTPUTS[self.kind]), {INPUT_IDS: ids})))
+        got = dict(zip(OUTPUTS[self.kind], candidate.run(list(OUTPUTS[self.kind]), window_feeder(candidate)(ids))))
         return {name: float(np.abs(ref[name] - got[name]).max() / max(1.0, float(np.abs(ref[name]).max())))
                 for name in OUTPUTS[self.kind]}
+
+    def with_past(self, cfg) -> WithPastSource:
+        """A with-past graph is its own with-past FP32 model (copied unbound); any other has none."""
+        if self.kind != "causal":
+            raise ConfigError(f"{self.dir / ONNX_FILE} is an encoder: it generates nothing, so it has no KV cache")
+        if not self.interface.with_past:
+            raise ConfigError(f"{self.dir / ONNX_FILE} takes no KV cache and an ONNX export has no torch module to "
+                              f"export one from: export it with past (optimum-cli export onnx --task "
+                              f"text-generation-with-past) or evaluate the checkpoint directory")
+
+        def export(path: Path) -> GivenWithPast:
+            with atomic_path(path, suffix=".onnx") as tmp:
+                save_onnx(onnx.load(str(self.dir / ONNX_FILE)), tmp, data_name=external_data_file(path).name)
+            return GivenWithPast(path, self.interface.opset, len(self.interface.past) // 2)
+        return WithPastSource(export=export, variants=no_transforms("an ONNX source", self.run_dir))
 
     def transforms(self, cfg) -> FP32Variants:
         return no_transforms("an ONNX source", self.run_dir)

@@ -1,0 +1,162 @@
+"""The generation stage of evaluate, end to end on every source kind: each recipe quantized again
+on the with-past graph, the cache proof per model, decode speed rows and generation agreement,
+in results.json and the report; and the feed that lets every stage run a with-past graph."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from quantnorm.cli import main
+from quantnorm.export import write_onnx_dir
+from quantnorm.feeds import is_with_past, window_feeder
+from quantnorm.generation import ZooWithPast, export_with_past
+from quantnorm.measure.accuracy import compare
+from quantnorm.results import generation_models, validate
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_generation import windows, zoo_model  # noqa: E402
+
+TINY = ["--layers", "1", "--d-model", "32", "--heads", "2", "--context", "32", "--batch-size", "8", "--steps", "40"]
+FAST = ["--batches", "1", "--iters", "2", "--calib-samples", "8", "--quiet", "--threads", "1"]
+GEN = ["--gen-tokens", "12,12", "--gen-batches", "1,2", "--agreement", "4,8"]
+EXACT = 1e-4   # the cache proof's relative tolerance
+
+
+def _results(run: Path) -> dict:
+    results = json.loads((run / "results.json").read_text())
+    validate(results)
+    return results
+
+
+def _check_models(results: dict, exact: tuple[str, ...], *, new_tokens: int = 12) -> dict:
+    """Every ok model: its with-past file, measured CPU rows, and agreement within its ranges;
+    the models named in ``exact`` pass the cache proof."""
+    section = results["generation"]
+    assert section["status"] == "measured"
+    models = {m.name: m for m in generation_models(results)}
+    assert list(models)[0] == "fp32" and models["fp32"].agreement is None
+    for name in ("fp32", *exact):
+        assert models[name].ok and models[name].cache_check["relative_diff"] <= EXACT, (name, models[name].entry)
+    for m in models.values():
+        if not m.ok:
+            continue
+        cpu = [r for r in m.decode if r["provider"] == "CPUExecutionProvider"]
+        assert [r["batch"] for r in cpu] == [1, 2] and all(r["status"] == "measured" for r in cpu)
+        for r in cpu:
+            assert r["prompt_tokens_per_s"] > 0 and r["gen_tokens_per_s"] > 0 and r["peak_rss_mb"] > 0
+            assert r["new_tokens"] == new_tokens and len(r["per_position_ms"]) == new_tokens - 1
+            assert 0 < r["token_ms_p50"] <= r["token_ms_p90"]
+        if m.name != "fp32":
+            a = m.agreement
+            assert 0.0 <= a["identical_before_divergence"] <= 1.0 and 0 <= a["identical_prompts"] <= a["prompts"]
+            assert 0.0 <= a["first_divergence_mean"] <= a["new_tokens"] and a["kl_mean"] >= 0.0
+    return models
+
+
+@pytest.fixture(scope="module")
+def zoo_run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("gen-zoo") / "run"
+    recipes = "static-minmax-matmul,dynamic,pertoken-fused-gptq,online-rotated-pertoken-fused,smoothquant"
+    assert main(["evaluate", "--placement", "pre", "--norm", "rms", *TINY, *FAST, *GEN, "--out", str(out),
+                 "--recipes", recipes, "--providers", "cpu,cuda"]) == 0
+    return out
+
+
+def test_zoo_every_recipe_generates_through_its_cache(zoo_run):
+    results = _results(zoo_run)
+    models = _check_models(results, ("static-minmax-matmul", "pertoken-fused-gptq", "online-rotated-pertoken-fused",
+                                     "smoothquant"))
+    assert set(models) == {"fp32", "static-minmax-matmul", "dynamic", "pertoken-fused-gptq",
+                           "online-rotated-pertoken-fused", "smoothquant"}
+    # each recipe quantized its own transformed with-past model
+    assert models["online-rotated-pertoken-fused"].entry["quantized_from"] == "model.fp32.rotated-online.past.onnx"
+    assert models["smoothquant"].entry["quantized_from"] == "model.fp32.smoothquant.past.onnx"
+    assert models["dynamic"].entry["quantized_from"] == "model.fp32.past.onnx"
+    for m in models.values():
+        assert (zoo_run / m.path).is_file()
+    # an absent GPU is "not measured: why", never a number
+    cuda = [r for r in models["fp32"].decode if r["provider"] == "CUDAExecutionProvider"]
+    assert cuda and all(r["status"].startswith("not measured: ") and "gen_tokens_per_s" not in r for r in cuda)
+    settings = results["generation"]["settings"]
+    assert (settings["prompt_tokens"], settings["new_tokens"], settings["agreement_new_tokens"]) == (12, 12, 8)
+    assert settings["agreement_prompt_tokens"] + 8 <= 32   # cut to the 32-position context
+    report = (zoo_run / "report.md").read_text()
+    assert "## Generation (KV cache)" in report and "### Generation agreement" in report
+    assert "| `pertoken-fused-gptq` | 1 |" in report and (zoo_run / "plots" / "token_latency.png").is_file()
+
+
+def test_a_whole_window_scored_through_an_empty_cache_is_the_whole_window(zoo_run):
+    fp32, past = ort.InferenceSession(str(zoo_run / "model.fp32.onnx")), ort.InferenceSession(
+        str(zoo_run / "model.fp32.past.onnx"))
+    assert is_with_past(past) and not is_with_past(fp32)
+    ids = windows(3, 32, 256)
+    feed = window_feeder(past)(ids)
+    assert sorted(feed) == sorted(i.name for i in past.get_inputs())
+    assert feed["past_key_values.0.key"].shape[2] == 0 and (feed["attention_mask"] == 1).all()
+    np.testing.assert_allclose(past.run(["logits"], feed)[0], fp32.run(None, {"input_ids": ids})[0], atol=1e-4)
+    result = compare(fp32, past, ids, np.roll(ids, -1, axis=1)).to_dict()
+    assert abs(result["ppl_ratio"] - 1.0) < 1e-5
+
+
+def test_no_generation_leaves_the_section_out(tmp_path):
+    out = tmp_path / "run"
+    assert main(["evaluate", "--placement", "pre", "--norm", "rms", *TINY, *FAST, "--out", str(out),
+                 "--recipes", "dynamic", "--providers", "cpu", "--no-generation", "--no-outliers"]) == 0
+    assert "generation" not in _results(out) and not (out / "model.fp32.past.onnx").exists()
+    assert "## Generation" not in (out / "report.md").read_text()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--gen-tokens", "12"], "--gen-tokens"),
+    (["--agreement", "0,8"], "--agreement-prompts must be >= 1"),
+    (["--gen-batches", "0"], "--gen-batches must be >= 1"),
+    (["--gen-tokens", "12,1"], "--gen-new-tokens must be >= 2"),
+])
+def test_bad_generation_flags_are_one_line(tmp_path, capsys, flags, message):
+    out = tmp_path / "run"
+    assert main(["evaluate", "--placement", "pre", "--norm", "rms", *TINY, "--out", str(out), *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and not out.exists()
+
+
+def test_hugging_face_checkpoint_and_encoder(hf_tiny, tmp_path):
+    out = tmp_path / "llama"
+    common = ["--context", "16", "--eval-tokens", "96", "--calib-samples", "4", "--providers", "cpu", *FAST, *GEN]
+    assert main(["evaluate", "--model", str(hf_tiny["llama"]), "--out", str(out), "--no-outliers",
+                 "--recipes", "dynamic,pertoken-fused,rotated-pertoken-fused,smoothquant", *common]) == 0
+    models = _check_models(_results(out), ("pertoken-fused", "rotated-pertoken-fused", "smoothquant"))
+    assert models["rotated-pertoken-fused"].entry["quantized_from"] == "model.fp32.rotated.past.onnx"
+    export = _results(out)["generation"]["export"]
+    assert export["inputs"][:3] == ["input_ids", "attention_mask", "position_ids"]
+    assert export["outputs"][1:3] == ["present.0.key", "present.0.value"]
+
+    encoder = tmp_path / "bert"
+    assert main(["evaluate", "--model", str(hf_tiny["bert"]), "--out", str(encoder), "--no-outliers",
+                 "--recipes", "dynamic", *common]) == 0
+    status = _results(encoder)["generation"]["status"]
+    assert status.startswith("not applicable: ") and "encoder" in status
+    assert status in (encoder / "report.md").read_text()
+
+
+def test_onnx_directory_with_its_own_cache(tmp_path):
+    """An export directory whose graph takes a KV cache: windows scored through an empty cache,
+    every recipe quantized on the graph as given, and the cache proof on the copy."""
+    model = zoo_model("pre")
+    ids = windows(2, 8, model.cfg.vocab_size)
+    past = export_with_past(ZooWithPast(model), tmp_path / "past.onnx", ids)
+    directory = write_onnx_dir(past.path, model.cfg, tmp_path / "exported", placement_note={})
+    out = tmp_path / "run"
+    assert main(["evaluate", "--model", str(directory), "--context", "24", "--eval-tokens", "240", "--out", str(out),
+                 "--recipes", "static-minmax-matmul,pertoken-fused,smoothquant", "--providers", "cpu",
+                 "--no-outliers", *FAST, "--gen-tokens", "8,8", "--gen-batches", "1,2", "--agreement", "3,6"]) == 0
+    results = _results(out)
+    assert {r["name"]: r["status"] for r in results["recipes"]}["pertoken-fused"] == "ok"
+    models = _check_models(results, ("static-minmax-matmul", "pertoken-fused"), new_tokens=8)
+    assert results["generation"]["export"]["exporter"].startswith("the user's")
+    assert "smoothquant" not in models   # not applicable to an ONNX export: not in the run, not here either
