@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime_genai as og  # the ortgenai extra; .ci/run installs it with --no-deps
 import pytest
+import torch
 import transformers  # the dev extra
 
 from quantnorm.cli import main
@@ -49,17 +50,22 @@ def write_run(run: Path, results: dict) -> Path:
     return run
 
 
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
-    """(run directory, checkpoint): a tiny Llama's with-past FP32 and dynamic INT8 graphs."""
-    from test_hf import save_tiny
+def make_run(root: Path, arch: str, **overrides) -> tuple[Path, Path]:
+    """(run directory, checkpoint) under ``root``: a tiny random checkpoint of tests/test_hf.py's
+    table (its config with ``overrides``) and tokenizer, its with-past FP32 graph and the dynamic
+    recipe's INT8 one, and a results.json naming both."""
+    from test_hf import ARCHS, tiny_tokenizer
 
-    root = tmp_path_factory.mktemp("bundle")
-    checkpoint = save_tiny("llama", root / "ckpt")
-    run = root / "run"
+    torch.manual_seed(0)
+    config = ARCHS[arch][0]()
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    checkpoint, run = root / "ckpt", root / "run"
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(checkpoint)
+    tiny_tokenizer(False).save_pretrained(checkpoint)
     run.mkdir()
     model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint).eval()
-    ids = np.random.default_rng(0).integers(3, VOCAB, size=(2, 6))
+    ids = np.random.default_rng(0).integers(3, VOCAB, size=(2, 5))
     fp32 = export_with_past(HFWithPast(model), run / past_onnx_file("fp32"), ids).path
     # The dynamic recipe needs no calibration; quantize's sanity check runs the graph with
     # input_ids only, so on a with-past graph its status is not read here (only its file is).
@@ -67,6 +73,12 @@ def tiny_run(tmp_path_factory):
     assert (run / past_onnx_file("dynamic")).is_file()
     write_run(run, results_for("hf:../ckpt", ok_models()))
     return run, checkpoint
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """(run directory, checkpoint) of a tiny Llama (grouped-query attention)."""
+    return make_run(tmp_path_factory.mktemp("bundle"), "llama")
 
 
 def genai_greedy(bundle: Path, prompt: list[int], new: int) -> list[int]:
@@ -231,3 +243,19 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tiny_run, tmp_path, cap
         assert err.startswith("error: ") and len(err.splitlines()) == 1, (case, err)
         assert message in err, (case, err)
     assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before, "something was written"
+
+
+def test_a_sliding_window_model_generates_up_to_its_stated_length(tmp_path):
+    """Gemma 3's sliding layers: the graph is exact up to window - 1 positions (with_past.py), the
+    bundle's context length says so, and the runtime generates quantnorm's tokens up to it."""
+    run, _ = make_run(tmp_path, "gemma3_text", sliding_window=12)
+    out = write_bundle(run, "dynamic", tmp_path / "bundle").path
+    genai = json.loads((out / "genai_config.json").read_text())
+    assert genai["model"]["context_length"] == genai["search"]["max_length"] == 11
+    prompt = [40, 7, 120, 230, 18]
+    expected = quantnorm_greedy(run / past_onnx_file("dynamic"), prompt, 11 - len(prompt))
+    assert len(expected) >= 4
+    assert genai_greedy(out, prompt, 11 - len(prompt)) == expected
+    # the runtime itself refuses a length past the one the graph was proved at
+    with pytest.raises(Exception, match="cannot be greater than model context_length"):
+        genai_greedy(out, prompt, 12 - len(prompt))
