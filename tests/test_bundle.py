@@ -235,9 +235,11 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tiny_run, tmp_path, cap
     not_a_bundle.mkdir()
     (not_a_bundle / "mine.txt").write_text("keep me")
     cases["out holds other files"] = (run, "dynamic", "not a bundle")
+    cases["out is a file"] = (run, "dynamic", "is an existing file")
     before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
     for case, (run_dir, recipe, message) in cases.items():
-        out = {"out is the run": run, "out holds other files": not_a_bundle}.get(case, tmp_path / "out" / "bundle")
+        out = {"out is the run": run, "out holds other files": not_a_bundle,
+               "out is a file": not_a_bundle / "mine.txt"}.get(case, tmp_path / "out" / "bundle")
         assert main(["bundle", str(run_dir), "--recipe", recipe, "--out", str(out)]) == 2, case
         err = capsys.readouterr().err.strip()
         assert err.startswith("error: ") and len(err.splitlines()) == 1, (case, err)
