@@ -24,6 +24,7 @@ from .evaluate import evaluate as run_evaluate
 from .export import export_onnx, write_onnx_dir
 from .fileio import write_json_atomic
 from .gate import run_gate, write_error_outputs, write_outputs
+from .generation.bundle import write_bundle
 from .generation.speed import decode_bench, decode_table
 from .measure.latency import bench_rounds
 from .measure.sessions import SessionSpec, listed_providers, resolve_providers, short_provider
@@ -314,6 +315,21 @@ def bench(models, providers, batches, seq, iters, warmup, threads, opt_level, ro
 def report(run_dir):
     """Regenerate RUN_DIR/report.md and its plots from RUN_DIR/results.json."""
     click.echo(str(write_report(run_dir, load_results(run_dir))))
+
+
+@cli.command()
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.option("--recipe", required=True,
+              help="Whose with-past model: a recipe the run measured generation for, auto (the search's pick of "
+                   "--recipes auto) or fp32.")
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="The bundle directory (new or empty).")
+@click.option("--force", is_flag=True, help="Replace an earlier bundle at --out.")
+def bundle(run_dir, recipe, out, force):
+    """Bundle a run's with-past (KV cache) model for ONNX Runtime GenAI: model.onnx, genai_config.json,
+    the checkpoint's config, generation config and tokenizer, and the run's report.md and results.json.
+    Load it with onnxruntime_genai.Model(OUT). Needs a run of a checkpoint (--model) with generation."""
+    made = write_bundle(run_dir, recipe, out, force=force)
+    click.echo(f"{made.path}: {made.name}, {len(made.files)} files (onnxruntime_genai.Model({str(made.path)!r}))")
 
 
 @cli.command()
