@@ -23,8 +23,10 @@ Schema versions (:data:`READABLE_SCHEMAS`; :func:`load` refuses any other):
   exports); per recipe ``softmax_inputs`` (whether the attention scores were quantized) and
   ``damage`` (the accuracy block of a recipe marked broken); a recipe status
   ``"not applicable: <reason>"``; ``search.target_max_kld`` (the KL target of the accuracy-aware
-  search beside its PPL ratio target). A version-1 file is read as it is: every key added in 2
-  is optional to a reader.
+  search beside its PPL ratio target); the ``generation`` section (``status``, ``settings``, the
+  with-past ``export``, and ``models``: FP32 then each recipe on its with-past graph, with its
+  ``cache_check``, ``agreement`` and ``decode`` rows; read through :func:`generation_models`).
+  A version-1 file is read as it is: every key added in 2 is optional to a reader.
 """
 
 from __future__ import annotations

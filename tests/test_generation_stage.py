@@ -125,11 +125,20 @@ def test_bad_generation_flags_are_one_line(tmp_path, capsys, flags, message):
     assert message in err and "Traceback" not in err and not out.exists()
 
 
-def test_hugging_face_checkpoint_and_encoder(hf_tiny, tmp_path):
-    out = tmp_path / "llama"
-    common = ["--context", "16", "--eval-tokens", "96", "--calib-samples", "4", "--providers", "cpu", *FAST, *GEN]
+HF_FLAGS = ["--context", "16", "--eval-tokens", "96", "--calib-samples", "4", "--providers", "cpu", *FAST, *GEN]
+
+
+@pytest.fixture(scope="module")
+def hf_run(hf_tiny, tmp_path_factory) -> Path:
+    """A pretrained checkpoint's run (no training-status check in the gate)."""
+    out = tmp_path_factory.mktemp("gen-hf") / "llama"
     assert main(["evaluate", "--model", str(hf_tiny["llama"]), "--out", str(out), "--no-outliers",
-                 "--recipes", "dynamic,pertoken-fused,rotated-pertoken-fused,smoothquant", *common]) == 0
+                 "--recipes", "dynamic,pertoken-fused,rotated-pertoken-fused,smoothquant", *HF_FLAGS]) == 0
+    return out
+
+
+def test_hugging_face_checkpoint_and_encoder(hf_run, hf_tiny, tmp_path):
+    out = hf_run
     models = _check_models(_results(out), ("pertoken-fused", "rotated-pertoken-fused", "smoothquant"))
     assert models["rotated-pertoken-fused"].entry["quantized_from"] == "model.fp32.rotated.past.onnx"
     export = _results(out)["generation"]["export"]
@@ -138,7 +147,7 @@ def test_hugging_face_checkpoint_and_encoder(hf_tiny, tmp_path):
 
     encoder = tmp_path / "bert"
     assert main(["evaluate", "--model", str(hf_tiny["bert"]), "--out", str(encoder), "--no-outliers",
-                 "--recipes", "dynamic", *common]) == 0
+                 "--recipes", "dynamic", *HF_FLAGS]) == 0
     status = _results(encoder)["generation"]["status"]
     assert status.startswith("not applicable: ") and "encoder" in status
     assert status in (encoder / "report.md").read_text()
@@ -160,3 +169,36 @@ def test_onnx_directory_with_its_own_cache(tmp_path):
     models = _check_models(results, ("static-minmax-matmul", "pertoken-fused"), new_tokens=8)
     assert results["generation"]["export"]["exporter"].startswith("the user's")
     assert "smoothquant" not in models   # not applicable to an ONNX export: not in the run, not here either
+
+
+def test_the_gate_judges_generation_speed_and_agreement(hf_run, tmp_path, capsys):
+    run = ["gate", str(hf_run), "--recipe", "pertoken-fused", "--max-ppl-ratio", "1.1", "--max-kld", "1",
+           "--min-top1", "0"]
+    assert main([*run, "--min-gen-agreement", "0.5", "--min-gen-tokens-per-s", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "identical_before_divergence" in out and "gen_tokens_per_s CPU b=1" in out
+    assert main([*run, "--min-gen-tokens-per-s", "1e12"]) == 1
+    assert "not >= 1e+12" in capsys.readouterr().out
+    ratio = main([*run, "--min-gen-speed-ratio", "1e-9"])
+    assert ratio == 0 and "gen_speed_ratio CPU b=2" in capsys.readouterr().out
+    # a run without the section fails closed: the number is missing, never a pass
+    results = json.loads((hf_run / "results.json").read_text())
+    del results["generation"]
+    (tmp_path / "results.json").write_text(json.dumps(results))
+    assert main(["gate", str(tmp_path / "results.json"), "--max-ppl-ratio", "1.1", "--max-kld", "1",
+                 "--min-gen-agreement", "0.5"]) == 1
+    assert "no generation section" in capsys.readouterr().out
+
+
+def test_bench_decode_times_with_past_graphs_and_refuses_others(zoo_run, tmp_path, capsys):
+    json_out = tmp_path / "decode.json"
+    assert main(["bench", "--decode", str(zoo_run / "model.fp32.past.onnx"), str(zoo_run / "model.int8.dynamic.past.onnx"),
+                 "--providers", "cpu", "--batches", "1", "--seq", "8", "--new-tokens", "6", "--rounds", "2",
+                 "--threads", "1", "--json", str(json_out)]) == 0
+    rows = json.loads(json_out.read_text())
+    assert [r["model"] for r in rows] == ["model.fp32.past.onnx", "model.int8.dynamic.past.onnx"]
+    assert all(r["status"] == "measured" and len(r["round_gen_tokens_per_s"]) == 2 for r in rows)
+    assert max(rows[0]["round_gen_tokens_per_s"]) == rows[0]["gen_tokens_per_s"]
+    assert "gen tok/s" in capsys.readouterr().out
+    assert main(["bench", "--decode", str(zoo_run / "model.fp32.onnx")]) == 2
+    assert "not a with-past causal LM" in capsys.readouterr().err

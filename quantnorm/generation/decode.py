@@ -27,6 +27,7 @@ import numpy as np
 import onnxruntime as ort
 
 from ..errors import ConfigError
+from ..feeds import window_feeder
 from ..measure.accuracy import nll_rows
 from ..measure.sessions import CUDA, SessionSpec, make_session
 
@@ -237,7 +238,7 @@ def check_cache(model, windows: np.ndarray, prefill: int, *, whole=None, toleran
             runner.reset(len(batch))
             whole_logits = runner.step(batch)
         else:
-            whole_logits = whole_session.run([LOGITS], {INPUT_IDS: batch})[0]
+            whole_logits = whole_session.run([LOGITS], window_feeder(whole_session)(batch))[0]
         whole_sum += float(nll_rows(whole_logits[:, :-1], batch[:, 1:]).sum())
     n = windows.shape[0] * (windows.shape[1] - 1)
     return CacheCheck(cached_sum / n, whole_sum / n, prefill, list(windows.shape), tolerance)

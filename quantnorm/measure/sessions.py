@@ -434,7 +434,8 @@ class ReplayedSession:
         for name in sorted(feed):
             value = np.ascontiguousarray(feed[name])
             digest.update(f"{name}|{value.dtype}|{value.shape}|".encode())
-            digest.update(memoryview(value).cast("B"))
+            if value.size:   # an empty cache (past length 0) has no bytes, and memoryview refuses to cast it
+                digest.update(memoryview(value).cast("B"))
         return digest.hexdigest()[:32]
 
     # Read once, as plain copies: every call on a wrapped ReopenableSession would open it, and ORT's
