@@ -202,3 +202,21 @@ def test_bench_decode_times_with_past_graphs_and_refuses_others(zoo_run, tmp_pat
     assert "gen tok/s" in capsys.readouterr().out
     assert main(["bench", "--decode", str(zoo_run / "model.fp32.onnx")]) == 2
     assert "not a with-past causal LM" in capsys.readouterr().err
+
+
+def test_a_bundle_reads_back_as_a_model(hf_run, tmp_path):
+    """`evaluate --model BUNDLE`: the bundle's INT8 model measured as given (no recipe quantizes it
+    again), through its own cache."""
+    bundle = tmp_path / "bundle"
+    assert main(["bundle", str(hf_run), "--recipe", "pertoken-fused", "--out", str(bundle)]) == 0
+    out = tmp_path / "again"
+    assert main(["evaluate", "--model", str(bundle), "--out", str(out), "--no-outliers", "--recipes",
+                 "dynamic,pertoken-fused", *HF_FLAGS]) == 0
+    results = _results(out)
+    source = results["model"]["source"]
+    assert source["kind"] == "onnx" and source["bundle"]["model"] == "pertoken-fused"
+    assert "already quantized by quantnorm" in source["baseline"]
+    assert all(r["status"].startswith("not applicable: the bundle's model is already quantized")
+               for r in results["recipes"])
+    models = _check_models(results, ())
+    assert list(models) == ["fp32"]

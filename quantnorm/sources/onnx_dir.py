@@ -30,6 +30,7 @@ the graph alone (``quantnorm.measure.placement``).
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,7 @@ from ..errors import ConfigError, ExportError
 from ..export import count_norm_ops
 from ..feeds import PAST_INPUT, window_feeder
 from ..fileio import atomic_path, external_data_file, save_onnx
+from ..generation.bundle import MANIFEST_FILE as BUNDLE_MANIFEST_FILE
 from ..generation.with_past import WithPastSource
 from ..measure.sessions import CPU
 from ..portable import portable_path
@@ -295,6 +297,8 @@ class OnnxDirSource:
             raise ConfigError(f"--recipes auto needs a perplexity to target, and {self.dir} is an encoder export "
                               f"(last_hidden_state): run the static-*/dynamic recipes and read the embedding metrics")
         self.pooling = pooling_mode(self.dir) if self.kind == "encoder" else None
+        manifest = self.dir / BUNDLE_MANIFEST_FILE
+        self.bundle = json.loads(manifest.read_text()) if manifest.is_file() else None
         self.tokenizer = load_tokenizer(self.dir)
         config = SimpleNamespace(**self.config)  # getattr access as on a transformers config; no model code
         self.max_positions = next((v for k in ("max_position_embeddings", "n_positions")
@@ -371,10 +375,32 @@ class OnnxDirSource:
             with atomic_path(path, suffix=".onnx") as tmp:
                 save_onnx(onnx.load(str(self.dir / ONNX_FILE)), tmp, data_name=external_data_file(path).name)
             return GivenWithPast(path, self.interface.opset, len(self.interface.past) // 2)
-        return WithPastSource(export=export, variants=no_transforms("an ONNX source", self.run_dir))
+        variants = self._bundle_variants() if self.bundle is not None else no_transforms("an ONNX source", self.run_dir)
+        return WithPastSource(export=export, variants=variants)
 
     def transforms(self, cfg) -> FP32Variants:
+        if self.bundle is not None:
+            return self._bundle_variants()
         return no_transforms("an ONNX source", self.run_dir)
+
+    def _bundle_variants(self) -> FP32Variants:
+        """A bundle's model is a quantnorm INT8 model already: no recipe applies to it again; its
+        accuracy is the baseline's own and its speed and cache are measured as given."""
+        why = (f"the bundle's model is already quantized by quantnorm ({self.bundle.get('model')}, from run "
+               f"{self.bundle.get('run')}): it is measured as given, the baseline of this run")
+        return FP32Variants(self.run_dir, refuse=lambda recipe: why)
+
+    def _bundle_placement(self, detected: dict) -> dict:
+        """A quantized graph hides the residual adds the detector walks: a bundle's placement is the
+        one its own run recorded (the bundle's results.json), said so."""
+        if self.bundle is None or detected.get("placement") is not None:
+            return detected
+        try:
+            made_by = json.loads((self.dir / "results.json").read_text())["model"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return detected
+        return {**detected, "placement": made_by.get("placement"), "norm": made_by.get("norm"),
+                "how": f"the bundle's results.json (the run that made it): {detected.get('how')}"}
 
     def accuracy(self, fp32_session, cfg) -> Callable:
         return TokenAccuracy(self.kind, fp32_session, self.data, None, cfg.eval_batch_size)
@@ -390,6 +416,7 @@ class OnnxDirSource:
         return {}  # the FP16 check runs torch forwards: there is no torch module here
 
     def sections(self, detected: dict) -> dict:
+        detected = self._bundle_placement(detected)
         if detected.get("placement") is None:
             raise ConfigError(f"--model {self.dir}: the placement cannot be read from {ONNX_FILE} "
                               f"({detected.get('how')}); quantnorm compares placements, so it needs a graph whose "
@@ -399,7 +426,9 @@ class OnnxDirSource:
         model = {
             "source": {"kind": "onnx", "path": portable_path(self.dir.resolve(), self.run_dir), "file": ONNX_FILE,
                        "sha256": _file_sha256(source_file), "bytes": source_file.stat().st_size,
-                       "baseline": "the exported FP32 graph, inputs bound"},
+                       "baseline": "the exported FP32 graph, inputs bound" if self.bundle is None else
+                       f"the bundle's {self.bundle.get('model')} model as given (already quantized by quantnorm)",
+                       **({"bundle": self.bundle} if self.bundle is not None else {})},
             "architecture": str(c.get("model_type") or "unknown"),
             "architectures": list(c.get("architectures") or []),
             "model_class": "ONNX graph",
