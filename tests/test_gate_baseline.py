@@ -88,7 +88,7 @@ def test_kl_regression_within_the_threshold_but_beyond_the_relative_tolerance_fa
     assert code == 1 and err == ""
     first = out.splitlines()[0]
     assert first.startswith("## quantnorm gate: FAIL: ") and "kld_mean" in first and "baseline" in first
-    assert "| dynamic | kld_mean | 0.001 | 0.003 | +0.002 (+200.0%) | +0.0002 and +25% | **FAIL** |" in out
+    assert "| dynamic | kld_mean | 0.001 | 0.003 | +0.002 (+200%) | +0.0002 and +25% | **FAIL** |" in out
     # within the tolerance: +10% passes, and the first line says so
     base, cand = pair(tmp_path, run(kld_mean=0.001), run(kld_mean=0.0011))
     code, out, _ = gate([cand, "--baseline", base], capsys)
@@ -105,6 +105,16 @@ def test_tolerances_come_from_the_policy_file_and_the_flags(tmp_path, capsys):
     assert gate([cand, "--baseline", base, "--policy", policy], capsys)[0] == 0
     # a flag overrides the file
     assert gate([cand, "--baseline", base, "--policy", policy, "--rel-tol", "kld_mean=0.1"], capsys)[0] == 1
+
+
+def test_the_example_policy_states_the_baseline_defaults():
+    from pathlib import Path
+
+    from quantnorm.policy import BaselinePolicy
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "gate-policy.toml"
+    assert load_policy(example).baseline == BaselinePolicy() == Policy().baseline
+    assert Policy().baseline.tolerance("kld_mean") == Tolerance(0.0002, 0.25)
 
 
 @pytest.mark.parametrize("text, needle", [
@@ -135,7 +145,7 @@ def test_agreement_tolerance_is_relative_to_the_disagreement():
     base = run(top1=0.995)
     failing = compare_runs(base, run(top1=0.990), Policy())   # disagreement 0.5% -> 1.0%: doubled
     change = changes(failing, "top1_agreement")["dynamic"]
-    assert change.verdict == FAIL and "disagreement +100.0%" in change.change
+    assert change.verdict == FAIL and "disagreement +100%" in change.change
     assert changes(compare_runs(base, run(top1=0.9945), Policy()), "top1_agreement")["dynamic"].verdict == PASS
     # an improvement never fails, however large
     assert compare_runs(base, run(top1=1.0), Policy()).passed
@@ -148,7 +158,7 @@ def test_ppl_ratio_and_model_size_regressions_fail():
     cand["recipes"][1]["size_bytes"] = 105_000   # +5%
     verdict = compare_runs(run(), cand, Policy())
     size = changes(verdict, "size_bytes")
-    assert size["dynamic"].verdict == FAIL and size["dynamic"].change == "+5,000 B (+5.0%)"
+    assert size["dynamic"].verdict == FAIL and size["dynamic"].change == "+5,000 B (+5%)"
     assert size["static-minmax-matmul"].verdict == PASS and not verdict.passed
 
 

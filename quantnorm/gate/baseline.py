@@ -106,7 +106,7 @@ def compare_number(recipe: str, metric: str, base: float, cand: float, tol: Tole
         change = f"{delta:+.4g}"
     if ref > 0:
         rel = (1.0 - cand) / ref - 1.0 if agreement else delta / ref
-        change += f" ({'disagreement ' if agreement else ''}{rel:+.1%})"
+        change += f" ({'disagreement ' if agreement else ''}{rel * 100:+.3g}%)"
     failed = worsening > tol.abs and worsening > tol.rel * ref
     reason = f"worse by {worsening:.4g}: beyond both tolerances" if failed else ""
     return Change(recipe, metric, float(base), float(cand), change, limit, FAIL if failed else PASS, reason)
