@@ -170,8 +170,9 @@ def compare_runs(baseline: dict, candidate: dict, policy: Policy, base_src: str 
     for name in cand_names:
         if name not in base_names:
             changes.append(Change(name, "recipe", None, None, "new", "–", NEW, "new recipe: not in the baseline"))
-    both = [n for n in compared if n in cand_names]
-    changes += latency_changes(baseline, candidate, both, policy)
+    # latency of the recipes usable in both runs (a dropped or broken one has already failed above)
+    usable = {r.name for r in recipes(candidate) if r.ok} & {r.name for r in recipes(baseline) if r.ok}
+    changes += latency_changes(baseline, candidate, [n for n in compared if n in usable], policy)
     return BaselineVerdict(candidate=cand_src, baseline=base_src, changes=tuple(changes))
 
 

@@ -141,7 +141,7 @@ def report_markdown(report: GateReport) -> str:
 
 
 def error_markdown(message: str) -> str:
-    return f"## quantnorm gate: ERROR\n\n{_md(message)}\n\n**Overall: ERROR** (nothing was judged; exit code 2)\n"
+    return f"## quantnorm gate: ERROR: {_md(message)}\n\n**Overall: ERROR** (nothing was judged; exit code 2)\n"
 
 
 def report_junit(report: GateReport) -> str:
