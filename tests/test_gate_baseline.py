@@ -162,22 +162,46 @@ def test_ppl_ratio_and_model_size_regressions_fail():
     assert size["static-minmax-matmul"].verdict == PASS and not verdict.passed
 
 
-def test_generation_agreement_is_compared_when_both_runs_have_it():
-    def with_generation(value):
-        data = run()
-        data["generation"] = {"models": [{"name": "fp32", "status": "ok", "decode": []}] + [
-            {"name": n, "status": "ok", "agreement": {"token_agreement": value}, "decode": []} for n in RECIPES]}
-        return data
+def _with_generation(agreement=0.95, token_ms=5.0, spread=0.1) -> dict:
+    """run() with a generation section as evaluate writes it: FP32 and each recipe on the with-past
+    graph, greedy agreement with FP32, one measured decode row on the CPU."""
+    def decode(ms):
+        return [{"provider": CPU, "batch": 1, "prompt_tokens": 16, "new_tokens": 8, "threads": 1,
+                 "status": "measured", "rounds": 3, "gen_tokens_per_s": 1e3 / ms, "token_ms_p50": ms,
+                 "token_ms_p90": ms + spread}]
+    data = run()
+    data["generation"] = {"models": [{"name": "fp32", "status": "ok", "decode": decode(token_ms)}] + [
+        {"name": n, "status": "ok", "decode": decode(token_ms * 0.8),
+         "agreement": {"prompts": 4, "identical_before_divergence": agreement, "first_divergence_mean": 6.0}}
+        for n in RECIPES]}
+    return data
 
-    verdict = compare_runs(with_generation(0.95), with_generation(0.80), Policy())
+
+def test_generation_agreement_is_compared_when_both_runs_have_it():
+    verdict = compare_runs(_with_generation(0.95), _with_generation(0.80), Policy())
     gen = changes(verdict, "generation_agreement")
     assert gen["dynamic"].verdict == FAIL and gen["dynamic"].baseline == 0.95 and not verdict.passed
-    assert compare_runs(with_generation(0.95), with_generation(0.945), Policy()).passed
+    assert compare_runs(_with_generation(0.95), _with_generation(0.945), Policy()).passed
     # only one side (or neither) has it: skipped with a note, never a failure
-    gen = changes(compare_runs(run(), with_generation(0.5), Policy()), "generation_agreement")["dynamic"]
+    gen = changes(compare_runs(run(), _with_generation(0.5), Policy()), "generation_agreement")["dynamic"]
     assert gen.verdict == SKIPPED and "baseline has no such number" in gen.reason
     gen = changes(compare_runs(run(), run(), Policy()), "generation_agreement")["dynamic"]
     assert gen.verdict == SKIPPED and "neither run" in gen.reason
+    # the baseline measured it and the candidate did not (generation off, or broken): fails
+    gen = changes(compare_runs(_with_generation(0.95), run(), Policy()), "generation_agreement")["dynamic"]
+    assert gen.verdict == FAIL and "candidate did not" in gen.reason
+
+
+def test_decode_speed_is_judged_by_the_same_noise_rule():
+    decode = "decode CPU b=1 (per token)"
+    same = compare_runs(_with_generation(token_ms=5.0), _with_generation(token_ms=5.1), Policy())
+    assert {c.recipe for c in same.changes if c.name == decode} == {"fp32", *RECIPES} and same.passed
+    slow = compare_runs(_with_generation(token_ms=5.0), _with_generation(token_ms=7.0), Policy())
+    row = changes(slow, decode)["fp32"]
+    assert row.verdict == FAIL and (row.baseline, row.candidate) == (5.0, 7.0) and "slower" in row.reason
+    noisy = compare_runs(_with_generation(token_ms=5.0, spread=1.5), _with_generation(token_ms=7.0, spread=1.5),
+                         Policy())
+    assert changes(noisy, decode)["fp32"].verdict == PASS   # 2 ms < 1.5 + 1.5 ms of noise
 
 
 # ---- recipes ------------------------------------------------------------------------------------
@@ -428,6 +452,10 @@ def test_the_same_model_evaluated_twice_passes_latency_included(twice):
     lat = _latency(verdict)
     assert {r for r, _ in lat} == {"fp32", *RECIPES} and all(c.verdict == PASS for c in lat.values()), lat
     assert all(c.verdict == PASS for c in verdict.changes if c.name in ("kld_mean", "ppl_ratio", "size_bytes"))
+    # evaluate measures generation too: its agreement and per-token decode time are compared and pass
+    gen = [c for c in verdict.changes if c.name == "generation_agreement" or c.name.startswith("decode")]
+    assert {c.recipe for c in gen if c.name.startswith("decode")} == {"fp32", *RECIPES}
+    assert gen and all(c.verdict == PASS for c in gen), gen
     # the same runs with the candidate's CPU changed: latency is not comparable, the rest still passes
     other = copy.deepcopy(cand)
     other["hardware"]["cpu"] = "Another CPU"

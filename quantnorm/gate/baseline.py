@@ -31,8 +31,9 @@ from .verdict import FAIL, NEW, PASS, SKIPPED, BaselineVerdict, Change, GateErro
 # model keys that say which model a run is: a baseline that differs in one is another model
 IDENTITY_KEYS = ("architecture", "kind", "placement", "norm", "n_layers", "d_model", "n_heads", "vocab_size",
                  "n_params")
-# what a generation.models[].agreement object may call the share of greedy tokens equal to FP32's
-GENERATION_AGREEMENT_KEYS = ("token_agreement", "agreement", "match_fraction")
+# generation.models[].agreement's share of greedy tokens identical to FP32's before the first
+# divergence (what the policy's min_gen_agreement checks)
+GENERATION_AGREEMENT_KEY = "identical_before_divergence"
 _AGREEMENTS = ("top1_agreement", "generation_agreement")
 
 
@@ -76,7 +77,7 @@ def _agreement_value(results: dict, recipe: Recipe, metric: str) -> Any:
         return recipe.metric(metric)
     model = generation_model(results, recipe.name)
     agreement = model.agreement if model is not None and isinstance(model.agreement, dict) else {}
-    return next((agreement[k] for k in GENERATION_AGREEMENT_KEYS if _number(agreement.get(k))), None)
+    return agreement.get(GENERATION_AGREEMENT_KEY)
 
 
 def _size(results: dict, recipe: Recipe) -> Any:

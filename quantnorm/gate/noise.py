@@ -57,7 +57,8 @@ def hardware_differences(baseline: dict, candidate: dict, provider: str) -> list
 
 
 def _row_label(kind: str, row: dict) -> str:
-    return f"{kind} {short_provider(str(row.get('provider')))} b={row.get('batch')}"
+    per_token = " (per token)" if kind == "decode" else ""
+    return f"{kind} {short_provider(str(row.get('provider')))} b={row.get('batch')}{per_token}"
 
 
 def _not_comparable(recipe: str | None, label: str, b50: Any, why: str, policy: Policy, tol: str) -> Change:
@@ -66,19 +67,25 @@ def _not_comparable(recipe: str | None, label: str, b50: Any, why: str, policy: 
     return Change(recipe, label, b50 if _number(b50) else None, None, "–", tol, verdict, note)
 
 
-def noise_change(recipe: str | None, label: str, base: dict, cand: dict, tol: Tolerance) -> Change:
-    """One measured row of each run (same provider, variant, batch and sequence length) by the noise
-    rule: candidate p50 - baseline p50 fails when beyond max(noise, abs, rel x baseline p50), the
-    noise being the two rows' p90 - p50 added."""
-    b50, c50 = base.get("p50_ms"), cand.get("p50_ms")
+# (p50, p90) keys of a prefill latency row and of a generation decode row (per generated token)
+PREFILL_KEYS, DECODE_KEYS = ("p50_ms", "p90_ms"), ("token_ms_p50", "token_ms_p90")
+
+
+def noise_change(recipe: str | None, label: str, base: dict, cand: dict, tol: Tolerance,
+                 keys: tuple[str, str] = PREFILL_KEYS) -> Change:
+    """One measured row of each run (same provider, variant, batch and lengths) by the noise rule:
+    candidate p50 - baseline p50 fails when beyond max(noise, abs, rel x baseline p50), the noise
+    being the two rows' p90 - p50 added. ``keys``: the rows' p50 and p90 fields."""
+    k50, k90 = keys
+    b50, c50 = base.get(k50), cand.get(k50)
     limit = f"noise, +{tol.abs:g} ms, +{tol.rel * 100:g}%"
     if not (_number(b50) and _number(c50)) or b50 <= 0:
         return Change(recipe, label, b50 if _number(b50) else None, c50 if _number(c50) else None, "–", limit,
-                      SKIPPED, "no p50_ms on both sides")
-    spreads = [r["p90_ms"] - r["p50_ms"] for r in (base, cand) if _number(r.get("p90_ms"))]
+                      SKIPPED, f"no {k50} on both sides")
+    spreads = [r[k90] - r[k50] for r in (base, cand) if _number(r.get(k90))]
     if len(spreads) < 2:
         return Change(recipe, label, b50, c50, "–", limit, NOT_COMPARABLE,
-                      "not comparable: no p90_ms on both sides to measure the noise with")
+                      f"not comparable: no {k90} on both sides to measure the noise with")
     noise = sum(max(0.0, spread) for spread in spreads)
     allowed = max(noise, tol.abs, tol.rel * b50)
     delta = c50 - b50
@@ -93,10 +100,12 @@ def noise_change(recipe: str | None, label: str, base: dict, cand: dict, tol: To
 
 def _compare_rows(recipe: str | None, kind: str, base_rows: list[dict], cand_rows: list[dict],
                   baseline: dict, candidate: dict, policy: Policy) -> list[Change]:
-    """Each measured baseline row against the candidate's row of the same key."""
+    """Each measured baseline row against the candidate's row of the same key (a decode row: its
+    per-token time; gen tokens/s is its inverse, so a slower generation fails here)."""
+    keys50 = DECODE_KEYS if kind == "decode" else PREFILL_KEYS
     tol = policy.baseline.tolerance("latency")
     limit = f"noise, +{tol.abs:g} ms, +{tol.rel * 100:g}%"
-    keys = ("provider", "variant", "batch", "seq", "prompt_tokens", "new_tokens", "phase")
+    keys = ("provider", "variant", "batch", "seq", "prompt_tokens", "new_tokens")
     by_key = {tuple(r.get(k) for k in keys): r for r in cand_rows}
     out = []
     for row in base_rows:
@@ -112,9 +121,9 @@ def _compare_rows(recipe: str | None, kind: str, base_rows: list[dict], cand_row
         elif _number(row.get("threads")) and _number(other.get("threads")) and row["threads"] != other["threads"]:
             why.append(f"threads differ ({row['threads']} vs {other['threads']})")
         if why:
-            out.append(_not_comparable(recipe, label, row.get("p50_ms"), "; ".join(why), policy, limit))
+            out.append(_not_comparable(recipe, label, row.get(keys50[0]), "; ".join(why), policy, limit))
         else:
-            out.append(noise_change(recipe, label, row, other, tol))
+            out.append(noise_change(recipe, label, row, other, tol, keys50))
     return out
 
 
