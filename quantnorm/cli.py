@@ -369,7 +369,7 @@ def recipes():
 @click.option("--rel-tol", multiple=True, metavar="CHECK=X", help="Baseline: relative tolerance (0.25 = 25%).")
 @click.option("--same-hardware", is_flag=True, help="Baseline: latency from other hardware fails (not 'not comparable').")
 @click.option("--github-summary", is_flag=True, help="Append the verdict to $GITHUB_STEP_SUMMARY (cut at 1 MiB).")
-@click.option("--json", "json_out", default=None, help="Write the verdict as JSON to this file ('-': stdout).")
+@click.option("--json", "json_out", default=None, metavar="FILE", help="Write the verdict as JSON to this file ('-': stdout).")
 @click.pass_context
 def gate(ctx, inputs, policy, require_provider, recipes, summary, junit, baselines, abs_tol, rel_tol, same_hardware,
          github_summary, json_out, **thresholds):
