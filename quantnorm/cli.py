@@ -24,7 +24,7 @@ from .evaluate import ensure_trained
 from .evaluate import evaluate as run_evaluate
 from .export import export_onnx, write_onnx_dir
 from .fileio import write_json_atomic
-from .gate import run_baseline_gate, run_gate, write_error_outputs, write_outputs
+from .gate import error_dict, run_baseline_gate, run_gate, write_error_outputs, write_outputs
 from .generation.bundle import write_bundle
 from .generation.speed import decode_bench, decode_table
 from .measure.latency import bench_rounds
@@ -389,6 +389,8 @@ def gate(ctx, inputs, policy, require_provider, recipes, summary, junit, baselin
         result = run_baseline_gate(inputs, baselines, pol) if baselines else run_gate(inputs, pol)
     except QuantnormError as exc:  # fail closed in the CI artifacts too; main() prints it, exit 2
         write_error_outputs(str(exc), **outputs)
+        if json_out == "-":  # a script reading stdout gets the ERROR verdict, not nothing
+            click.echo(json.dumps(error_dict(str(exc))))
         raise
     click.echo(json.dumps(result.to_dict(), indent=2) if json_out == "-" else result.markdown(), nl=json_out == "-")
     write_outputs(result, **outputs)

@@ -332,6 +332,10 @@ def test_a_bad_baseline_is_one_line_exit_2(tmp_path, capsys, case):
     assert "quantnorm gate: ERROR" in summary.read_text()
     assert ET.parse(junit).getroot().get("errors") == "1"
     assert json.loads(js.read_text())["verdict"] == "ERROR"
+    # --json -: a script reading stdout gets the ERROR verdict on one line
+    code, out, err = gate([cand, "--baseline", base, "--json", "-"], capsys)
+    assert code == 2 and len(err.splitlines()) == 1 and json.loads(out) == {
+        "verdict": "ERROR", "why": err.removeprefix("error: "), "exit_code": 2, "runs": [], "baselines": []}
 
 
 def test_the_same_file_as_baseline_and_candidate_is_exit_2(tmp_path, capsys):
