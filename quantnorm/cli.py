@@ -5,6 +5,7 @@ Every error a user can fix becomes one line on stderr and exit code 2 (traceback
 
 from __future__ import annotations
 
+import json
 import shlex
 import signal
 import sys
@@ -23,13 +24,13 @@ from .evaluate import ensure_trained
 from .evaluate import evaluate as run_evaluate
 from .export import export_onnx, write_onnx_dir
 from .fileio import write_json_atomic
-from .gate import run_gate, write_error_outputs, write_outputs
+from .gate import error_dict, run_baseline_gate, run_gate, write_error_outputs, write_outputs
 from .generation.bundle import write_bundle
 from .generation.speed import decode_bench, decode_table
 from .measure.latency import bench_rounds
 from .measure.sessions import SessionSpec, listed_providers, resolve_providers, short_provider
 from .models import NORMS, PLACEMENTS, ModelConfig
-from .policy import resolve_policy
+from .policy import resolve_policy, with_baseline_flags
 from .portable import PKG_PREFIX, portable_args, resolve_arg
 from .quantize import DEFAULT_RECIPES, RECIPES
 from .report import write_comparison, write_findings, write_report
@@ -361,24 +362,38 @@ def recipes():
               help="Also append the Markdown verdict to this file (e.g. \"$GITHUB_STEP_SUMMARY\").")
 @click.option("--junit", type=click.Path(path_type=Path), default=None,
               help="Write JUnit XML here (one testcase per run x recipe x check).")
+@click.option("--baseline", "baselines", multiple=True, type=click.Path(path_type=Path),
+              help="Compare with this run (results.json, run or sweep directory; e.g. main's): regressions fail.")
+@click.option("--abs-tol", multiple=True, metavar="CHECK=X", help="Baseline: absolute tolerance of a check "
+              "(ppl_ratio, kld_mean, top1_agreement, generation_agreement, size_bytes, latency [ms]). Repeatable.")
+@click.option("--rel-tol", multiple=True, metavar="CHECK=X", help="Baseline: relative tolerance (0.25 = 25%).")
+@click.option("--same-hardware", is_flag=True, help="Baseline: latency from other hardware fails (not 'not comparable').")
+@click.option("--github-summary", is_flag=True, help="Append the verdict to $GITHUB_STEP_SUMMARY (cut at 1 MiB).")
+@click.option("--json", "json_out", default=None, metavar="FILE", help="Write the verdict as JSON to this file ('-': stdout).")
 @click.pass_context
-def gate(ctx, inputs, policy, require_provider, recipes, summary, junit, **thresholds):
+def gate(ctx, inputs, policy, require_provider, recipes, summary, junit, baselines, abs_tol, rel_tol, same_hardware,
+         github_summary, json_out, **thresholds):
     """Gate deployment on INPUTS (results.json files, run directories or sweep directories).
 
-    Prints a Markdown verdict table. Exit code 0: every run passes; 1: a check fails (a missing or
-    unmeasured number fails); 2: an input or the policy cannot be read.
+    Prints a Markdown verdict table; its first line says PASS or FAIL and why. Exit code 0: every
+    run passes; 1: a check fails (a missing or unmeasured number fails; with --baseline, a regression);
+    2: an input or the policy cannot be read.
 
-    Example: quantnorm gate runs/pre-rms --policy examples/gate-policy.toml --junit gate.xml
+    Example: quantnorm gate runs/pr --baseline runs/main --policy examples/gate-policy.toml --junit gate.xml
     """
+    outputs = dict(summary=summary, junit=junit, github_summary=github_summary, json_out=json_out)
     try:
         pol = resolve_policy(policy, **thresholds, require_provider=tuple(_csv(",".join(require_provider)) or ()) or None,
                              recipes=tuple(_csv(",".join(recipes)) or ()) or None)
-        result = run_gate(inputs, pol)
+        pol = with_baseline_flags(pol, abs_tol, rel_tol, same_hardware)
+        result = run_baseline_gate(inputs, baselines, pol) if baselines else run_gate(inputs, pol)
     except QuantnormError as exc:  # fail closed in the CI artifacts too; main() prints it, exit 2
-        write_error_outputs(str(exc), summary=summary, junit=junit)
+        write_error_outputs(str(exc), **outputs)
+        if json_out == "-":  # a script reading stdout gets the ERROR verdict, not nothing
+            click.echo(json.dumps(error_dict(str(exc))))
         raise
-    click.echo(result.markdown(), nl=False)
-    write_outputs(result, summary=summary, junit=junit)
+    click.echo(json.dumps(result.to_dict(), indent=2) if json_out == "-" else result.markdown(), nl=json_out == "-")
+    write_outputs(result, **outputs)
     if not result.passed:
         ctx.exit(1)
 

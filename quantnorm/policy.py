@@ -20,6 +20,10 @@ exit 2). :func:`load_policy` reads the TOML file the gate and ``evaluate --polic
     require_provider = ["cpu"]  # providers that must have measured latency rows
     recipes = []                # [] = the best recipe must pass; a list = each listed must pass
     collapse_margin = 0.8       # a trained model's eval bits/byte must be this far below the unigram baseline
+
+    [gate.baseline]             # `quantnorm gate CANDIDATE --baseline BASELINE` (see BaselinePolicy)
+    require_same_hardware = false
+    kld_mean = { abs = 0.0002, rel = 0.25 }
 """
 
 from __future__ import annotations
@@ -77,6 +81,137 @@ def _finite(value: Any) -> bool:
 
 
 @dataclass(frozen=True)
+class Tolerance:
+    """How far one number may move the wrong way from the baseline's before the gate calls it a
+    regression. A change fails only when it is beyond both: ``abs`` (in the number's unit) is the
+    floor below which a change is noise, ``rel`` the share of the baseline's value (for an agreement,
+    of its disagreement 1 - agreement: 0.995 -> 0.990 doubles what disagrees). 0 leaves the other alone."""
+
+    abs: float
+    rel: float
+
+    def __post_init__(self) -> None:
+        for key in ("abs", "rel"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise PolicyError(f"tolerance {key!r} must be a finite number >= 0, got {value!r}")
+            object.__setattr__(self, key, float(value))
+
+    def describe(self, unit: str = "") -> str:
+        return f"+{self.abs:g}{unit} and +{self.rel * 100:g}%"
+
+
+# The baseline checks: name -> (what it compares, which way is worse, its default tolerance).
+BASELINE_CHECKS: dict[str, tuple[str, str, Tolerance]] = {
+    "ppl_ratio": ("accuracy.ppl_ratio", "higher", Tolerance(0.002, 0.001)),
+    "kld_mean": ("accuracy.kld_mean, nats", "higher", Tolerance(0.0002, 0.25)),
+    "top1_agreement": ("accuracy.top1_agreement (rel: of the disagreement)", "lower", Tolerance(0.002, 0.25)),
+    "generation_agreement": ("generation agreement with FP32 (rel: of the disagreement)", "lower",
+                             Tolerance(0.02, 0.25)),
+    "size_bytes": ("the recipe's model file, bytes", "higher", Tolerance(1024, 0.01)),
+    "latency": ("p50 ms, beyond the p90 - p50 spreads of both runs added", "higher", Tolerance(0.0, 0.05)),
+}
+
+
+@dataclass(frozen=True)
+class BaselinePolicy:
+    """The ``[gate.baseline]`` table: what ``quantnorm gate CANDIDATE --baseline BASELINE`` allows.
+    ``tolerances``: check name -> Tolerance (BASELINE_CHECKS' defaults for the ones not given).
+    ``require_same_hardware``: latency measured on another CPU (model, ISA flags), with other
+    threads or another provider fails instead of being "not comparable"."""
+
+    tolerances: tuple[tuple[str, Tolerance], ...] = ()
+    require_same_hardware: bool = False
+
+    def __post_init__(self) -> None:
+        given = dict(self.tolerances.items() if isinstance(self.tolerances, dict) else self.tolerances)
+        unknown = sorted(set(given) - set(BASELINE_CHECKS))
+        if unknown:
+            raise PolicyError(f"baseline: unknown check {unknown[0]!r}; known: {', '.join(BASELINE_CHECKS)}")
+        for name, tol in given.items():
+            if not isinstance(tol, Tolerance):
+                raise PolicyError(f"baseline: {name} must be a Tolerance, got {type(tol).__name__}")
+        merged = {name: given.get(name, default) for name, (_, _, default) in BASELINE_CHECKS.items()}
+        object.__setattr__(self, "tolerances", tuple(merged.items()))
+        if not isinstance(self.require_same_hardware, bool):
+            raise PolicyError(f"baseline: require_same_hardware must be true or false, "
+                              f"got {self.require_same_hardware!r}")
+
+    def tolerance(self, check: str) -> Tolerance:
+        return dict(self.tolerances)[check]
+
+    def with_tolerances(self, abs_: dict[str, float] | None = None, rel: dict[str, float] | None = None) -> BaselinePolicy:
+        """A copy with these absolute and relative tolerances replaced (``--abs-tol``/``--rel-tol``)."""
+        abs_, rel = abs_ or {}, rel or {}
+        unknown = sorted((set(abs_) | set(rel)) - set(BASELINE_CHECKS))
+        if unknown:
+            raise PolicyError(f"unknown baseline check {unknown[0]!r}; known: {', '.join(BASELINE_CHECKS)}")
+        tols = {name: Tolerance(abs_.get(name, tol.abs), rel.get(name, tol.rel)) for name, tol in self.tolerances}
+        return replace(self, tolerances=tuple(tols.items()))
+
+    def describe(self) -> str:
+        parts = [f"{name} {tol.describe()}" for name, tol in self.tolerances]
+        hardware = "latency on other hardware fails" if self.require_same_hardware else \
+            "latency on other hardware is not comparable"
+        return "a regression fails when beyond both tolerances: " + ", ".join(parts) + "; " + hardware
+
+
+def parse_tolerances(items: tuple[str, ...] | list[str], flag: str) -> dict[str, float]:
+    """``--abs-tol kld_mean=0.001`` (repeatable, or comma-separated) -> {check: value}; PolicyError
+    naming the flag on anything else."""
+    out: dict[str, float] = {}
+    for item in (part.strip() for text in items for part in text.split(",") if part.strip()):
+        name, sep, value = item.partition("=")
+        name = name.strip().replace("-", "_")
+        if not sep or name not in BASELINE_CHECKS:
+            raise PolicyError(f"{flag} {item!r}: expected CHECK=VALUE with CHECK one of {', '.join(BASELINE_CHECKS)}")
+        try:
+            out[name] = float(value)
+        except ValueError:
+            raise PolicyError(f"{flag} {item!r}: {value.strip()!r} is not a number") from None
+    return out
+
+
+def with_baseline_flags(policy: Policy, abs_tol: tuple[str, ...] = (), rel_tol: tuple[str, ...] = (),
+                        same_hardware: bool = False) -> Policy:
+    """``policy`` with ``gate``'s baseline flags on top: --abs-tol, --rel-tol, --same-hardware."""
+    base = policy.baseline.with_tolerances(parse_tolerances(abs_tol, "--abs-tol"), parse_tolerances(rel_tol, "--rel-tol"))
+    if same_hardware:
+        base = replace(base, require_same_hardware=True)
+    return replace(policy, baseline=base)
+
+
+def baseline_from_mapping(table: Any, source: str) -> BaselinePolicy:
+    """``[gate.baseline]``: ``require_same_hardware`` and one ``{abs = ..., rel = ...}`` per check
+    (either key may be left out: its default stands)."""
+    if not isinstance(table, dict):
+        raise PolicyError(f"{source}: key 'baseline' must be a table ([gate.baseline]), got {_toml_type(table)}")
+    same = table.get("require_same_hardware", False)
+    if not isinstance(same, bool):
+        raise PolicyError(f"{source}: baseline.require_same_hardware must be a boolean, got {_toml_type(same)}")
+    base = BaselinePolicy(require_same_hardware=same)
+    tols: dict[str, dict[str, float]] = {"abs": {}, "rel": {}}
+    for name, value in table.items():
+        if name == "require_same_hardware":
+            continue
+        if name not in BASELINE_CHECKS:
+            close = difflib.get_close_matches(name, list(BASELINE_CHECKS), n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise PolicyError(f"{source}: unknown key {name!r} in [gate.baseline]; {hint}known: "
+                              f"require_same_hardware, {', '.join(BASELINE_CHECKS)}")
+        if not isinstance(value, dict) or not value or set(value) - {"abs", "rel"}:
+            raise PolicyError(f"{source}: baseline.{name} must be a table {{ abs = ..., rel = ... }}, got {value!r}")
+        for key, number in value.items():
+            if isinstance(number, bool) or not isinstance(number, (int, float)):
+                raise PolicyError(f"{source}: baseline.{name}.{key} must be a number, got {_toml_type(number)}")
+            tols[key][name] = number
+    try:
+        return base.with_tolerances(tols["abs"], tols["rel"])
+    except PolicyError as exc:
+        raise PolicyError(f"{source}: baseline: {exc}") from None
+
+
+@dataclass(frozen=True)
 class Policy:
     """The acceptance thresholds (the search's targets and the gate's checks). ``None`` disables a
     check (kld p99 and latency ratio are off by default)."""
@@ -92,8 +227,11 @@ class Policy:
     require_provider: tuple[str, ...] = ()
     recipes: tuple[str, ...] = ()
     collapse_margin: float | None = DEFAULT_COLLAPSE_MARGIN   # None: no training-status check
+    baseline: BaselinePolicy = BaselinePolicy()   # what `gate --baseline` allows ([gate.baseline])
 
     def __post_init__(self) -> None:
+        if not isinstance(self.baseline, BaselinePolicy):
+            raise PolicyError(f"policy key 'baseline' must be a BaselinePolicy, got {type(self.baseline).__name__}")
         for key in _FLOAT_KEYS:
             value = getattr(self, key)
             if value is None:
@@ -214,7 +352,12 @@ def policy_from_mapping(data: dict, source: str = "policy") -> Policy:
     else:
         table, where = data, "the top level"
     known = {f.name for f in fields(Policy)}
+    table = dict(table)
+    if "baseline" in table:
+        table["baseline"] = baseline_from_mapping(table["baseline"], source)
     for key, value in table.items():
+        if key == "baseline":
+            continue
         if key not in known:
             close = difflib.get_close_matches(key, sorted(known), n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""

@@ -1,5 +1,5 @@
-"""docs/ci/quantnorm-gate.yml: what .ci/run checks (schema, zizmor), the pins, and its gate step
-run for real with examples/gate-policy.toml."""
+"""docs/ci/quantnorm-gate.yml: what .ci/run checks (schema, zizmor), the pins, and its gate steps
+(alone, and against main's results restored from the cache) run for real with examples/gate-policy.toml."""
 
 import json
 import re
@@ -17,7 +17,7 @@ from quantnorm.cli import main
 ROOT = Path(__file__).resolve().parent.parent
 WORKFLOW = ROOT / "docs" / "ci" / "quantnorm-gate.yml"
 POLICY = ROOT / "examples" / "gate-policy.toml"
-PINNED = re.compile(r"^[\w.-]+/[\w.-]+@[0-9a-f]{40}$")
+PINNED = re.compile(r"^[\w.-]+/[\w.-]+(/[\w.-]+)*@[0-9a-f]{40}$")  # owner/repo[/sub-action]@commit
 
 
 def _steps() -> list[dict]:
@@ -28,7 +28,7 @@ def _steps() -> list[dict]:
 
 def test_every_action_is_pinned_to_a_commit_with_its_version():
     lines = [line for line in WORKFLOW.read_text().splitlines() if re.match(r"\s*(- )?uses:", line)]
-    assert len(lines) == 3
+    assert len(lines) == 5
     for line in lines:
         ref, _, comment = line.split("uses:", 1)[1].partition("#")
         assert PINNED.match(ref.strip()), line
@@ -54,21 +54,54 @@ def test_workflow_passes_schema_and_security_audit(argv):
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-def test_the_workflow_gate_step_runs_with_the_example_policy(tmp_path, monkeypatch, capsys):
-    """The Gate step's own command line, run on a passing and on a failing run directory."""
-    (gate_step,) = [s for s in _steps() if s.get("name") == "Gate"]
-    argv = shlex.split(gate_step["run"].replace("\\\n", " "))
-    assert argv[:3] == ["quantnorm", "gate", "runs/ci"] and "examples/gate-policy.toml" in argv
+def _argv(step_name: str) -> list[str]:
+    (step,) = [s for s in _steps() if s.get("name") == step_name]
+    return shlex.split(step["run"].replace("\\\n", " "))
+
+
+def _workspace(tmp_path, monkeypatch) -> Path:
     monkeypatch.chdir(tmp_path)
     (tmp_path / "examples").mkdir()
     shutil.copy(POLICY, tmp_path / "examples" / "gate-policy.toml")
     monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(tmp_path / "summary.md"))
-    argv = [str(tmp_path / "summary.md") if a == "$GITHUB_STEP_SUMMARY" else a for a in argv]
     run = tmp_path / "runs" / "ci"
     run.mkdir(parents=True)
+    return run
+
+
+def test_the_workflow_gate_step_runs_with_the_example_policy(tmp_path, monkeypatch, capsys):
+    """The Gate step's own command line, run on a passing and on a failing run directory."""
+    argv = _argv("Gate")
+    assert argv[:3] == ["quantnorm", "gate", "runs/ci"] and "examples/gate-policy.toml" in argv
+    assert "--github-summary" in argv and "--baseline" not in argv
+    run = _workspace(tmp_path, monkeypatch)
     (run / "results.json").write_text(json.dumps(results()))
     assert main(argv[1:]) == 0
     assert "quantnorm gate: PASS" in (tmp_path / "summary.md").read_text() and (tmp_path / "gate.xml").is_file()
+    assert json.loads((tmp_path / "gate.json").read_text())["verdict"] == "PASS"
     (run / "results.json").write_text(json.dumps(results(top1=0.9)))  # below the policy's min_top1 0.98
     assert main(argv[1:]) == 1
     assert "top1_agreement" in capsys.readouterr().out
+
+
+def test_the_workflow_gates_a_pull_request_against_mains_cached_results(tmp_path, monkeypatch, capsys):
+    """Main saves runs/ci/results.json under quantnorm-baseline/ in the cache; a pull request restores
+    that directory and its Gate-against-main step fails a regression the thresholds alone pass."""
+    steps = {s.get("name"): s for s in _steps()}
+    restore, save = steps["Restore main's results (the baseline)"], steps["Save the baseline"]
+    assert restore["with"]["path"] == save["with"]["path"] == "quantnorm-baseline"
+    assert restore["with"]["restore-keys"] in save["with"]["key"]
+    assert "cp runs/ci/results.json quantnorm-baseline/results.json" in steps["Keep main's results as the next baseline"]["run"]
+    argv = _argv("Gate against main")
+    assert argv[:5] == ["quantnorm", "gate", "runs/ci", "--baseline", "quantnorm-baseline"]
+    run = _workspace(tmp_path, monkeypatch)
+    (tmp_path / "quantnorm-baseline").mkdir()
+    (tmp_path / "quantnorm-baseline" / "results.json").write_text(json.dumps(results(kld_mean=0.001)))
+    (run / "results.json").write_text(json.dumps(results(kld_mean=0.0011)))
+    assert main(argv[1:]) == 0
+    assert capsys.readouterr().out.startswith("## quantnorm gate: PASS")
+    (run / "results.json").write_text(json.dumps(results(kld_mean=0.004)))  # under max_kld 0.01, 4x main's
+    assert main(argv[1:]) == 1
+    out = capsys.readouterr().out
+    assert out.splitlines()[-1].startswith("**Overall: FAIL**") and "kld_mean" in out.splitlines()[0]
+    assert "Against the baseline" in (tmp_path / "summary.md").read_text()

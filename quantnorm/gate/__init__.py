@@ -38,9 +38,18 @@ the same defaults). Policy file (TOML), either in a ``[gate]`` table or as top-l
     recipes = []                # [] = the best recipe must pass; a list = each listed must pass
     collapse_margin = 0.8       # a trained model's eval bits/byte must be this far below the unigram baseline
 
+Against a baseline (``quantnorm gate CANDIDATE --baseline BASELINE``, run_baseline_gate): the
+candidate is gated as above and each of its runs is compared with the baseline run of the same
+model, recipe by recipe (``baseline``: PPL ratio, KL mean, top-1 and generation agreement, model
+size, each with an absolute and a relative tolerance from ``[gate.baseline]``; ``noise``: latency
+judged against the spread the two runs measured, "not comparable" on other hardware). A dropped or
+newly broken recipe fails; another model, another results schema, one file given as both or a
+baseline without recipes is an error (exit 2).
+
 Modules: ``checks`` (the check tables, evaluate_gate), ``inputs`` (files, run and sweep
-directories, run_gate), ``report`` (GateReport; Markdown, JUnit, the step summary), ``verdict``
-(Check, RunVerdict, errors, exit codes).
+directories, run_gate, run_baseline_gate), ``baseline`` (compare_runs), ``noise`` (latency against
+its noise, hardware), ``report`` (GateReport; Markdown, JUnit, JSON, the step summary), ``verdict``
+(Check, RunVerdict, Change, BaselineVerdict, errors, exit codes).
 
 Library use::
 
@@ -53,25 +62,49 @@ from __future__ import annotations
 
 from ..policy import Policy, PolicyError, load_policy, normalize_provider_name, policy_from_mapping
 from ..results import ACCURACY_RANGES, LATENCY_RANGES
+from .baseline import compare_runs, model_identity
 from .checks import RECIPE_CHECKS, RUN_CHECKS, RecipeCheckFn, RunCheckFn, evaluate_gate, validate_results
-from .inputs import load_results_file, resolve_inputs, run_gate
+from .inputs import load_results_file, resolve_inputs, run_baseline_gate, run_gate
+from .noise import hardware_differences, noise_change
 from .report import (
+    GITHUB_SUMMARY_LIMIT,
     GateReport,
     append_summary,
+    error_dict,
     error_junit,
     error_markdown,
+    report_dict,
     report_junit,
     report_markdown,
+    truncate_summary,
     write_error_outputs,
     write_junit,
     write_outputs,
 )
-from .verdict import EXIT_ERROR, EXIT_FAIL, EXIT_PASS, Check, GateError, ResultsError, RunVerdict
+from .verdict import (
+    EXIT_ERROR,
+    EXIT_FAIL,
+    EXIT_PASS,
+    FAIL,
+    NEW,
+    NOT_COMPARABLE,
+    PASS,
+    SKIPPED,
+    BaselineVerdict,
+    Change,
+    Check,
+    GateError,
+    ResultsError,
+    RunVerdict,
+)
 
 __all__ = [
-    "ACCURACY_RANGES", "EXIT_ERROR", "EXIT_FAIL", "EXIT_PASS", "LATENCY_RANGES", "RECIPE_CHECKS", "RUN_CHECKS",
-    "Check", "GateError", "GateReport", "Policy", "PolicyError", "RecipeCheckFn", "ResultsError", "RunCheckFn",
-    "RunVerdict", "append_summary", "error_junit", "error_markdown", "evaluate_gate", "load_policy",
-    "load_results_file", "normalize_provider_name", "policy_from_mapping", "report_junit", "report_markdown",
-    "resolve_inputs", "run_gate", "validate_results", "write_error_outputs", "write_junit", "write_outputs",
+    "ACCURACY_RANGES", "EXIT_ERROR", "EXIT_FAIL", "EXIT_PASS", "FAIL", "GITHUB_SUMMARY_LIMIT", "LATENCY_RANGES",
+    "NEW", "NOT_COMPARABLE", "PASS", "RECIPE_CHECKS", "RUN_CHECKS", "SKIPPED",
+    "BaselineVerdict", "Change", "Check", "GateError", "GateReport", "Policy", "PolicyError", "RecipeCheckFn",
+    "ResultsError", "RunCheckFn", "RunVerdict", "append_summary", "compare_runs", "error_dict", "error_junit", "error_markdown",
+    "evaluate_gate", "hardware_differences", "load_policy", "load_results_file", "model_identity", "noise_change",
+    "normalize_provider_name", "policy_from_mapping", "report_dict", "report_junit", "report_markdown",
+    "resolve_inputs", "run_baseline_gate", "run_gate", "truncate_summary", "validate_results",
+    "write_error_outputs", "write_junit", "write_outputs",
 ]

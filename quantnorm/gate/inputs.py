@@ -1,5 +1,6 @@
 """The gate's inputs: results files, run directories and sweep directories -> the results to judge
-(read by quantnorm.results, the one loader, and validated by it), and run_gate over them all."""
+(read by quantnorm.results, the one loader, and validated by it), run_gate over them all, and
+run_baseline_gate: the same, each candidate run also compared with its baseline run."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ from .. import results as results_file
 from ..manifest import MANIFEST_FILE
 from ..policy import Policy
 from ..runs import CONFIG_FILE, RESULTS_FILE, TRAIN_SUMMARY_FILE
+from .baseline import compare_runs, model_identity, pairing_key, unpaired
 from .checks import evaluate_gate, validate_results
 from .report import GateReport
-from .verdict import Check, GateError, RunVerdict, reason
+from .verdict import BaselineVerdict, Check, GateError, RunVerdict, reason
 
 
 def load_results_file(path: str | Path) -> dict:
@@ -117,3 +119,57 @@ def run_gate(paths: str | Path | Iterable[str | Path], policy: Policy) -> GateRe
         raise GateError(errors[0] + more)
     runs.sort(key=lambda r: r.source)
     return GateReport(policy=policy, runs=tuple(runs))
+
+
+def _as_list(paths: str | Path | Iterable[str | Path]) -> list[str | Path]:
+    return [paths] if isinstance(paths, (str, Path)) else list(paths)
+
+
+def _files(paths: list[str | Path]) -> list[Path]:
+    return [file for path in paths for file in resolve_inputs(path)[0]]
+
+
+def _pairs(bases: list[tuple[Path, dict]], cands: list[tuple[Path, dict]]) -> list[BaselineVerdict | tuple]:
+    """Each candidate run with the baseline run of the same model (pairing_key); one run on each
+    side are a pair whatever they are (compare_runs then refuses another model). A run without a
+    partner becomes an ``unpaired`` verdict."""
+    if len(bases) == 1 and len(cands) == 1:
+        return [(bases[0], cands[0])]
+    index: dict[str, tuple[Path, dict]] = {}
+    for path, results in bases:
+        key = pairing_key(results)
+        if key in index:
+            raise GateError(f"{index[key][0]} and {path} are runs of one model in the baseline: the gate cannot "
+                            f"tell which to compare the candidate with; give one of them")
+        index[key] = (path, results)
+    out: list[BaselineVerdict | tuple] = []
+    for path, results in cands:
+        base = index.pop(pairing_key(results), None)
+        out.append((base, (path, results)) if base is not None else unpaired(str(path), "candidate"))
+    if not any(isinstance(p, tuple) for p in out):
+        model = ", ".join(f"{k}={v}" for k, v in model_identity(cands[0][1]).items())
+        raise GateError(f"no baseline run is of a candidate's model (e.g. {model}): give a baseline of the same "
+                        f"model(s)")
+    return out + [unpaired(str(path), "baseline") for path, _ in index.values()]
+
+
+def run_baseline_gate(candidates: str | Path | Iterable[str | Path], baselines: str | Path | Iterable[str | Path],
+                      policy: Policy) -> GateReport:
+    """Gate the candidate runs by ``policy`` (run_gate) and compare each with the baseline run of the
+    same model (quantnorm.gate.baseline). Refused (GateError): a file given as both, a baseline of
+    another model or results schema, a baseline without recipes, anything unreadable."""
+    candidates, baselines = _as_list(candidates), _as_list(baselines)
+    if not baselines:
+        raise GateError("no baseline: give main's results.json, run directory or sweep directory")
+    cand_files, base_files = _files(candidates), _files(baselines)
+    same = {f.resolve() for f in cand_files} & {f.resolve() for f in base_files}
+    if same:
+        raise GateError(f"{min(same)} is given as both the candidate and the baseline: give the baseline's own "
+                        f"results (e.g. main's, kept as an artifact)")
+    report = run_gate(candidates, policy)
+    cands = [(f, load_results_file(f)) for f in cand_files]
+    bases = [(f, load_results_file(f)) for f in base_files]
+    verdicts = [p if isinstance(p, BaselineVerdict) else
+                compare_runs(p[0][1], p[1][1], policy, base_src=str(p[0][0]), cand_src=str(p[1][0]))
+                for p in _pairs(bases, cands)]
+    return GateReport(policy=policy, runs=report.runs, baselines=tuple(verdicts))

@@ -1,5 +1,6 @@
-"""The gate's verdicts: one Check per number and threshold, a RunVerdict per results.json, and
-the gate's errors and exit codes."""
+"""The gate's verdicts: one Check per number and threshold, a RunVerdict per results.json, a
+Change per number compared with a baseline run's (a BaselineVerdict per pair of runs), and the
+gate's errors and exit codes."""
 
 from __future__ import annotations
 
@@ -76,3 +77,43 @@ class RunVerdict:
     @property
     def failures(self) -> tuple[Check, ...]:
         return tuple(c for c in self.checks if self.blocking(c))
+
+
+# A Change's verdict. NOT_COMPARABLE (latency measured on other hardware) and SKIPPED (a number one
+# side does not have, a recipe broken in both) neither pass nor fail; NEW lists a recipe the baseline lacks.
+PASS, FAIL, NOT_COMPARABLE, SKIPPED, NEW = "pass", "FAIL", "not comparable", "skipped", "new"
+
+
+@dataclass(frozen=True)
+class Change:
+    """One number of the candidate run compared with the baseline run's."""
+
+    recipe: str | None       # None: the run as a whole
+    name: str                # e.g. "kld_mean", "latency CPU fp32 b=8", "recipe"
+    baseline: float | None
+    candidate: float | None
+    change: str              # e.g. "+0.003 (+300%)"
+    tolerance: str           # what the change may be, e.g. "+0.0002 and +25%"
+    verdict: str             # PASS, FAIL, NOT_COMPARABLE, SKIPPED or NEW
+    reason: str = ""
+
+    @property
+    def failed(self) -> bool:
+        return self.verdict == FAIL
+
+
+@dataclass(frozen=True)
+class BaselineVerdict:
+    """A candidate run compared with its baseline run: fails when any Change fails."""
+
+    candidate: str    # the candidate's results.json path
+    baseline: str     # the baseline's results.json path
+    changes: tuple[Change, ...]
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+    @property
+    def failures(self) -> tuple[Change, ...]:
+        return tuple(c for c in self.changes if c.failed)
