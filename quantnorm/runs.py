@@ -44,8 +44,9 @@ def past_file(name: str) -> str:
 
 
 def past_onnx_file(name: str) -> str:
-    """The with-past (KV-cache) graph of the FP32 model (``name`` "fp32") or of a recipe."""
-    return past_file(FP32_ONNX_FILE if name == "fp32" else int8_onnx_file(name))
+    """The with-past (KV-cache) graph of the FP32 model (``name`` "fp32") or of a recipe; the
+    search's pick ``auto:<recipe>`` is ``auto``, as its whole-window model."""
+    return past_file(FP32_ONNX_FILE if name == "fp32" else int8_onnx_file(name.split(":", 1)[0]))
 
 
 def config_hash(config: dict[str, Any]) -> str:

