@@ -321,14 +321,14 @@ def test_seq_beyond_context_is_a_measure_error(models):
 def test_the_cli_default_latency_budget_applies_with_model(args, expected, monkeypatch, tmp_path):
     """Through the evaluate command itself: the configuration it hands the pipeline (the default
     once read a flag the command had already taken off, and no --model run got a budget)."""
-    from quantnorm import cli
+    from quantnorm import cli, cli_flags
 
     seen = {}
     monkeypatch.setattr(cli, "open_model", lambda *a, **k: type("Source", (), {"run_dir": tmp_path})())
     monkeypatch.setattr(cli, "run_evaluate", lambda source, cfg, command: seen.setdefault("cfg", cfg) and {})
     monkeypatch.setattr(cli, "summary_lines_model", lambda results, run_dir: "")
     assert cli.main(["evaluate", *args, "--quiet"]) == 0
-    assert seen["cfg"].latency_seconds == expected and cli.MODEL_LATENCY_BUDGET_S == 10.0
+    assert seen["cfg"].latency_seconds == expected and cli_flags.MODEL_LATENCY_BUDGET_S == 10.0
 
 
 def test_a_zoo_evaluate_has_no_default_latency_budget():
