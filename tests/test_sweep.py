@@ -393,7 +393,7 @@ EVALUATE_FLAGS = ["--recipes", "auto,dynamic", "--sq-alpha", "0.3", "--max-ppl-r
 
 def _evaluate_config_of_flags(monkeypatch, flags: list[str]) -> tuple:
     """The (RunConfig, EvaluateConfig) that `quantnorm evaluate FLAGS` hands the pipeline."""
-    from quantnorm import cli
+    from quantnorm import cli, cli_flags
 
     seen = {}
     run_dir = type("RunDir", (), {"path": Path("run")})()
@@ -405,15 +405,15 @@ def _evaluate_config_of_flags(monkeypatch, flags: list[str]) -> tuple:
 
 
 def test_every_evaluate_flag_is_a_sweep_flag():
-    from quantnorm import cli
+    from quantnorm import cli, cli_flags
 
     sweep_params = {p.name: p for p in cli.sweep.params}
     evaluate_params = {p.name: p for p in cli.evaluate.params}
-    for name in cli.EVALUATE_FLAGS:   # one option list, so the same flag, type, default and help
+    for name in cli_flags.EVALUATE_FLAGS:   # one option list, so the same flag, type, default and help
         assert sweep_params[name].opts == evaluate_params[name].opts and sweep_params[name].help == \
             evaluate_params[name].help, name
     assert {"exclude", "min_top1", "max_kld", "search_pick", "search_space", "max_ppl_ratio", "sq_alpha"} <= set(
-        cli.EVALUATE_FLAGS)
+        cli_flags.EVALUATE_FLAGS)
     train_params = {p.opts[0]: p for p in cli.train.params}
     for flag in cli.SWEEP_TRAINING_FLAGS:   # the training flags a sweep shares, spelled as train's
         (param,) = [p for p in cli.sweep.params if p.opts == [flag]]
@@ -505,7 +505,7 @@ def test_a_committed_sweep_is_compatible_with_its_recorded_commands(name, monkey
     command that grew it."""
     import shlex
 
-    from quantnorm import cli
+    from quantnorm import cli, cli_flags
 
     root = Path(__file__).resolve().parents[1] / "reports" / name
     manifest = json.loads((root / MANIFEST_FILE).read_text())
