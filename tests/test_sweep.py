@@ -388,7 +388,9 @@ def test_ray_sweep_reports_a_killed_cell_failed_and_resumes_it(tmp_path, small_c
 EVALUATE_FLAGS = ["--recipes", "auto,dynamic", "--sq-alpha", "0.3", "--max-ppl-ratio", "1.05", "--min-top1", "0.9",
                   "--max-kld", "0.02", "--search-space", "dynamic,static-minmax-matmul", "--search-pick", "first",
                   "--providers", "cpu", "--calib-samples", "5", "--exclude", "head/*", "--exclude", "blocks.0.*",
-                  "--opset", "23", "--opt-level", "basic", "--batches", "2,4", "--iters", "3", "--no-outliers"]
+                  "--opset", "23", "--opt-level", "basic", "--batches", "2,4", "--iters", "3", "--no-outliers",
+                  # generation's default differs (on for evaluate, off for a sweep): given, both take it
+                  "--generation", "--gen-batches", "1,2", "--gen-tokens", "16,8", "--agreement", "4,8"]
 
 
 def _evaluate_config_of_flags(monkeypatch, flags: list[str]) -> tuple:
