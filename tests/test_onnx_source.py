@@ -1,6 +1,6 @@
 """The ONNX export directory source: ``quantnorm evaluate --model DIR`` with DIR/model.onnx.
 
-Two directories, as the issue asks: one written by ``quantnorm export --onnx-dir`` from a zoo
+Two directories, one per way such a directory is made: one written by ``quantnorm export --onnx-dir`` from a zoo
 model, one written with plain ``torch.onnx.export`` from the MiniLM checkpoint (inputs
 input_ids, attention_mask, token_type_ids; output last_hidden_state: Optimum's names). Then the
 refusals: each bad directory gives exit code 2, one line, and nothing in the run directory.

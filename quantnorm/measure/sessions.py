@@ -415,7 +415,7 @@ class ReplayedSession:
     or with the object); a later ``run`` of the same feed reads them back instead of
     running the model, so the FP32 session (``ReopenableSession``: closed while the quantizer runs)
     is opened once per run, not once per recipe. On Gemma 3 a batch of 8 windows is 1 GiB of logits
-    and about 3 s of FP32 compute; reading it back is a fraction of that. Recording stops (the model
+    and seconds of FP32 compute; reading it back is a fraction of that. Recording stops (the model
     runs as before) once ``max_bytes`` are on disk or the disk's free space would fall below
     ``keep_free_bytes``. Memory: one run's outputs, as without it."""
 

@@ -19,8 +19,8 @@ spreads every channel's energy over all of them (a Hadamard matrix does so evenl
   part of the FP32 model: their module is named ``online_hadamard`` and no recipe quantizes them.
 
 This is exact for the Pre-RMSNorm dataflow (LLaMA, Mistral, Qwen2). For Peri-LN (Gemma 2/3) the
-stream rotation is exact too but measured harmful here (issue 15: the model discards a component
-of the normalized stream before every Linear, and rotation spreads it over every input), so it
+stream rotation is exact too but harmful: the model discards a component of the normalized
+stream before every Linear, and rotation spreads it over every input, so it
 is refused for them with the reason; ``rotation_support`` says which form applies where.
 """
 
