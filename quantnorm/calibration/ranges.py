@@ -21,6 +21,7 @@ from onnxruntime.quantization.calibrate import CalibraterBase, HistogramCollecto
 from tqdm import tqdm
 
 from ..fileio import onnx_needs_external_data, release_memory
+from ..providers import CPU
 from . import WindowCalibrationReader, get_calibration_method
 from .entropy import ENTROPY_NUM_BINS, ENTROPY_QUANTIZED_BINS, fast_entropy_collector
 from .shape_infer import calibrator_beside, ort_loads_fast
@@ -297,7 +298,7 @@ def collect_ranges_without_positions(model_path: str | Path, inputs: np.ndarray,
                                       onnx.helper.make_empty_tensor_value_info(name))
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # keep every tensor
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=[CPU])
     windows = np.ascontiguousarray(inputs, dtype=np.int64)
     seq = windows.shape[1]
     keep = np.setdiff1d(np.arange(seq), np.asarray(skip_positions, dtype=np.int64))
