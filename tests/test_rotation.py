@@ -191,3 +191,42 @@ def test_zoo_online_rotation_shrinks_per_token_error_of_a_planted_outlier_channe
     with torch.no_grad():
         assert (rotated(ids) - model(ids)).abs().max() / model(ids).abs().max() < 1e-5
     assert per_token_input_error(rotated, ids) < 0.5 * per_token_input_error(model, ids)
+
+
+def test_a_failed_transformed_export_is_tried_once_and_a_refusal_every_time(tmp_path):
+    """FP32Variants: an export that fails its parity gate fails the same way for every recipe of its
+    form (the search asks once per recipe), so it runs once and later recipes get its error; a
+    refusal (ConfigError) costs nothing and is asked again, naming the recipe that asked."""
+    from types import SimpleNamespace
+
+    from quantnorm.errors import ExportError
+    from quantnorm.transforms.variants import FP32Variants
+
+    calls = []
+
+    def rotate(recipe):
+        calls.append(recipe.name)
+        if recipe.rotation == "online":
+            raise ExportError("rotated ONNX model does not match the original model")
+        raise ConfigError(f"recipe {recipe.name}: no stream rotation here")
+
+    def smooth(alpha, path):
+        calls.append(alpha)
+        raise ExportError("smoothed ONNX model does not match the original model")
+
+    variants = FP32Variants(tmp_path, rotate=rotate, smooth=smooth)
+    def recipe(name, **kw):
+        return SimpleNamespace(**{"name": name, "rotation": None, "smoothquant_alpha": None, **kw})
+
+    for name in ("online-a", "online-b"):
+        with pytest.raises(ExportError, match="does not match"):
+            variants.fp32_for(recipe(name, rotation="online"), tmp_path / "plain.onnx")
+    for name in ("stream-a", "stream-b"):
+        with pytest.raises(ConfigError, match=f"recipe {name}:"):
+            variants.fp32_for(recipe(name, rotation="hadamard"), tmp_path / "plain.onnx")
+    for _ in range(2):
+        with pytest.raises(ExportError, match="smoothed"):
+            variants.fp32_for(recipe("sq", smoothquant_alpha=0.5), tmp_path / "plain.onnx")
+    assert calls == ["online-a", "stream-a", "stream-b", 0.5]
+    assert not variants.rotated and not variants.exports
+    assert variants.fp32_for(recipe("plain"), tmp_path / "plain.onnx") == tmp_path / "plain.onnx"
