@@ -7,9 +7,7 @@ import pytest
 import torch
 import transformers
 
-from quantnorm.export import export_onnx
 from quantnorm.measure.placement import detect_placement
-from quantnorm.models import CausalLM, ModelConfig
 from quantnorm.sources.hf_export import export_hf_onnx
 
 EXPECTED = {"gpt2": ("pre", "layer"), "llama": ("pre", "rms"), "qwen2": ("pre", "rms"),
@@ -48,13 +46,10 @@ def test_a_family_outside_the_table_is_classified_parallel(tmp_path):
 
 
 @pytest.mark.parametrize("placement", ["pre", "post", "peri", "deepnorm", "residual"])
-def test_zoo_placements(placement, tmp_path):
-    torch.manual_seed(0)
-    model = CausalLM(ModelConfig(placement=placement, norm="rms", n_layers=2, d_model=32, n_heads=2, context=16))
-    out = tmp_path / "zoo.onnx"
-    export_onnx(model.eval(), out, np.random.default_rng(0).integers(0, 256, size=(2, 16)), opset=18)
+def test_zoo_placements(placement, zoo_exported):
+    model, out = zoo_exported(placement)   # the session's export (tests/conftest.py; both norms over the five)
     found = detect_placement(out)
-    assert (found.placement, found.norm) == (placement, "rms"), found.how
+    assert (found.placement, found.norm) == (placement, model.cfg.norm), found.how
     assert len(found.taps) == 4 and bool(found.skips) == (placement == "residual")  # ResiDual's x_d found
 
 
