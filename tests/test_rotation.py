@@ -147,6 +147,26 @@ def test_online_rotation_is_exact_for_peri_ln_and_shrinks_per_token_error():
     assert per_token_input_error(rotated, ids) < 0.5 * per_token_input_error(wrapper, ids)
 
 
+def test_online_rotation_unties_an_mlm_decoder_tied_to_the_embedding():
+    """BERT's MLM decoder (not an ``lm_head``) shares its weight with the token embedding: form (b)
+    rotates the decoder's own copy, and the model still computes its logits."""
+    from quantnorm.transforms.rotation import rotate_linear_inputs
+
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, max_position_embeddings=32)
+    model = transformers.BertForMaskedLM(config).eval()
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    wrapper = Wrapper(model).eval()
+    ids = torch.randint(0, 64, (2, 16))
+    rotated, plan = rotate_linear_inputs(wrapper, ARCHITECTURES["bert"])
+    with torch.no_grad():
+        ref, got = wrapper(ids), rotated(ids)
+    assert (got - ref).abs().max() / ref.abs().max() < 1e-4
+    assert plan.untied_head
+    assert torch.equal(rotated.model.get_input_embeddings().weight, model.get_input_embeddings().weight)
+
+
 # --- form (b) on the zoo (claim 13 on the zoo models) -----------------------------------------
 
 

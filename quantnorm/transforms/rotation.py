@@ -284,7 +284,9 @@ def rotate_linear_inputs(wrapper, spec=None):
     (only the head's copy is rotated). Costs ``a + b`` MACs per input element per Linear."""
     rotated = copy.deepcopy(wrapper)
     lm = rotated.model
-    head = getattr(lm, "lm_head", None)
+    # The output embedding wherever the model keeps it (``lm_head``, BERT's MLM decoder): rotating a
+    # head that shares its weight with the token embedding would rotate the embedding too.
+    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else getattr(lm, "lm_head", None)
     embed = lm.get_input_embeddings() if hasattr(lm, "get_input_embeddings") else None
     untied = False
     if head is not None and embed is not None and head.weight.data_ptr() == embed.weight.data_ptr():
