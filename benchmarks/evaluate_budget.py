@@ -11,7 +11,7 @@ from results.json's ``stage_seconds`` (stages run in the order they are listed) 
 is attributed to its stage, so the table says where the peak is. Prints one table; exit 0 when
 both budgets are met, 1 when one is missed, 2 when the run failed.
 
-Issue 14's budgets on a 2-core machine: SmolLM2-135M <= 15 min, Gemma 3 270M <= 25 min, peak RSS
+The budgets on a 2-core machine: SmolLM2-135M <= 15 min, Gemma 3 270M <= 25 min, peak RSS
 <= 8 GB. Run it on an otherwise idle machine: a neighbour's load shows up as wall time.
 """
 

@@ -11,9 +11,10 @@ from .config import EvaluateConfig
 from .policy import DEFAULT_POLICY, resolve_policy
 from .quantize import DEFAULT_RECIPES
 
-# --model's default --latency-budget: a checkpoint's cells take seconds a run (Gemma 3's FP32
-# batch of 8, 3 s on 2 cores: 5 timed runs; its INT8 ones about 9). 20 s made latency the
-# third-largest stage of Gemma 3's evaluate (266 s).
+# --model's default --latency-budget: a checkpoint's runs take seconds each on a CPU, so this
+# still gives its slowest cell (a few-hundred-million-parameter FP32 model at batch 8) the minimum
+# of timed runs (measure.latency.MIN_TIMED_RUNS) and its faster INT8 cells more; twice this made
+# latency one of the largest stages of such a model's evaluate.
 MODEL_LATENCY_BUDGET_S = 10.0
 
 

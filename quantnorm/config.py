@@ -36,8 +36,9 @@ class EvaluateConfig:
     latency_warmup: int = 5
     # Seconds of timed runs per latency cell before it stops short of latency_iters (at least
     # measure.latency.MIN_TIMED_RUNS run); None: every iteration. The CLI sets 10 s for --model
-    # (Gemma 3's FP32 batch of 8 takes ~3 s a run on 2 cores, and 35 runs per cell made latency
-    # 8 minutes of its evaluate); the default stays None so recorded sweeps resume unchanged.
+    # (a checkpoint's batch of 8 takes seconds a run on a CPU, and warm-up + iters runs per cell
+    # would make latency the largest stage of its evaluate); the default stays None so recorded
+    # sweeps resume unchanged.
     latency_seconds: float | None = None
     eval_batch_size: int = 16
     parity_windows: int = 4

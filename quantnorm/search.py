@@ -427,10 +427,10 @@ def _pick_latency(trial: Trial) -> tuple[float, int]:
 def _retime_side_by_side(trials: tuple[Trial, ...], latency_fn, rounds: int) -> tuple[Trial, ...]:
     """The passing trials timed again, in ``rounds`` interleaved rounds (A, B, C, A, B, C, ...),
     each getting the lowest of its rounds' p50s. Why: each trial was timed once, minutes apart,
-    between quantizer passes; on a shared 2-core machine identical graphs timed 805 and 997 ms that
-    way (SmolLM2, rotated-pertoken-fused and its GPTQ twin), enough to pick the slower recipe. The
-    lowest, not the median: a neighbour's load only ever adds time, and with medians of 3 rounds the
-    same two graphs still timed 887 and 685 ms."""
+    between quantizer passes; on a shared machine two graphs of the same cost (a recipe and its
+    GPTQ twin) can time 20% apart that way, enough to pick the slower recipe. The lowest, not the
+    median: a neighbour's load only ever adds time, and a median of 3 rounds can still be off by
+    as much."""
     passing = [t for t in trials if t.passed and t.path is not None and Path(t.path).is_file()]
     if len(passing) < 2:
         return trials

@@ -94,3 +94,38 @@ def hf_exported(hf_tiny, tmp_path_factory):
         return done[name]
 
     return exported
+
+
+# --- tiny zoo models, built and exported once per session --------------------------------------
+# The zoo's five placements at two layers: read from the graph (test_placement_graph.py), probed in
+# the graph against the torch hooks, and the pre one written as an ONNX export directory
+# (test_onnx_source.py). The norm alternates over the placements, so each of those tests sees both
+# norms (a LayerNormalization node and the decomposed RMSNorm of opset 18).
+ZOO_NORMS = {"pre": "rms", "post": "layer", "peri": "rms", "deepnorm": "layer", "residual": "rms"}
+
+
+@pytest.fixture(scope="session")
+def zoo_exported(tmp_path_factory):
+    """A function: placement -> (model, ONNX path): a random-init zoo model of that placement
+    (norm ``ZOO_NORMS[placement]``, 2 layers, d_model 32, context 32) exported at opset 18 on first
+    use (read only: a test that changes either works on its own copy)."""
+    import numpy as np
+    import torch
+
+    from quantnorm.export import export_onnx
+    from quantnorm.models import CausalLM, ModelConfig
+
+    root = tmp_path_factory.mktemp("zoo-onnx")
+    done = {}
+
+    def exported(placement: str):
+        if placement not in done:
+            torch.manual_seed(0)
+            model = CausalLM(ModelConfig(placement=placement, norm=ZOO_NORMS[placement], n_layers=2, d_model=32,
+                                         n_heads=2, context=32)).eval()
+            path = root / f"{placement}.onnx"
+            export_onnx(model, path, np.random.default_rng(0).integers(0, 256, size=(2, 32)), opset=18)
+            done[placement] = (model, path)
+        return done[placement]
+
+    return exported

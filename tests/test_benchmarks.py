@@ -7,13 +7,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "evaluate_budget.py"
 TINY = ["--placement", "pre", "--norm", "rms", "--layers", "1", "--d-model", "32", "--heads", "2", "--context", "32",
-        "--batch-size", "8", "--steps", "20", "--batches", "1", "--iters", "2", "--calib-samples", "8",
+        "--batch-size", "8", "--steps", "5", "--batches", "1", "--iters", "2", "--calib-samples", "8",
         "--recipes", "dynamic", "--no-outliers", "--providers", "cpu", "--quiet"]
 
 
 def test_evaluate_budget_reports_stages_and_a_missed_budget(tmp_path):
+    """The stage table and both budgets' verdicts; the run itself is the smallest there is (a 40 kB
+    corpus, 5 steps): only its stages and its memory are read."""
+    import pydoc_data.topics
+
+    corpus = tmp_path / "small.txt"
+    corpus.write_bytes("".join(pydoc_data.topics.topics.values()).encode("utf-8")[:40_000])
     run = subprocess.run([sys.executable, str(SCRIPT), "--budget-min", "0.0001", "--budget-gb", "1000",
-                          "--interval", "0.1", "--", *TINY, "--out", str(tmp_path / "run")],
+                          "--interval", "0.1", "--", *TINY, "--corpus", str(corpus),
+                          "--out", str(tmp_path / "run")],
                          capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert run.returncode == 1, run.stderr[-2000:]     # the wall-time budget of 6 ms is missed
     out = run.stdout

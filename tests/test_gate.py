@@ -541,7 +541,7 @@ def test_gguf_and_onnx_sources_are_pretrained_without_saying_so(tmp_path, capsys
 
 @pytest.mark.parametrize("source", ["hub:gpt2", {"kind": "safetensors"}, {"path": "x"}, 7])
 def test_an_unknown_model_source_is_refused(tmp_path, capsys, source):
-    # it used to pass as a pretrained checkpoint, skipping the training-status check
+    # read as a pretrained checkpoint, it would skip the training-status check: refused instead
     data = {**results(), "model": {"source": source}}
     path = write(tmp_path / "run" / "results.json", data)
     code, out, err = gate([path], capsys)

@@ -43,21 +43,50 @@ def save_outside(name: str, path):
     return path
 
 
+# mpnet and phi run end to end once each (the evaluated fixture); the graph test reads their
+# placement from that run's FP32 export and exports only DeBERTa itself.
+EVALUATED = ("mpnet", "phi")
+
+
+@pytest.fixture(scope="module")
+def evaluated(tmp_path_factory):
+    """A function: name -> (checkpoint directory, run directory) of its `quantnorm evaluate --model`
+    run, made on first use (read only)."""
+    root = tmp_path_factory.mktemp("outside")
+    done = {}
+
+    def run(name: str):
+        if name not in done:
+            path = save_outside(name, root / name)
+            out = root / f"{name}-run"
+            assert main(["evaluate", "--model", str(path), "--recipes", "dynamic,smoothquant,rotated-pertoken",
+                         "--out", str(out), "--quiet", "--context", "16", "--eval-tokens", "48", "--calib-samples",
+                         "4", "--batches", "1", "--iters", "2", "--latency-budget", "1", "--threads", "1",
+                         "--no-outliers"]) == 0
+            done[name] = (path, out)
+        return done[name]
+
+    return run
+
+
 def test_the_table_does_not_know_them():
     assert not {"mpnet", "deberta-v2", "phi"} & set(ARCHITECTURES)
 
 
 @pytest.mark.parametrize("name", list(MODELS))
-def test_the_graph_says_their_placement(name, tmp_path):
-    path = save_outside(name, tmp_path / name)
+def test_the_graph_says_their_placement(name, tmp_path, evaluated):
+    path = evaluated(name)[0] if name in EVALUATED else save_outside(name, tmp_path / name)
     files = inspect_checkpoint(path)
     assert files.spec.kind == ("encoder" if MODELS[name][2] else "causal")
     assert files.spec.placement == "detected" and not files.mlm_head
     loaded = load_checkpoint(path)
     assert len(loaded.layers) == 2 and loaded.placement_check["check"] == "none"
-    out = tmp_path / "m.onnx"
-    export_hf_onnx(make_wrapper(loaded), out, np.random.default_rng(0).integers(5, 250, size=(2, 12)),
-                   outputs=output_names(loaded.spec.kind), max_positions=128, opset=18)
+    if name in EVALUATED:
+        out = evaluated(name)[1] / "model.fp32.onnx"   # the pipeline's export of it
+    else:
+        out = tmp_path / "m.onnx"
+        export_hf_onnx(make_wrapper(loaded), out, np.random.default_rng(0).integers(5, 250, size=(2, 12)),
+                       outputs=output_names(loaded.spec.kind), max_positions=128, opset=18)
     found = detect_placement(out)
     assert (found.placement, found.norm) == MODELS[name][3], found.how
     # post-norm encoders: one label per sublayer; Phi's attention and MLP share one add per block
@@ -65,14 +94,9 @@ def test_the_graph_says_their_placement(name, tmp_path):
     assert found.final_norm == (not MODELS[name][2])
 
 
-@pytest.mark.parametrize("name", ["mpnet", "phi"])
-def test_evaluate_model_runs_them_end_to_end(name, tmp_path, capsys):
-    path = save_outside(name, tmp_path / name)
-    out = tmp_path / "run"
-    recipes = "dynamic,smoothquant,rotated-pertoken"
-    assert main(["evaluate", "--model", str(path), "--recipes", recipes, "--out", str(out), "--quiet",
-                 "--context", "16", "--eval-tokens", "48", "--calib-samples", "4", "--batches", "1", "--iters", "2",
-                 "--latency-budget", "1", "--threads", "1", "--no-outliers"]) == 0, capsys.readouterr().err
+@pytest.mark.parametrize("name", EVALUATED)
+def test_evaluate_model_runs_them_end_to_end(name, evaluated):
+    _, out = evaluated(name)
     results = json.loads((out / "results.json").read_text())
     model = results["model"]
     expected = MODELS[name][3]

@@ -40,10 +40,11 @@ def test_the_real_tree_keeps_every_contract():
 
 
 @pytest.mark.parametrize("module, planted, broken", [
-    # The gate must never need the pipeline (the example).
+    # The gate must never need the pipeline (it runs in CI on results files alone).
     ("gate/checks.py", "import quantnorm.evaluate", ["quantnorm.gate is not allowed to import quantnorm.evaluate",
                                              "report, gate, results and policy read results"]),
-    # The compare <-> sweep cycle that quantnorm.manifest removed (the sweep report is report.comparison).
+    # A report <-> sweep cycle: the sweep report (report.comparison) reads sweep.json through
+    # quantnorm.manifest, never through the sweep.
     ("report/comparison.py", "from quantnorm import sweep",
      ["No import cycles between sibling modules", "quantnorm.report is not allowed to import quantnorm.sweep: - quantnorm.report.comparison -> quantnorm.sweep"]),
     # The results.json contract reaching into the pipeline.

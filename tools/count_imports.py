@@ -1,6 +1,6 @@
 """Count quantnorm's internal imports, and how many sit inside function bodies.
 
-Issue 13 asks for this number before and after the import clean-up: an import inside a function
+The number to compare before and after an import clean-up: an import inside a function
 hides an edge of the module graph (import-linter still sees it, a reader of the module top does
 not), so only optional heavy extras should be imported there. Counts import *statements*; with
 ``--list`` prints each in-function one (internal and third-party) as path:line.

@@ -48,7 +48,8 @@ def latency(results: dict, variant: str, batch: int = 8):
 
 
 def cpu_kind(hw: dict) -> tuple[str, float]:
-    """The CPU kind the latency goal is read on (issue 15): <= 0.5 with AVX512-VNNI, <= 0.8 on AVX2 without it."""
+    """The CPU kind the latency goal is read on: <= 0.5 with AVX512-VNNI, <= 0.8 on AVX2 without it
+    (without VNNI, INT8 GEMMs have no dot-product instruction and gain less over FP32)."""
     flags = set(hw.get("cpu_flags", []))
     if "amx_int8" in flags:
         return "AMX + AVX512-VNNI", 0.5
@@ -103,7 +104,7 @@ def bench_rounds(row: dict) -> int | None:
 
 
 def by_cpu_sentence(by_cpu: dict) -> str:
-    """The latency goal per CPU kind measured (issue 15), and the kinds not measured."""
+    """The latency goal per CPU kind measured, and the kinds not measured."""
     if not by_cpu:
         return "No CPU kind has a side-by-side bench yet."
     parts = [f"{e['cpu']} ({k}, {e['threads']} threads, {str(e.get('created', ''))[:10]}): pick {e['pick']} "
@@ -116,7 +117,7 @@ def by_cpu_sentence(by_cpu: dict) -> str:
 
 
 def goal_lines(r: dict, run_dir: Path, chosen: dict, by_cpu: dict | None = None) -> list[str]:
-    """Against issue 15's goals: the pick's accuracy (whole evaluation set) and its latency ratio
+    """Against the goals (GOALS, cpu_kind): the pick's accuracy (whole evaluation set) and its latency ratio
     from the side-by-side bench, on this run's CPU kind."""
     kind, goal = cpu_kind(r["hardware"])
     pick = next((x for x in r["recipes"] if x["name"].startswith("auto:")), None)

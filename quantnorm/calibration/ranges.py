@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from ..feeds import window_feeder
 from ..fileio import onnx_needs_external_data, release_memory
+from ..providers import CPU
 from . import WindowCalibrationReader, get_calibration_method
 from .entropy import ENTROPY_NUM_BINS, ENTROPY_QUANTIZED_BINS, fast_entropy_collector
 from .shape_infer import calibrator_beside, ort_loads_fast
@@ -94,8 +95,8 @@ def _sessions_without_memory_pattern() -> Iterator[None]:
 
     Why: with the pattern on, ORT's CPU arena grew by 4.5 GB over the first two batches of 4
     windows on Gemma 3 with every op calibrated (one planned block per run beside what the arena
-    already held; the logits alone are 512 MiB a batch); off, by 3.0 GB, at the same speed
-    (~4 s a batch). The pattern only places buffers: the values, and so the ranges, are the same."""
+    already held; the logits alone are 512 MiB a batch); off, by 3.0 GB, at the same speed.
+    The pattern only places buffers: the values, and so the ranges, are the same."""
     original = CalibraterBase.create_inference_session
 
     def without_pattern(self):
@@ -222,8 +223,8 @@ class UniformAbsHistogramCollector(HistogramCollector):
     """ORT's percentile collector (histograms of |x|), counting with numpy's equal-bin path.
 
     Once a tensor has a histogram, ORT counts each later chunk with ``np.histogram(x,
-    bins=edges)``: an array of edges takes numpy's general path, which sorts the data (27 s of
-    a percentile calibration of Gemma 3, whose chunks follow a MinMax pre-pass). The edges are
+    bins=edges)``: an array of edges takes numpy's general path, which sorts the data (a large
+    share of a percentile calibration of a large model, whose chunks follow a MinMax pre-pass). The edges are
     equal bins over ``[0, top]`` (``seed_histograms``, or ORT's first chunk), so ``bins=n,
     range=(0, top)`` gives the same counts: numpy builds the same float32 edges and checks each
     value against them. Where ORT would widen the histogram (a value past ``top``), or the edges
@@ -299,7 +300,7 @@ def collect_ranges_without_positions(model_path: str | Path, inputs: np.ndarray,
                                       onnx.helper.make_empty_tensor_value_info(name))
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # keep every tensor
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=[CPU])
     windows = np.ascontiguousarray(inputs, dtype=np.int64)
     seq = windows.shape[1]
     keep = np.setdiff1d(np.arange(seq), np.asarray(skip_positions, dtype=np.int64))

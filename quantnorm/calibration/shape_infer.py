@@ -4,9 +4,9 @@ ORT's ``load_model_with_shape_infer`` (called by ``quantize_static``, ``quantize
 every calibrator's constructor) runs ``onnx.shape_inference.infer_shapes_path``, which writes a
 shape-inferred copy of the whole model (weights included) to disk and reads it back. Each
 calibrator then saves its augmented model, weights included, and opens a session on that file.
-On Gemma 3's 1.7 GB pre-processed graph that was 46 s per calibrator (shape inference 19 s, the
-write 9 s, serialization 9 s) against 27 s of calibration runs, and a percentile calibration built
-three of them.
+On a 1.7 GB graph (Gemma 3's, pre-processed) that costs each calibrator more time than its
+calibration runs (shape inference, the write, the serialization), and a percentile calibration
+builds three of them.
 
 ``ort_loads_fast`` swaps in ``load_with_shape_infer``: shape inference runs on the graph alone,
 its weights referenced in the model's own file (``onnx_wire.model_with_weights_by_reference``;
@@ -14,7 +14,7 @@ shape inference reads dims and types, never weight values), and the values are r
 model only where the caller needs them (the quantizers quantize them; a calibrator never reads
 them). ORT's dynamic quantizer infers shapes once more on the model it holds in memory
 (``save_and_reload_model_with_shape_infer``: a deep copy saved to disk with its weights and read
-back, 40 s on Gemma 3); ``infer_shapes_in_memory`` infers them on a copy whose large weights are
+back, as costly again); ``infer_shapes_in_memory`` infers them on a copy whose large weights are
 stubs (dims and type only) and hands the result's value_info to the model itself.
 ``calibrator_beside`` then saves a calibrator's augmented model beside the original, so
 that its references resolve, and removes it once the session holds it.

@@ -46,6 +46,7 @@ from ..errors import ConfigError, RunDirError
 from ..fileio import onnx_needs_external_data, save_onnx
 from ..onnx_wire import external_data_locations
 from ..portable import PKG_PREFIX, resolve_arg
+from ..providers import CPU
 from ..results import HF_PREFIX, GenerationModel, generation_models, recipes, source_kind
 from ..results import load as load_results
 from ..runs import REPORT_FILE, RESULTS_FILE
@@ -166,7 +167,7 @@ def _check_graph(path: Path, name: str) -> tuple[PastLayout, set[str]]:
     """The graph's cache layout and input names, read by loading it in ONNX Runtime (what the
     bundle's runtime will do)."""
     try:
-        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        session = ort.InferenceSession(str(path), providers=[CPU])
     except Exception as exc:  # noqa: BLE001 - ORT raises several types; the user needs its words
         raise ConfigError(f"the with-past graph of {name} ({path}) does not load in ONNX Runtime: "
                           f"{' '.join(str(exc).split())[:240]}") from None

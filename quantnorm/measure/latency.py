@@ -215,8 +215,9 @@ def node_placement(path: str | os.PathLike, spec: SessionSpec, *, batch: int = 1
 # With a time budget, a cell still gets at least this many timed runs (p90 needs a few).
 MIN_TIMED_RUNS = 5
 # Under a time budget the warm-up stops too, once its runs add up to this share of the budget
-# (after MIN_WARMUP_RUNS, the profiled runs included): Gemma 3's FP32 batch of 8 spent 16 s warming
-# up for a 20 s cell. The first runs pay for allocations and pre-packing; two are enough for that.
+# (after MIN_WARMUP_RUNS, the profiled runs included): a large model's warm-up runs, seconds each,
+# would otherwise take most of a cell's budget. The first runs pay for allocations and
+# pre-packing; two are enough for that.
 WARMUP_SHARE = 0.25
 MIN_WARMUP_RUNS = 2
 # profiled runs of a model's first batch: placement from both, kernel times from the second (warm)
@@ -245,8 +246,8 @@ def bench_batches(path: str | os.PathLike, *, variant: str, spec: SessionSpec, b
                   warmup: int = 5, iters: int = 30, is_quantized: bool | None = None, progress: bool = False,
                   record_placement: bool = True, seed: int = 0, max_seconds: float | None = None) -> list[LatencyRow]:
     """``bench_model`` for each batch size in turn, on one session: a model is loaded (and its node
-    placement profiled, on the first batch) once, not once per batch size (7 s a load for Gemma 3's
-    FP32 graph). Each batch size gets its own warm-up, timed runs and row."""
+    placement profiled, on the first batch) once, not once per batch size (a large graph's load
+    takes seconds). Each batch size gets its own warm-up, timed runs and row."""
     path = Path(path)
     if not batches or min(batches) < 1 or seq < 1 or warmup < 0 or iters < 1:
         raise MeasureError(f"need batch >= 1, seq >= 1, warmup >= 0, iters >= 1; got {batches}, {seq}, {warmup}, {iters}")
@@ -402,8 +403,8 @@ def bench_rounds(models: dict[str, Path], providers: list[str], batches: list[in
                  **grid) -> list[LatencyRow]:
     """``bench_grid`` ``rounds`` times over, interleaved (A, B, C, A, B, C, ...), each cell keeping
     the round with the lowest p50; its note lists every round's p50. Why: on a shared machine a
-    neighbour's load only ever adds time, and it comes and goes; SmolLM2's INT8 pick timed 676 and
-    974 ms minutes apart in one session while its FP32 model stayed within 6%. The node placement
+    neighbour's load only ever adds time, and it comes and goes: one INT8 graph can time 40% apart
+    from one minute to the next while its FP32 model stays within a few percent. The node placement
     and kernel times are profiled in the first round only."""
     if rounds < 1:
         raise MeasureError(f"need at least one round, got {rounds}")

@@ -27,15 +27,7 @@ import onnxruntime as ort
 from ..errors import ConfigError, MeasureError
 from ..fileio import atomic_path, release_memory
 from ..hardware import available_cpus, cpu_flags, cpu_has_vnni, cpu_model, gpu_details, gpu_device_present, gpu_names
-
-PROVIDERS: dict[str, str] = {
-    "cpu": "CPUExecutionProvider",
-    "cuda": "CUDAExecutionProvider",
-    "tensorrt": "TensorrtExecutionProvider",
-}
-CPU = PROVIDERS["cpu"]
-CUDA = PROVIDERS["cuda"]
-TENSORRT = PROVIDERS["tensorrt"]
+from ..providers import CPU, CUDA, PROVIDERS, TENSORRT, short_provider
 
 # Providers tried after the requested one, for the nodes it cannot run. CPU always comes last;
 # TensorRT hands what it rejects to CUDA first (the usual ORT setup), so they stay on the GPU.
@@ -68,11 +60,6 @@ def normalize_provider(name: str) -> str:
         return key
     choices = ", ".join(f"{short} ({full})" for short, full in PROVIDERS.items())
     raise ConfigError(f"unknown execution provider {name!r}: choose one of {choices}")
-
-
-def short_provider(provider: str) -> str:
-    """``CPUExecutionProvider`` -> ``CPU``: the label tables and reports print."""
-    return provider.replace("ExecutionProvider", "")
 
 
 def listed_providers() -> list[str]:
@@ -226,7 +213,7 @@ def _probe(provider: str) -> str | None:
     if error is None and actual and actual[0] == provider:
         return None
     why = _reason_from_log(text) or _reason_from_log(error or "") or error
-    short = provider.replace("ExecutionProvider", "")
+    short = short_provider(provider)
     return f"{short} provider failed to load ({why})" if why else f"{short} provider did not load (ORT fell back to {actual})"
 
 
@@ -415,7 +402,7 @@ class ReplayedSession:
     or with the object); a later ``run`` of the same feed reads them back instead of
     running the model, so the FP32 session (``ReopenableSession``: closed while the quantizer runs)
     is opened once per run, not once per recipe. On Gemma 3 a batch of 8 windows is 1 GiB of logits
-    and about 3 s of FP32 compute; reading it back is a fraction of that. Recording stops (the model
+    and seconds of FP32 compute; reading it back is a fraction of that. Recording stops (the model
     runs as before) once ``max_bytes`` are on disk or the disk's free space would fall below
     ``keep_free_bytes``. Memory: one run's outputs, as without it."""
 

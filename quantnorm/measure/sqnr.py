@@ -22,7 +22,7 @@ fused away: this is the simulated (QDQ) error, not a fused INT8 kernel's (the ac
 measure those). We run the sessions ourselves instead of calling ``collect_activations`` because it
 keeps every batch of every tensor in memory; here each batch is reduced to running sums and dropped.
 The tapped copies reference their model's weights instead of copying them (``open_beside``): on
-Gemma 3 each copy had cost a shape inference and a 1.1 GB write, 4 minutes of a 5-minute probe.
+Gemma 3 each copy had cost a shape inference and a 1.1 GB write, most of the probe's time.
 """
 
 from __future__ import annotations

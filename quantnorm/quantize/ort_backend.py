@@ -36,6 +36,7 @@ from ..fileio import atomic_path, onnx_needs_external_data
 from ..measure.fp16_check import graph_fp16_range
 from ..measure.graph_probe import graph_probe
 from ..measure.placement import find_norms
+from ..measure.sessions import CPU
 from ..onnx_wire import model_with_weights_by_reference
 from ..transforms.gptq import ABS_HISTOGRAM_BINS, collect_activation_stats, matmul_inputs, mse_clip
 from ..transforms.rotation import ONLINE_ROTATION_MARKER
@@ -359,7 +360,7 @@ def _preprocess(src: Path, dst: Path) -> Path:
             if onnx_needs_external_data(src):
                 options.add_session_config_entry("session.optimized_model_external_initializers_file_name",
                                                  "optimized.onnx.data")
-            session = ort.InferenceSession(str(src), options, providers=["CPUExecutionProvider"])
+            session = ort.InferenceSession(str(src), options, providers=[CPU])
             del session
             # Shape inference on the graph alone: dst references the weights in optimized.onnx (or
             # its .data file) in the same directory, where infer_shapes_path wrote and read back a

@@ -34,8 +34,8 @@ WEIGHT_ROUNDINGS = ("nearest", "gptq")
 # where the fold set every norm weight to 1 so that each row of a norm output has RMS 1 and the
 # Hadamard spread its energy evenly: one step then suits every row, and the kernel skips the
 # per-row rescale of its output (ORT's MatMulIntegerToFloat folds a scalar scale into the GEMM
-# and applies a per-row one in a pass of its own after it: 4.5 ms instead of 2.5 ms for
-# 1024 x 576 x 1536 on 2 threads, equal on one thread; benchmarks/pertoken_kernel.py).
+# and applies a per-row one in a pass of its own after it, which nearly doubles a multi-threaded
+# GEMM's time; benchmarks/pertoken_kernel.py measures both).
 NORM_INPUT_SCALES = ("pertoken", "calibrated")
 
 

@@ -12,7 +12,7 @@ exported graph then says its placement and norm (``quantnorm.measure.placement``
 cannot tell, the fold rules of SmoothQuant and the stream rotation (which norm feeds which Linears,
 Gemma's ``(1 + w)``), is what the table adds, and without it those recipes are not applicable.
 
-Safety rules (issue 6):
+Safety rules (a checkpoint directory is untrusted input, and nothing may be fetched):
 - local files only: ``local_files_only=True`` and ``HF_HUB_OFFLINE=1`` for everything we call;
 - never ``trust_remote_code`` (a checkpoint that needs custom code is not one we support);
 - never unpickle ``.bin`` weights unless the caller says ``allow_pickle=True`` (``--allow-pickle``);

@@ -19,8 +19,8 @@ spreads every channel's energy over all of them (a Hadamard matrix does so evenl
   part of the FP32 model: their module is named ``online_hadamard`` and no recipe quantizes them.
 
 This is exact for the Pre-RMSNorm dataflow (LLaMA, Mistral, Qwen2). For Peri-LN (Gemma 2/3) the
-stream rotation is exact too but measured harmful here (issue 15: the model discards a component
-of the normalized stream before every Linear, and rotation spreads it over every input), so it
+stream rotation is exact too but harmful: the model discards a component of the normalized
+stream before every Linear, and rotation spreads it over every input, so it
 is refused for them with the reason; ``rotation_support`` says which form applies where.
 """
 
@@ -284,7 +284,9 @@ def rotate_linear_inputs(wrapper, spec=None):
     (only the head's copy is rotated). Costs ``a + b`` MACs per input element per Linear."""
     rotated = copy.deepcopy(wrapper)
     lm = rotated.model
-    head = getattr(lm, "lm_head", None)
+    # The output embedding wherever the model keeps it (``lm_head``, BERT's MLM decoder): rotating a
+    # head that shares its weight with the token embedding would rotate the embedding too.
+    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else getattr(lm, "lm_head", None)
     embed = lm.get_input_embeddings() if hasattr(lm, "get_input_embeddings") else None
     untied = False
     if head is not None and embed is not None and head.weight.data_ptr() == embed.weight.data_ptr():

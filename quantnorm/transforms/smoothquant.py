@@ -76,7 +76,7 @@ SCALE_MAX = 1e5
 DEFAULT_ALPHA = 0.5
 # Smoothing is exact algebra; what is left is float32 rounding of W*s and of norm weights / s.
 DEFAULT_PARITY_TOLERANCE = 1e-3
-LATENCY_BATCH = 8  # the batch the issue judges latency at
+LATENCY_BATCH = 8  # a serving batch: large enough that the GEMMs, which smoothing changes, dominate
 
 
 class SmoothedLinear(nn.Linear):

@@ -12,7 +12,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from ..errors import ConfigError
+from ..errors import ConfigError, ExportError, QuantizeError
+
+# A transformed export that failed (an exporter error, a parity gate it did not pass) fails the same
+# way for every later recipe of that form or alpha: it is tried once and its error given again.
+# A refusal (ConfigError) is not kept: it costs nothing and names the recipe that asked.
+_KEPT_FAILURES = (ExportError, QuantizeError)
 
 SMOOTHED_ONNX_FILE = "model.fp32.smoothquant.onnx"
 
@@ -24,7 +29,8 @@ class FP32Variants:
     ``smooth(alpha, path)`` / ``rotate(recipe)`` (one export per ``recipe.rotation`` form) make one;
     ``refuse(recipe)`` names why a recipe does not apply at all (None: it may);
     None refuses those recipes with the sentence ``no_smooth`` / ``no_rotate`` (``{recipe}``: the
-    recipe's name). ``rotate`` may itself refuse a form (ConfigError).
+    recipe's name). ``rotate`` may itself refuse a form (ConfigError). An export that failed is
+    not tried again: later recipes of its form or alpha get its error.
     """
 
     def __init__(self, out_dir: Path, *, smooth: Callable | None = None, rotate: Callable | None = None,
@@ -38,6 +44,16 @@ class FP32Variants:
         self.suffix = suffix   # before ".onnx" in the smoothed files' names (".past": the with-past graphs)
         self.exports: dict[float, object] = {}
         self.rotated: dict[str, object] = {}
+        self._failed: dict[tuple[str, object], Exception] = {}
+
+    def _made_once(self, key: tuple[str, object], make: Callable[[], object]) -> object:
+        if key in self._failed:
+            raise self._failed[key]
+        try:
+            return make()
+        except _KEPT_FAILURES as exc:
+            self._failed[key] = exc
+            raise
 
     def get(self, alpha: float):
         """The smoothed export for ``alpha``, made on first use (the first alpha takes the plain file name)."""
@@ -47,7 +63,7 @@ class FP32Variants:
         if alpha not in self.exports:
             name = SMOOTHED_ONNX_FILE if not self.exports else SMOOTHED_ONNX_FILE.replace(".onnx", f".a{alpha:g}.onnx")
             name = name.replace(".onnx", f"{self.suffix}.onnx")
-            self.exports[alpha] = self._smooth(alpha, self.out_dir / name)
+            self.exports[alpha] = self._made_once(("smooth", alpha), lambda: self._smooth(alpha, self.out_dir / name))
         return self.exports[alpha]
 
     def fp32_for(self, recipe, default: Path) -> Path:
@@ -62,7 +78,7 @@ class FP32Variants:
             if self._rotate is None:
                 raise ConfigError(self.no_rotate.format(recipe=recipe.name))
             if form not in self.rotated:
-                self.rotated[form] = self._rotate(recipe)
+                self.rotated[form] = self._made_once(("rotate", form), lambda: self._rotate(recipe))
             return self.rotated[form].path
         alpha = getattr(recipe, "smoothquant_alpha", None)
         if alpha is None:
