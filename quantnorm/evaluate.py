@@ -27,10 +27,13 @@ from .errors import ConfigError, QuantizeError
 from .fileio import release_memory, sweep_stale_temporaries
 from .generation_stage import generation_section
 from .hardware import cpu_has_vnni
+from .measure.diagnostics import diagnostics
+from .measure.fp16_check import FP16_CHECK_WINDOWS, fp16_check
 from .measure.graph_probe import graph_probe
 from .measure.latency import bench_grid
 from .measure.outliers import largest_ratio_layer
 from .measure.placement import detect_placement
+from .measure.scoring import Scorer, search_scorer
 from .measure.sessions import CPU, ReopenableSession, ReplayedSession, SessionSpec, make_session
 from .measure.sqnr import sqnr_sections
 from .quantize import PreprocessCache, quantize
@@ -145,7 +148,7 @@ def open_run(source: ModelSource, cfg: EvaluateConfig, out: ResultsBuilder, stag
     # (closed after the search; on an exception its temporary directory goes with the object).
     return _Run(cfg=cfg, source=source, run_dir=run_dir, fp32_path=fp32_path, stage=stage,
                 stage_seconds=stage_seconds, spec=spec, vnni=cpu_has_vnni(), fp32_session=fp32_session,
-                fp32_scores=fp32_scores, accuracy=source.accuracy(fp32_scores, cfg),
+                fp32_scores=fp32_scores, accuracy=Scorer(source.scoring(cfg), fp32_scores),
                 transforms=source.transforms(cfg), preprocessed=PreprocessCache())
 
 
@@ -230,7 +233,21 @@ def measure_models(run: _Run, out: ResultsBuilder) -> None:
             out.sections(probe_sections(run.run_dir, fp32_path, run.int8_paths,
                                         source.data.eval_inputs[: cfg.probe_windows], run.fp32_sources,
                                         **source.probe_options()))
-        out.sections(source.extras(cfg, run.stage))
+        out.sections(torch_sections(source, cfg, run.stage))
+
+
+def torch_sections(source: ModelSource, cfg: EvaluateConfig, stage) -> dict:
+    """What only a torch module can show, measured on the one the source has: the zoo's
+    diagnostics, a causal checkpoint's FP16 check (none for an ONNX export)."""
+    checks, data, out = source.torch_checks(cfg), source.data, {}
+    if checks.diagnostics is not None:
+        with stage("diagnostics"):
+            out["diagnostics"] = diagnostics(checks.diagnostics, data.eval_inputs[: cfg.probe_windows])
+    if checks.fp16 is not None:
+        n = min(FP16_CHECK_WINDOWS, len(data.eval_inputs))
+        with stage("fp16_check"):
+            out["fp16"] = fp16_check(checks.fp16(), data.eval_inputs[:n], data.eval_targets[:n])
+    return out
 
 
 def probe_sections(run_dir: Path, fp32_path: Path, int8_paths: dict[str, Path], inputs, fp32_sources: dict[str, Path],
@@ -304,7 +321,7 @@ def run_search(run_dir: Path, cfg: EvaluateConfig, fp32_path: Path, transforms, 
     shutil.rmtree(work_dir, ignore_errors=True)
     try:
         result = search_recipes(fp32_path, work_dir, calib_inputs, scoring.inputs, scoring.targets,
-                                cfg=cfg.search_config(), spec=spec, vnni=vnni, scorer=scoring.scorer,
+                                cfg=cfg.search_config(), spec=spec, vnni=vnni, scorer=search_scorer(scoring.level),
                                 level=scoring.level, fp32_for=lambda recipe: transforms.fp32_for(recipe, fp32_path),
                                 preprocessed=preprocessed, fp32_session=fp32_session)
         keep = result.chosen or result.best

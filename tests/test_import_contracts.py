@@ -64,6 +64,9 @@ def test_the_real_tree_keeps_every_contract():
      ["The generation package: the with-past export > decoding on ONNX Runtime BROKEN"]),
     # A model source reaching up into the pipeline.
     ("sources/hf_loader.py", "from quantnorm.sweep import run_sweep", ["A model source never imports the pipeline BROKEN"]),
+    # A model source measuring for itself (the pipeline measures every source the same way).
+    ("sources/zoo.py", "from quantnorm.measure.diagnostics import diagnostics",
+     ["A model source says what is scored and measures nothing", "quantnorm.sources.zoo -> quantnorm.measure.diagnostics"]),
     # A transform reaching into a model source (transforms serve every source).
     ("transforms/rotation.py", "from quantnorm.sources import hf_loader",
      ["A transform never imports a model source or the pipeline BROKEN"]),

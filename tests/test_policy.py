@@ -99,7 +99,7 @@ def search_then_gate(fp32: Path, run_dir: Path, cfg: EvaluateConfig, gate_args: 
     out = ResultsBuilder("test", 1)
     fp32_session = make_session(fp32, SPEC)
     measure = lambda path: compare(fp32_session, make_session(path, SPEC), EVAL, TARGETS).to_dict()  # noqa: E731
-    search = run_search(run_dir, cfg, fp32, _NoTransforms(), CALIB, SearchScoring(EVAL, TARGETS, None, "byte"), SPEC,
+    search = run_search(run_dir, cfg, fp32, _NoTransforms(), CALIB, SearchScoring(EVAL, TARGETS, "byte"), SPEC,
                         False, out.recipes, {}, {}, measure=measure)
     out.section("search", search)
     out.write(run_dir, {})

@@ -184,7 +184,7 @@ def test_evaluate_wiring_keeps_the_chosen_model_as_auto_entry(lm, tmp_path):
 
     recipes_out, int8_paths, sources = [], {}, {}
     fp32_session = make_session(fp32, SPEC)
-    search = run_search(tmp_path, cfg, fp32, smoothed, CALIB, SearchScoring(EVAL, TARGETS, None, "byte"), SPEC, False,
+    search = run_search(tmp_path, cfg, fp32, smoothed, CALIB, SearchScoring(EVAL, TARGETS, "byte"), SPEC, False,
                         recipes_out, int8_paths, sources, measure=lambda path: compare(fp32_session, make_session(path, SPEC), EVAL,
                                                               TARGETS).to_dict())
     assert search["status"] == "passed" and search["chosen"]["index"] == 1 and len(search["trials"]) == 1

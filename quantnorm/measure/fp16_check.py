@@ -31,6 +31,7 @@ from .accuracy import PairLadder
 from .sessions import CPU
 
 FP16_MAX = float(np.finfo(np.float16).max)  # 65504: float16's largest finite value
+FP16_CHECK_WINDOWS = 4  # torch float16 on a CPU is slow; the overflow shows on any window with BOS
 CLIP_VALUE = 32752.0  # the community Gemma 3 270M ONNX export's residual clip
 MAX_LISTED = 12
 FP32_RESIDUAL = "float16 compute, float32 residual stream"

@@ -11,13 +11,15 @@ the pipeline. A source supplies only what really differs between checkpoints:
   the original (the ``export`` section of results.json);
 - ``transforms``: the FP32 variants recipes quantize instead of the plain export (SmoothQuant,
   rotation), or a refusal that says why this source cannot make them;
-- ``accuracy(fp32_session)``: how an INT8 model is scored against FP32 (byte-level for the zoo,
-  token-level for causal checkpoints, embedding agreement for encoders);
+- ``scoring(cfg)``: what an INT8 model is scored on against FP32 (a ``measure.scoring.Scoring``:
+  byte-level windows for the zoo, next tokens for causal checkpoints, embedding agreement for
+  encoders); ``measure.scoring`` measures it, the same for every source;
 - ``search_scoring()``: what the accuracy-aware search (``--recipes auto``) optimizes;
 - ``probe_options()``: what the graph probe (``measure.graph_probe``, the same for every source)
   needs to know: the block count, causal or encoder attention, the token names;
-- ``extras(cfg, timed)``: sections only a torch module can give (the zoo's diagnostics, a
-  checkpoint's FP16 check);
+- ``torch_checks(cfg)``: the torch module behind the graph, for the checks only a module allows
+  (the zoo's diagnostics, a causal checkpoint's FP16 check; none for an ONNX export), which the
+  pipeline measures with ``measure``;
 - ``sections(detected)``: the ``model``, ``data`` and ``train`` sections of results.json (the run
   report picks its sections from ``model.source``'s kind: ``quantnorm.report.run``).
 
@@ -33,10 +35,11 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ..measure.scoring import Scoring
 from ..transforms.variants import FP32Variants
 from .hf_loader import DETECTED
 
-__all__ = ["DETECTED", "ModelSource", "SearchScoring", "SourceData", "no_transforms"]
+__all__ = ["DETECTED", "ModelSource", "Scoring", "SearchScoring", "SourceData", "TorchChecks", "no_transforms"]
 
 
 @dataclass(frozen=True)
@@ -53,13 +56,22 @@ class SourceData:
 @dataclass(frozen=True)
 class SearchScoring:
     """What ``--recipes auto`` scores trials on: inputs/targets (a negative target is not scored),
-    the scorer (None: the zoo's byte-level metrics), its level and a sentence for the report."""
+    the level ("byte": the zoo's byte-level metrics; "token") and a sentence for the report."""
 
     inputs: np.ndarray
     targets: np.ndarray
-    scorer: Callable | None
     level: str
     metric: str | None = None
+
+
+@dataclass(frozen=True)
+class TorchChecks:
+    """The torch module a source has, for the checks that need one: ``diagnostics`` (a zoo model:
+    perturbation sensitivity, block-output similarity) and ``fp16`` (a causal checkpoint: a
+    callable giving the ``LoadedCheckpoint``, its weights reloaded when the export let them go)."""
+
+    diagnostics: Any = None
+    fp16: Callable[[], Any] | None = None
 
 
 class ModelSource(Protocol):
@@ -73,10 +85,10 @@ class ModelSource(Protocol):
     def prepare(self, cfg) -> None: ...
     def export(self, fp32_path: Path, cfg) -> dict: ...
     def transforms(self, cfg) -> Any: ...
-    def accuracy(self, fp32_session, cfg) -> Callable[[Any], dict]: ...
+    def scoring(self, cfg) -> Scoring: ...
     def search_scoring(self, cfg) -> SearchScoring: ...
     def probe_options(self) -> dict: ...
-    def extras(self, cfg, timed: Callable) -> dict: ...
+    def torch_checks(self, cfg) -> TorchChecks: ...
     def sections(self, detected: dict) -> dict: ...
 
 

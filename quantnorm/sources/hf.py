@@ -12,31 +12,26 @@ for MLM encoders; an encoder without an MLM head has no perplexity to target and
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 
 from ..data import BUILTIN_PYDOC
 from ..errors import ConfigError
 from ..generation.with_past import HFWithPast, WithPastSource, export_with_past, parity_prompts
-from ..measure.fp16_check import fp16_check
-from ..measure.token_metrics import compare_tokens, encoder_compare, encoder_outputs
+from ..measure.scoring import Scoring
 from ..portable import portable_path
 from ..runs import PAST_SUFFIX, check_out_dir, past_file
 from ..transforms.rotation import rotate_and_export, rotated_copy, rotated_onnx_file
 from ..transforms.smoothquant import smooth_and_export, smooth_by_rules
 from ..transforms.variants import FP32Variants
-from .base import SearchScoring, SourceData
+from .base import SearchScoring, SourceData, TorchChecks
 from .gguf import gguf_checkpoint, resolve_gguf
 from .hf_export import export_hf_onnx, make_wrapper, output_names
 from .hf_fold import fold_rules, missing_fold_rule
 from .hf_loader import DETECTED, GRAPH_DETECTED_FROM, NORM_FORMULAS, TABLE_DETECTED_FROM, load_checkpoint
 from .tokenized import AUTO_EVAL_WINDOWS, mlm_windows, prepare_hf_data
-
-FP16_CHECK_WINDOWS = 4  # torch float16 on a CPU is slow; the overflow shows on any window with BOS
 
 
 @dataclass(frozen=True)
@@ -92,39 +87,20 @@ def check_search_supported(searches: bool, kind: str, mlm_head: bool, path) -> N
                           f"head: run the static-*/dynamic/smoothquant recipes and read the embedding metrics")
 
 
-class TokenAccuracy:
-    """A recipe's accuracy dict from its INT8 session: token-level for causal LMs, embedding
-    agreement (plus MLM figures) for encoders, whose FP32 outputs are computed once, on first use.
-    Shared by every token-level source (checkpoints and ONNX exports)."""
-
-    def __init__(self, kind: str, fp32_session, data: SourceData, mlm, batch_size: int):
-        self.kind, self.fp32_session, self.data, self.mlm, self.batch_size = kind, fp32_session, data, mlm, batch_size
-        self.fp32_reference = None
-
-    def __call__(self, int8_session) -> dict:
-        if self.kind == "causal":
-            return compare_tokens(self.fp32_session, int8_session, self.data.eval_inputs, self.data.eval_targets)
-        if self.fp32_reference is None:
-            self.fp32_reference = encoder_outputs(self.fp32_session, self.data.eval_inputs, self.batch_size)
-        return encoder_compare(self.fp32_reference, int8_session, self.data.eval_inputs, batch_size=self.batch_size,
-                               mlm=self.mlm, fp32_session=self.fp32_session)
-
-
-def token_scorer(fp32_session, int8_session, inputs, targets) -> SimpleNamespace:
-    """The search's scorer over tokens: FORMULAS.md's PPL ratio, KL and top-1 (the fields the
-    search reads). A negative target marks a position that is not scored (unmasked MLM positions)."""
-    targets = np.asarray(targets)
-    scored = targets >= 0
-    return SimpleNamespace(**compare_tokens(fp32_session, int8_session, inputs, np.where(scored, targets, 0),
-                                            scored=None if scored.all() else scored))
+def token_scoring(kind: str, data: SourceData, mlm, batch_size: int) -> Scoring:
+    """What a checkpoint's or an ONNX export's models are scored on: next tokens, or an encoder's
+    embeddings (with the masked positions when it has an MLM head)."""
+    if kind == "causal":
+        return Scoring("token", data.eval_inputs, data.eval_targets, batch_size)
+    return Scoring("embedding", data.eval_inputs, None, batch_size, mlm=mlm)
 
 
 def token_search_scoring(kind: str, data: SourceData, mlm) -> SearchScoring:
     if kind == "causal":
-        return SearchScoring(data.eval_inputs, data.eval_targets, token_scorer, "token",
+        return SearchScoring(data.eval_inputs, data.eval_targets, "token",
                              "1/ppl_ratio over next tokens (higher is better; FP32 baseline 1)")
     masked, scored = mlm  # encoders with an MLM head (checked in prepare): score the masked positions
-    return SearchScoring(masked, np.where(scored, data.eval_inputs, -1), token_scorer, "token",
+    return SearchScoring(masked, np.where(scored, data.eval_inputs, -1), "token",
                          "1/ppl_ratio over the masked positions of the MLM windows (higher is better; FP32 baseline 1)")
 
 
@@ -228,8 +204,8 @@ class HFSource:
                                                     refuse=lambda recipe: missing_fold_rule(spec, recipe)),
                               release=self.release_weights)
 
-    def accuracy(self, fp32_session, cfg) -> Callable:
-        return TokenAccuracy(self.kind, fp32_session, self.data, self.mlm, cfg.eval_batch_size)
+    def scoring(self, cfg) -> Scoring:
+        return token_scoring(self.kind, self.data, self.mlm, cfg.eval_batch_size)
 
     def search_scoring(self, cfg) -> SearchScoring:
         return token_search_scoring(self.kind, self.data, self.mlm)
@@ -238,14 +214,10 @@ class HFSource:
         return {"n_blocks": len(self.loaded.layers), "causal": self.kind == "causal",
                 "token": token_namer(self.loaded.tokenizer, self.data.eval_inputs)}
 
-    def extras(self, cfg, timed: Callable) -> dict:
-        """Causal LMs: the FP16 check (torch forwards in float16, clipped float16 and bfloat16)."""
-        if self.kind != "causal":
-            return {}
-        n = min(FP16_CHECK_WINDOWS, len(self.data.eval_inputs))
-        with timed("fp16_check"):
-            loaded, _ = self.weights()
-            return {"fp16": fp16_check(loaded, self.data.eval_inputs[:n], self.data.eval_targets[:n])}
+    def torch_checks(self, cfg) -> TorchChecks:
+        """A causal checkpoint's module for the FP16 check (its weights reloaded if the export let
+        them go); an encoder has none."""
+        return TorchChecks(fp16=(lambda: self.weights()[0]) if self.kind == "causal" else None)
 
     def sections(self, detected: dict) -> dict:
         model = {**self.model_section(), "placement_detected": detected}

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -51,8 +50,8 @@ from ..measure.sessions import CPU
 from ..portable import portable_path
 from ..runs import check_out_dir
 from ..transforms.variants import FP32Variants
-from .base import SearchScoring, no_transforms
-from .hf import TokenAccuracy, default_out_dir, hf_data, token_namer, token_search_scoring
+from .base import Scoring, SearchScoring, TorchChecks, no_transforms
+from .hf import default_out_dir, hf_data, token_namer, token_scoring, token_search_scoring
 from .hf_loader import (
     DETECTED,
     GRAPH_DETECTED_FROM,
@@ -402,8 +401,8 @@ class OnnxDirSource:
         return {**detected, "placement": made_by.get("placement"), "norm": made_by.get("norm"),
                 "how": f"the bundle's results.json (the run that made it): {detected.get('how')}"}
 
-    def accuracy(self, fp32_session, cfg) -> Callable:
-        return TokenAccuracy(self.kind, fp32_session, self.data, None, cfg.eval_batch_size)
+    def scoring(self, cfg) -> Scoring:
+        return token_scoring(self.kind, self.data, None, cfg.eval_batch_size)
 
     def search_scoring(self, cfg) -> SearchScoring:
         return token_search_scoring(self.kind, self.data, None)
@@ -412,8 +411,8 @@ class OnnxDirSource:
         return {"n_blocks": self.config.get("num_hidden_layers"), "causal": self.kind == "causal",
                 "token": token_namer(self.tokenizer, self.data.eval_inputs)}
 
-    def extras(self, cfg, timed: Callable) -> dict:
-        return {}  # the FP16 check runs torch forwards: there is no torch module here
+    def torch_checks(self, cfg) -> TorchChecks:
+        return TorchChecks()  # no torch module here: the FP16 check and the diagnostics need one
 
     def sections(self, detected: dict) -> dict:
         detected = self._bundle_placement(detected)

@@ -1,13 +1,12 @@
 """The zoo source: a run directory of ``quantnorm train`` (one of the placement x norm models).
 
-Byte-level windows from the run's own corpus splits, the PyTorch parity-checked export, the
-zoo's SmoothQuant fold, byte-level accuracy (FORMULAS.md) and the diagnostics that need the
-torch model (the probe itself reads the graph, as for every source).
+Byte-level windows from the run's own corpus splits (scored byte-level, FORMULAS.md), the
+PyTorch parity-checked export, the zoo's SmoothQuant fold and online rotation, its with-past
+graphs, and the trained model for the diagnostics the pipeline measures on it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -17,8 +16,6 @@ from ..data import PreparedData, evaluation_windows, prepare_data
 from ..errors import ConfigError, QuantizeError
 from ..export import export_onnx
 from ..generation.with_past import WithPastSource, ZooWithPast, export_with_past, parity_prompts
-from ..measure.accuracy import compare
-from ..measure.diagnostics import diagnostics
 from ..runs import PAST_SUFFIX, TRAIN_SUMMARY_FILE, RunDir, check_out_dir, past_file
 from ..train import RunConfig, load_model, train
 from ..transforms.rotation import (
@@ -29,7 +26,7 @@ from ..transforms.rotation import (
 )
 from ..transforms.smoothquant import smooth_model, smoothing
 from ..transforms.variants import FP32Variants
-from .base import SearchScoring, SourceData
+from .base import Scoring, SearchScoring, SourceData, TorchChecks
 
 
 def _online_only(recipe) -> None:
@@ -109,22 +106,18 @@ class ZooSource:
         return FP32Variants(self.run_dir, smooth=smoothing(self.model, self.data.calib_inputs, parity, opset=cfg.opset),
                             rotate=zoo_rotation(self.model, parity, self.run_dir, cfg.opset))
 
-    def accuracy(self, fp32_session, cfg) -> Callable:
-        def score(int8_session) -> dict:
-            return compare(fp32_session, int8_session, self.data.eval_inputs, self.data.eval_targets,
-                           batch_size=cfg.eval_batch_size).to_dict()
-        return score
+    def scoring(self, cfg) -> Scoring:
+        return Scoring("byte", self.data.eval_inputs, self.data.eval_targets, cfg.eval_batch_size)
 
     def search_scoring(self, cfg) -> SearchScoring:
-        return SearchScoring(self.data.eval_inputs, self.data.eval_targets, scorer=None, level="byte")
+        return SearchScoring(self.data.eval_inputs, self.data.eval_targets, level="byte")
 
     def probe_options(self) -> dict:
         return {"n_blocks": self.config.model.n_layers, "causal": True}
 
-    def extras(self, cfg, timed: Callable) -> dict:
-        """The torch-side diagnostics (perturbation sensitivity, block-output similarity)."""
-        with timed("diagnostics"):
-            return {"diagnostics": diagnostics(self.model, self.data.eval_inputs[: cfg.probe_windows])}
+    def torch_checks(self, cfg) -> TorchChecks:
+        """The trained model, for the diagnostics (perturbation sensitivity, block-output similarity)."""
+        return TorchChecks(diagnostics=self.model)
 
     def sections(self, detected: dict) -> dict:
         return {
