@@ -116,11 +116,10 @@ def evaluate(source: ModelSource | RunDir, cfg: EvaluateConfig, *, command: str)
     run.close()
     transform_sections(run, out)
     measure_models(run, out)
-    if cfg.generation:
-        with stage("generation"):
-            out.section("generation", generation_section(source, cfg, run_dir=run.run_dir, fp32_path=run.fp32_path,
-                                                         recipes=run.recipes, int8_paths=run.int8_paths,
-                                                         vnni=run.vnni, stage=stage))
+    if cfg.generation:   # its own stages (generation:export, :quantize, :agreement, :decode) time it
+        out.section("generation", generation_section(source, cfg, run_dir=run.run_dir, fp32_path=run.fp32_path,
+                                                     recipes=run.recipes, int8_paths=run.int8_paths,
+                                                     vnni=run.vnni, stage=stage))
     results = out.write(run.run_dir, stage_seconds)
     write_report(run.run_dir, results)  # the sections are chosen by the source's kind (quantnorm.report.run)
     return results

@@ -59,8 +59,9 @@ def generation_section(source, cfg, *, run_dir: Path, fp32_path: Path, recipes: 
     prompt_tokens, new_tokens = decode_lengths(max_length, cfg.gen_prompt_tokens, cfg.gen_new_tokens)
     prompts, agreement_new = agreement_prompts(data.eval_inputs, max_length, n=cfg.agreement_prompts,
                                                new_tokens=cfg.agreement_new_tokens)
-    models = [{"name": "fp32", "status": "ok", "path": fp32_past.name, "size_bytes": fp32_past.stat().st_size,
-               "cache_check": _cache_check(fp32_past, data.eval_inputs, fp32_path, cfg)}]
+    with stage("generation:cache_check"):
+        models = [{"name": "fp32", "status": "ok", "path": fp32_past.name, "size_bytes": fp32_past.stat().st_size,
+                   "cache_check": _cache_check(fp32_past, data.eval_inputs, fp32_path, cfg)}]
     if not models[0]["cache_check"]["ok"]:
         raise ExportError(f"the with-past FP32 export fails the cache proof: NLL through the cache "
                           f"{models[0]['cache_check']['nll_cached']:.6g} vs whole windows "
