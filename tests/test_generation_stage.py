@@ -224,3 +224,19 @@ def test_a_bundle_reads_back_as_a_model(hf_run, tmp_path):
                for r in results["recipes"])
     models = _check_models(results, ())
     assert list(models) == ["fp32"]
+
+
+def test_agreement_is_total_for_the_same_model_and_measures_another(tmp_path):
+    from quantnorm.generation.agreement import fp32_continuation, generation_agreement
+
+    prompts = windows(6, 8, 256, seed=1)
+    paths = {p: export_with_past(ZooWithPast(zoo_model(p)), tmp_path / f"{p}.onnx", prompts[:2]).path
+             for p in ("pre", "post")}
+    reference = fp32_continuation(paths["pre"], prompts, 10)
+    same = generation_agreement(paths["pre"], reference)
+    assert same["identical_before_divergence"] == 1.0 and same["identical_prompts"] == 6
+    assert same["kl_mean"] == 0.0 and same["top1_along_fp32"] == 1.0 and same["first_divergence_mean"] == 10
+    other = generation_agreement(paths["post"], reference)   # another model: its own text
+    assert other["identical_before_divergence"] < 0.5 and other["identical_prompts"] == 0
+    assert other["kl_mean"] > 0.01 and other["top1_along_fp32"] < 0.5
+    assert other["first_divergence_mean"] == other["identical_before_divergence"] * 10
