@@ -96,6 +96,20 @@ def hf_exported(hf_tiny, tmp_path_factory):
     return exported
 
 
+# --- a small corpus ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def small_corpus(tmp_path_factory):
+    """A 40 kB slice of the builtin corpus (pydoc's topics) as a file, for the runs whose subject is
+    not how well a model learns: scoring a tiny run on the whole builtin corpus's evaluation range
+    is most of its time. The tests of training quality keep the builtin corpus."""
+    import pydoc_data.topics
+
+    path = tmp_path_factory.mktemp("corpus") / "small.txt"
+    path.write_bytes("".join(pydoc_data.topics.topics.values()).encode("utf-8")[:40_000])
+    return path
+
+
 # --- tiny zoo models, built and exported once per session --------------------------------------
 # The zoo's five placements at two layers: read from the graph (test_placement_graph.py), probed in
 # the graph against the torch hooks, and the pre one written as an ONNX export directory

@@ -11,15 +11,11 @@ TINY = ["--placement", "pre", "--norm", "rms", "--layers", "1", "--d-model", "32
         "--recipes", "dynamic", "--no-outliers", "--providers", "cpu", "--quiet"]
 
 
-def test_evaluate_budget_reports_stages_and_a_missed_budget(tmp_path):
+def test_evaluate_budget_reports_stages_and_a_missed_budget(tmp_path, small_corpus):
     """The stage table and both budgets' verdicts; the run itself is the smallest there is (a 40 kB
     corpus, 5 steps): only its stages and its memory are read."""
-    import pydoc_data.topics
-
-    corpus = tmp_path / "small.txt"
-    corpus.write_bytes("".join(pydoc_data.topics.topics.values()).encode("utf-8")[:40_000])
     run = subprocess.run([sys.executable, str(SCRIPT), "--budget-min", "0.0001", "--budget-gb", "1000",
-                          "--interval", "0.1", "--", *TINY, "--corpus", str(corpus),
+                          "--interval", "0.1", "--", *TINY, "--corpus", str(small_corpus),
                           "--out", str(tmp_path / "run")],
                          capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert run.returncode == 1, run.stderr[-2000:]     # the wall-time budget of 6 ms is missed

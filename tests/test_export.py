@@ -146,7 +146,8 @@ def test_decomposed_layernorm_and_rmsnorm_patterns():
     assert count_norm_ops(helper.make_model(g)) == {"LayerNormalization": 0, "RMSNormalization": 0, "decomposed": 0}
 
 
-def test_a_graph_past_the_external_data_threshold_is_written_with_external_data(tmp_path, monkeypatch):
+def test_a_graph_past_the_external_data_threshold_is_written_with_external_data(tmp_path, monkeypatch,
+                                                                                  small_corpus):
     """Protobuf stops at 2 GB; past the threshold (lowered here, as these models stay under it) the
     export writes its weights to model.fp32.onnx.data, and the whole pipeline still runs on it."""
     import json
@@ -156,7 +157,7 @@ def test_a_graph_past_the_external_data_threshold_is_written_with_external_data(
     monkeypatch.setenv("QUANTNORM_EXTERNAL_DATA_BYTES", "20000")
     run = tmp_path / "run"
     assert main(["train", "--placement", "pre", "--norm", "rms", "--layers", "1", "--d-model", "32", "--heads", "2",
-                 "--context", "16", "--steps", "2", "--out", str(run), "--quiet"]) == 0
+                 "--context", "16", "--steps", "2", "--corpus", str(small_corpus), "--out", str(run), "--quiet"]) == 0
     assert main(["evaluate", "--checkpoint", str(run), "--recipes", "static-minmax-matmul,pertoken",
                  "--providers", "cpu", "--iters", "2", "--batches", "1", "--calib-samples", "4", "--quiet",
                  "--threads", "1"]) == 0

@@ -205,18 +205,14 @@ def test_gpu_sh_offline_install_joins_split_wheels(tmp_path):
     assert run.returncode == 2  # the evaluate still ran (and stopped on its own config error)
 
 
-def test_gpu_sh_on_a_cpu_machine_measures_the_cpu_and_says_why_not_the_gpu(tmp_path):
+def test_gpu_sh_on_a_cpu_machine_measures_the_cpu_and_says_why_not_the_gpu(tmp_path, small_corpus):
     """The one command of a GPU slot, here: the one pipeline end to end (a tiny model on a 40 kB
     corpus: what is checked is which rows are measured, not how well), CPU rows measured, every CUDA
     and TensorRT row "not measured: why", exit 0."""
-    import pydoc_data.topics
-
-    corpus = tmp_path / "small.txt"
-    corpus.write_bytes("".join(pydoc_data.topics.topics.values()).encode("utf-8")[:40_000])
     out = tmp_path / "gpu"
     run = subprocess.run(["bash", str(GPU_SH), "--no-install", "--steps", "5", "--layers", "1", "--d-model", "32",
                           "--heads", "2", "--context", "16", "--batches", "1,2", "--iters", "2", "--calib-samples",
-                          "4", "--no-outliers", "--corpus", str(corpus), "--quiet", "--out", str(out)],
+                          "4", "--no-outliers", "--corpus", str(small_corpus), "--quiet", "--out", str(out)],
                          env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-2000:]
     results = json.loads((out / "results.json").read_text())

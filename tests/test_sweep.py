@@ -34,15 +34,6 @@ TINY = ["--norms", "rms", "--seeds", "1", "--depths", "1", "--d-model", "32", "-
 CELLS = ["pre-rms-L1-w2-seed0", "peri-rms-L1-w2-seed0"]
 
 
-@pytest.fixture(scope="module")
-def small_corpus(tmp_path_factory) -> Path:
-    import pydoc_data.topics
-
-    path = tmp_path_factory.mktemp("corpus") / "small.txt"
-    path.write_bytes("".join(pydoc_data.topics.topics.values()).encode("utf-8")[:40_000])
-    return path
-
-
 def _sweep_args(out: Path, corpus: Path, placements: str = "pre,peri") -> list[str]:
     return ["sweep", "--placements", placements, *TINY, "--corpus", str(corpus), "--out", str(out), "--quiet"]
 
