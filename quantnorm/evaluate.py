@@ -140,7 +140,8 @@ def open_run(source: ModelSource, cfg: EvaluateConfig, out: ResultsBuilder, stag
     # the quantizer's sessions are the two largest things of the run, never resident together.
     fp32_session = ReopenableSession(fp32_path, spec)
     # Every recipe and search trial is scored against the FP32 model on the same windows: its outputs
-    # are computed once and read back from disk after (Gemma 3: 8 GiB of logits, ~25 s of FP32 a recipe).
+    # are computed once and read back from disk after (a large vocabulary makes them gigabytes, and
+    # running the FP32 model again for every recipe would cost as much as scoring the recipe).
     fp32_scores = ReplayedSession(fp32_session, run_dir)
     # SmoothQuant and rotation recipes quantize a transformed FP32 export, made once on first use.
     # Each FP32 model is pre-processed for the quantizer once, for every recipe and search trial

@@ -29,6 +29,7 @@ import psutil
 
 from ..errors import ConfigError
 from ..measure.sessions import ProviderUnavailable, SessionSpec, provider_status
+from ..providers import short_provider
 from .decode import DecodeSession
 
 NOT_MEASURED = "not measured: "
@@ -162,7 +163,7 @@ def decode_table(rows: list[dict]) -> list[str]:
     lines = [f"{'model':<44} {'provider':<10} {'batch':>5} {'prompt':>6} {'new':>4} {'prompt tok/s':>12} "
              f"{'gen tok/s':>10} {'p50 ms':>8} {'p90 ms':>8} {'peak MiB':>9}"]
     for r in rows:
-        head = f"{r['model']:<44} {r['provider'].replace('ExecutionProvider', ''):<10} {r['batch']:>5}"
+        head = f"{r['model']:<44} {short_provider(r['provider']):<10} {r['batch']:>5}"
         if r["status"] != "measured":
             lines.append(f"{head} {r['status']}")
             continue
