@@ -240,6 +240,11 @@ def generation_lines(name: str, r: dict, run_dir: Path) -> list[str]:
                      fmt((m.get("cache_check") or {}).get("relative_diff"), ".1e")])
     L += table(["model", "prompt tok/s (b1)", "generation tok/s (b1)", "generation / FP32", "generation tok/s (b4)",
                 "identical before divergence", "first divergence", "KL along FP32", "cache check"], rows)
+    L += ["", "Cache check: |NLL through the cache - NLL of the same windows scored whole| / NLL, on 4 evaluation "
+              "windows (FP32: against the whole-window FP32 graph; a recipe: against its own graph scored whole). "
+              "FP32 agrees to float rounding; per-tensor dynamic scales differ between a prompt and one row by "
+              "design; the other INT8 graphs differ at the 1e-3 level, so their one-row (decode) and many-row "
+              "(prefill) products do not compute the same numbers here."]
     quoted = LLAMA_CPP_QUOTED.get(name)
     if quoted:
         L += ["", "Reference point, quoted, not measured here: llama.cpp on the same GGUF on a 2-core AMD EPYC "
