@@ -181,6 +181,13 @@ def with_baseline_flags(policy: Policy, abs_tol: tuple[str, ...] = (), rel_tol: 
     return replace(policy, baseline=base)
 
 
+def _unknown_key(source: str, key: str, where: str, known: list[str]) -> PolicyError:
+    """An unknown policy key, with the closest known one as a hint."""
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return PolicyError(f"{source}: unknown key {key!r} in {where}; {hint}known keys: {', '.join(known)}")
+
+
 def baseline_from_mapping(table: Any, source: str) -> BaselinePolicy:
     """``[gate.baseline]``: ``require_same_hardware`` and one ``{abs = ..., rel = ...}`` per check
     (either key may be left out: its default stands)."""
@@ -195,10 +202,7 @@ def baseline_from_mapping(table: Any, source: str) -> BaselinePolicy:
         if name == "require_same_hardware":
             continue
         if name not in BASELINE_CHECKS:
-            close = difflib.get_close_matches(name, list(BASELINE_CHECKS), n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
-            raise PolicyError(f"{source}: unknown key {name!r} in [gate.baseline]; {hint}known: "
-                              f"require_same_hardware, {', '.join(BASELINE_CHECKS)}")
+            raise _unknown_key(source, name, "[gate.baseline]", ["require_same_hardware", *BASELINE_CHECKS])
         if not isinstance(value, dict) or not value or set(value) - {"abs", "rel"}:
             raise PolicyError(f"{source}: baseline.{name} must be a table {{ abs = ..., rel = ... }}, got {value!r}")
         for key, number in value.items():
@@ -359,9 +363,7 @@ def policy_from_mapping(data: dict, source: str = "policy") -> Policy:
         if key == "baseline":
             continue
         if key not in known:
-            close = difflib.get_close_matches(key, sorted(known), n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
-            raise PolicyError(f"{source}: unknown key {key!r} in {where}; {hint}known keys: {', '.join(sorted(known))}")
+            raise _unknown_key(source, key, where, sorted(known))
         expected, types = _TOML_TYPES[key]
         if isinstance(value, bool) or not isinstance(value, types) or \
                 (key in _LIST_KEYS and not all(isinstance(v, str) for v in value)):
