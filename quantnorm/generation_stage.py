@@ -23,6 +23,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 from tqdm import tqdm
@@ -60,6 +61,7 @@ def generation_section(source, cfg, *, run_dir: Path, fp32_path: Path, recipes: 
             past.release()
             return {"status": f"not applicable: {exc}"}
     max_length = DecodeSession(fp32_past, threads=cfg.threads).layout.max_length
+    data = _within(data, max_length)
     prompt_tokens, new_tokens = decode_lengths(max_length, cfg.gen_prompt_tokens, cfg.gen_new_tokens)
     prompts, agreement_new = agreement_prompts(data.eval_inputs, max_length, n=cfg.agreement_prompts,
                                                new_tokens=cfg.agreement_new_tokens)
@@ -92,6 +94,14 @@ def generation_section(source, cfg, *, run_dir: Path, fp32_path: Path, recipes: 
                          "agreement_new_tokens": agreement_new, "cache": "float32, in ONNX Runtime between "
                          "steps (I/O binding)", "threads": cfg.threads},
             "models": models}
+
+
+def _within(data, max_length: int | None) -> SimpleNamespace:
+    """The evaluation and calibration windows cut to what the with-past graph is exact for (a
+    sliding-window model states window - 1): its calibration and cache proof read no further."""
+    cut = slice(None) if max_length is None else slice(0, max_length)
+    return SimpleNamespace(eval_inputs=np.asarray(data.eval_inputs)[:, cut],
+                           calib_inputs=np.asarray(data.calib_inputs)[:, cut])
 
 
 def _bar(items: list, what: str, cfg):

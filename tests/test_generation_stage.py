@@ -240,3 +240,27 @@ def test_agreement_is_total_for_the_same_model_and_measures_another(tmp_path):
     assert other["identical_before_divergence"] < 0.5 and other["identical_prompts"] == 0
     assert other["kl_mean"] > 0.01 and other["top1_along_fp32"] < 0.5
     assert other["first_divergence_mean"] == other["identical_before_divergence"] * 10
+
+
+def test_a_sliding_window_shorter_than_the_windows_cuts_what_the_cache_reads(tmp_path):
+    """Gemma 3 with a sliding window of 12 keeps 11 keys: its with-past graph is exact up to 11
+    positions, so calibration, the cache proof, agreement and decode read no further than that,
+    while the whole-window evaluation keeps its 16-token windows."""
+    import transformers
+    from test_hf import ARCHS, tiny_tokenizer
+
+    config = ARCHS["gemma3_text"][0]()
+    config.sliding_window = 12
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(tmp_path / "gemma")
+    tiny_tokenizer(False).save_pretrained(tmp_path / "gemma")
+    out = tmp_path / "run"
+    assert main(["evaluate", "--model", str(tmp_path / "gemma"), "--out", str(out), "--no-outliers",
+                 "--recipes", "pertoken-fused", *HF_FLAGS]) == 0
+    results = _results(out)
+    settings = results["generation"]["settings"]
+    assert settings["max_length"] == 11 and results["data"]["window"] == 16
+    assert settings["prompt_tokens"] + settings["new_tokens"] <= 11
+    assert settings["agreement_prompt_tokens"] + settings["agreement_new_tokens"] <= 11
+    models = _check_models(results, ("pertoken-fused",), new_tokens=settings["new_tokens"])
+    assert models["fp32"].cache_check["windows"][1] == 11
