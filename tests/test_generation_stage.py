@@ -264,3 +264,12 @@ def test_a_sliding_window_shorter_than_the_windows_cuts_what_the_cache_reads(tmp
     assert settings["agreement_prompt_tokens"] + settings["agreement_new_tokens"] <= 11
     models = _check_models(results, ("pertoken-fused",), new_tokens=settings["new_tokens"])
     assert models["fp32"].cache_check["windows"][1] == 11
+
+
+def test_loops_over_many_positions_hold_a_bounded_slice_of_logits():
+    from quantnorm.generation.decode import LOGITS_BUDGET_BYTES, rows_within_budget
+
+    assert rows_within_budget(128, 262_144, 8) == 2     # Gemma 3's vocabulary: two 128-token sequences
+    assert rows_within_budget(128, 49_152, 8) == 8      # SmolLM2's: the cap
+    assert rows_within_budget(100_000, 262_144, 8) == 1  # never none
+    assert rows_within_budget(128, 262_144, 8) * 128 * 262_144 * 4 <= LOGITS_BUDGET_BYTES

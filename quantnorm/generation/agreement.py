@@ -22,16 +22,16 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..measure.accuracy import PairLadder
-from .decode import DecodeSession, greedy_decode
+from .decode import DecodeSession, greedy_decode, rows_within_budget
 
 DEFAULT_PROMPTS = 16
 DEFAULT_NEW_TOKENS = 64
 DEFAULT_PROMPT_TOKENS = 64
 
 
-# Prompts teacher-forced together when the KL is taken: both models' logits of a chunk are held
-# at once ([4, 64, 262,144] floats is 268 MB for Gemma 3's vocabulary; all 16 would be 1 GB each).
-KL_CHUNK = 4
+# At most this many prompts run together (greedy decoding, teacher forcing); fewer when their
+# logits would pass decode.LOGITS_BUDGET_BYTES (a large vocabulary: Gemma 3's takes 2 at a time).
+MAX_CHUNK = 8
 
 
 @dataclass(frozen=True)
@@ -64,24 +64,37 @@ def _teacher_forced(runner: DecodeSession, prompts: np.ndarray, tokens: np.ndarr
     """Logits [n, new, vocab] predicting each of ``tokens`` after its prompt and the tokens before it."""
     sequence = np.concatenate([prompts, tokens[:, :-1]], axis=1)
     runner.reset(len(sequence))
-    return runner.step(sequence)[:, prompts.shape[1] - 1:]
+    # a copy: the prompt's own positions (most of the array for a short continuation) are let go
+    return np.ascontiguousarray(runner.step(sequence)[:, prompts.shape[1] - 1:])
+
+
+def _chunk(runner: DecodeSession, prompts: np.ndarray, new_tokens: int) -> int:
+    return rows_within_budget(prompts.shape[1] + new_tokens, runner.vocab, MAX_CHUNK)
+
+
+def _greedy(runner: DecodeSession, prompts: np.ndarray, new_tokens: int) -> np.ndarray:
+    """Greedy tokens, a chunk of prompts at a time (the prompt step's logits are [chunk, prompt, vocab])."""
+    step = _chunk(runner, prompts, new_tokens)
+    return np.concatenate([greedy_decode(runner, prompts[lo:lo + step], new_tokens)
+                           for lo in range(0, len(prompts), step)])
 
 
 def fp32_continuation(fp32_path, prompts: np.ndarray, new_tokens: int, *, threads: int | None = 1) -> Continuation:
     runner = DecodeSession(fp32_path, threads=threads)
-    return Continuation(prompts, greedy_decode(runner, prompts, new_tokens), runner)
+    return Continuation(prompts, _greedy(runner, prompts, new_tokens), runner)
 
 
 def generation_agreement(candidate_path, reference: Continuation, *, threads: int | None = 1) -> dict:
     """The candidate's agreement with FP32's continuation (see the module doc)."""
     runner = DecodeSession(candidate_path, threads=threads)
     n, new = reference.tokens.shape
-    tokens = greedy_decode(runner, reference.prompts, new)
+    tokens = _greedy(runner, reference.prompts, new)
     differs = tokens != reference.tokens
     first = np.where(differs.any(axis=1), differs.argmax(axis=1), new)
     ladder = PairLadder()
-    for lo in range(0, n, KL_CHUNK):
-        prompts, fp32_tokens = reference.prompts[lo:lo + KL_CHUNK], reference.tokens[lo:lo + KL_CHUNK]
+    step = max(1, _chunk(runner, reference.prompts, new) // 2)   # two models' logits at once
+    for lo in range(0, n, step):
+        prompts, fp32_tokens = reference.prompts[lo:lo + step], reference.tokens[lo:lo + step]
         ladder.add(_teacher_forced(reference.fp32, prompts, fp32_tokens), _teacher_forced(runner, prompts, fp32_tokens),
                    fp32_tokens)
     kld = ladder.kld

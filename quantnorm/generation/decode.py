@@ -40,6 +40,17 @@ _PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
 _ORT_FLOAT = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 
 
+# Logits held at once by the loops that read many positions (the cache proof, agreement's teacher
+# forcing): a batch is cut so that [rows, positions, vocab] float32 stays near this (Gemma 3's
+# 262,144-token vocabulary makes one 128-token window's logits 134 MB).
+LOGITS_BUDGET_BYTES = 256 << 20
+
+
+def rows_within_budget(positions: int, vocab: int, cap: int) -> int:
+    """How many sequences of ``positions`` logits over ``vocab`` fit ``LOGITS_BUDGET_BYTES`` (1..cap)."""
+    return int(max(1, min(cap, LOGITS_BUDGET_BYTES // max(1, positions * vocab * 4))))
+
+
 def past_names(n_layers: int) -> list[str]:
     return [f"past_key_values.{i}.{kv}" for i in range(n_layers) for kv in ("key", "value")]
 
@@ -112,6 +123,8 @@ class DecodeSession:
         self.device = "cuda" if self.session.get_providers()[0] == CUDA else "cpu"
         self.feeds = {i.name for i in self.session.get_inputs()}
         self.outputs = [LOGITS, *present_names(self.layout.n_layers)]
+        vocab = next(o.shape[-1] for o in self.session.get_outputs() if o.name == LOGITS)
+        self.vocab = vocab if isinstance(vocab, int) and vocab > 0 else 1
         self.reset(1)
 
     def reset(self, batch: int) -> None:
@@ -226,6 +239,7 @@ def check_cache(model, windows: np.ndarray, prefill: int, *, whole=None, toleran
                           f"got {prefill}")
     runner = DecodeSession(model, threads=threads)
     whole_session = None if whole is None else open_session(whole, threads)
+    batch_size = rows_within_budget(windows.shape[1], runner.vocab, batch_size)
     cached_sum = whole_sum = 0.0
     for lo in range(0, len(windows), batch_size):
         batch = windows[lo:lo + batch_size]
