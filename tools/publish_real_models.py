@@ -243,8 +243,9 @@ def generation_lines(name: str, r: dict, run_dir: Path) -> list[str]:
     L += ["", "Cache check: |NLL through the cache - NLL of the same windows scored whole| / NLL, on 4 evaluation "
               "windows (FP32: against the whole-window FP32 graph; a recipe: against its own graph scored whole). "
               "FP32 agrees to float rounding; per-tensor dynamic scales differ between a prompt and one row by "
-              "design; the other INT8 graphs differ at the 1e-3 level, so their one-row (decode) and many-row "
-              "(prefill) products do not compute the same numbers here."]
+              "design; the other INT8 graphs differ at the 1e-3 level: a generated token is not computed exactly "
+              "as the same position of a whole window (whether ORT's one-row integer kernels or float rounding "
+              "that flips INT8 roundings is the cause is not settled here)."]
     quoted = LLAMA_CPP_QUOTED.get(name)
     if quoted:
         L += ["", "Reference point, quoted, not measured here: llama.cpp on the same GGUF on a 2-core AMD EPYC "
