@@ -246,6 +246,10 @@ def generation_lines(name: str, r: dict, run_dir: Path) -> list[str]:
               "design; the other INT8 graphs differ at the 1e-3 level: a generated token is not computed exactly "
               "as the same position of a whole window (whether ORT's one-row integer kernels or float rounding "
               "that flips INT8 roundings is the cause is not settled here)."]
+    if any(m["name"].startswith("auto:") and m.get("status") == "ok" for m in g["models"]):
+        L += ["", f"Deploy the pick with its KV cache: `quantnorm bundle runs/real-models/{name} --recipe auto --out "
+                  f"bundles/{name}` (a directory ONNX Runtime GenAI 0.18.0 loads with `og.Model`; see the README's "
+                  "Bundle section)."]
     quoted = LLAMA_CPP_QUOTED.get(name)
     if quoted:
         L += ["", "Reference point, quoted, not measured here: llama.cpp on the same GGUF on a 2-core AMD EPYC "
