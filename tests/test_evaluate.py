@@ -12,7 +12,8 @@ from quantnorm.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--layers", "1", "--d-model", "32", "--heads", "2", "--context", "32", "--batch-size", "8", "--steps", "40"]
-FAST = ["--batches", "1", "--iters", "2", "--calib-samples", "8", "--quiet"]
+# --no-generation: these tests read the whole-window stages; tests/test_generation_stage.py covers generation
+FAST = ["--batches", "1", "--iters", "2", "--calib-samples", "8", "--quiet", "--no-generation"]
 
 
 @pytest.fixture(scope="module")

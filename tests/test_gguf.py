@@ -24,11 +24,13 @@ def tiny_gguf(tmp_path_factory) -> Path:
 def gguf_run(tiny_gguf, tmp_path_factory) -> Path:
     """One `quantnorm evaluate --model FILE.gguf` with the recipes two tests read (per-token and
     dynamic; rotated per-token with and without calibrated norm inputs): one export, FP32 pass and
-    probe for both. The tests only read the run."""
+    probe for both, and the GGUF source's with-past graph (generation, small). The tests only read
+    the run."""
     out = tmp_path_factory.mktemp("gguf-run") / "run"
     argv = ["evaluate", "--model", str(tiny_gguf), "--recipes", "pertoken,dynamic,rotated-pertoken-fused,"
             "rotated-pertoken-fused-calnorm", "--context", "16", "--eval-tokens", "96", "--calib-samples", "4",
-            "--batches", "1", "--iters", "2", "--providers", "cpu", "--threads", "1", "--out", str(out), "--quiet"]
+            "--batches", "1", "--iters", "2", "--providers", "cpu", "--threads", "1", "--out", str(out), "--quiet",
+            "--gen-tokens", "8,6", "--gen-batches", "1", "--agreement", "2,4"]
     assert main(argv) == 0
     return out
 
@@ -128,6 +130,10 @@ def test_gguf_end_to_end_through_the_cli(tiny_gguf, gguf_run):
     assert names["pertoken"]["settings"]["format"].startswith("per-token")
     report = (out / "report.md").read_text()
     assert tiny_gguf.name in report and source["sha256"] in report
+    # the GGUF checkpoint generates through its own cache: the FP32 proof and every recipe on it
+    generation = {m["name"]: m for m in results["generation"]["models"]}
+    assert generation["fp32"]["cache_check"]["relative_diff"] <= 1e-4
+    assert all(generation[name]["status"] == "ok" for name in ("pertoken", "dynamic", "rotated-pertoken-fused"))
 
 
 def test_parts_in_sibling_packages_are_found_through_chunk_paths(tiny_gguf, tmp_path, monkeypatch):
@@ -209,7 +215,7 @@ def test_gemma3_gguf_end_to_end_peri_detected_on_the_graph(tmp_path, capsys):
     out = tmp_path / "run"
     argv = ["evaluate", "--model", str(gguf_file), "--recipes", "pertoken,rotated-pertoken,online-rotated-pertoken-fused",
             "--context", "16", "--eval-tokens", "64", "--calib-samples", "4", "--batches", "1", "--iters", "2",
-            "--providers", "cpu", "--threads", "1", "--out", str(out), "--quiet", "--no-outliers"]
+            "--providers", "cpu", "--threads", "1", "--out", str(out), "--quiet", "--no-outliers", "--no-generation"]
     assert main(argv) == 0, capsys.readouterr().err
     results = json.loads((out / "results.json").read_text())
     model = results["model"]

