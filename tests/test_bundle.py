@@ -261,3 +261,23 @@ def test_a_sliding_window_model_generates_up_to_its_stated_length(tmp_path):
     # the runtime itself refuses a length past the one the graph was proved at
     with pytest.raises(Exception, match="cannot be greater than model context_length"):
         genai_greedy(out, prompt, 12 - len(prompt))
+
+
+def test_the_bundle_check_tool_compares_the_runtime_with_quantnorm(tiny_run, capsys):
+    """tools/bundle_check.py (the real-models report's bundle line): the bundle generated from in
+    ONNX Runtime GenAI, token for token against quantnorm's loop, recorded beside the run."""
+    import importlib.util
+
+    run, _ = tiny_run
+    spec = importlib.util.spec_from_file_location("bundle_check", Path(__file__).parents[1] / "tools" / "bundle_check.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert tool.main([str(run), "--recipe", "dynamic", "--new-tokens", "6", "--threads", "1"]) == 0
+    result = json.loads((run / tool.OUT_FILE).read_text())
+    assert result["identical"] and result["bundled"] == "dynamic" and result["runtime"] == "onnxruntime-genai 0.18.0"
+    assert [r["prompt"] for r in result["prompts"]] == list(tool.PROMPTS)
+    assert all(r["tokens_genai"] == r["tokens_quantnorm"] and r["prompt_tokens"] > 0 for r in result["prompts"])
+    assert "every prompt identical" in capsys.readouterr().out
+    assert tool.main([str(run), "--recipe", "no-such-recipe"]) == 2
+    assert "no-such-recipe" in capsys.readouterr().err
+    (run / tool.OUT_FILE).unlink()   # the module's run directory is shared: leave it as it was

