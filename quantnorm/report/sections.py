@@ -283,13 +283,21 @@ def zoo_export(results: dict) -> list[str]:
             f"(tolerance {ex.get('tolerance', '?')}); norm ops: {norm_ops}."]
 
 
+def weight_only_what(s: dict) -> str | None:
+    """The settings column of a weight-only (MatMulNBits) recipe; None for any other recipe."""
+    if s.get("format") != "MatMulNBits":
+        return None
+    return (f"MatMulNBits int{s.get('bits')} block {s.get('block_size')}, accuracy_level {s.get('accuracy_level')}, "
+            f"{s.get('weight_rounding')}, head {s.get('head')}")
+
+
 def zoo_recipes(results: dict) -> list[str]:
     L = ["", "## INT8 recipes (accuracy on the evaluation range, vs the FP32 ONNX model, same session options)", ""]
     rows = []
     for r in results_file.recipes(results):
         s, a = r.settings, r.accuracy
-        what = f"{s.get('format', '')} {s.get('calibration') or 'dynamic'}, " \
-               f"{'per-channel' if s.get('per_channel') else 'per-tensor'}, reduce_range={s.get('reduce_range')}"
+        what = weight_only_what(s) or f"{s.get('format', '')} {s.get('calibration') or 'dynamic'}, " \
+            f"{'per-channel' if s.get('per_channel') else 'per-tensor'}, reduce_range={s.get('reduce_range')}"
         if a is None:
             rows.append([f"`{r.name}`", what, r.status, "–", "–", "–", "–", "–", "–"])
         else:
