@@ -162,13 +162,13 @@ def matmul_nbits(node: onnx.NodeProto, b: str, scales: str, shape: tuple[int, in
 def pack_nbits(codes: np.ndarray, scales: np.ndarray, bits: int, block: int) -> tuple[np.ndarray, np.ndarray]:
     """MatMulNBits' B and scales from signed ``codes`` [K, N] and ``scales`` [K / block, N]:
     B uint8 [N, blocks, block * bits / 8] (code - qmin; two 4-bit codes a byte, the first in the
-    low nibble), scales float32 [N, blocks]."""
+    low nibble; the rows that pad K to whole blocks stored as 0, as ORT's quantizer leaves them),
+    scales float32 [N, blocks]."""
     k_dim, n_dim = codes.shape
     blocks = -(-k_dim // block)
-    qmin = -(1 << (bits - 1))
-    padded = np.zeros((blocks * block, n_dim), dtype=np.int32)   # padding rows: code 0
-    padded[:k_dim] = codes
-    stored = (padded - qmin).T.reshape(n_dim, blocks, block).astype(np.uint8)
+    padded = np.zeros((blocks * block, n_dim), dtype=np.int32)
+    padded[:k_dim] = codes.astype(np.int32) + (1 << (bits - 1))
+    stored = padded.T.reshape(n_dim, blocks, block).astype(np.uint8)
     if bits == 4:
         stored = stored[..., 0::2] | (stored[..., 1::2] << 4)
     return np.ascontiguousarray(stored), np.ascontiguousarray(scales.T.astype(np.float32))
