@@ -203,6 +203,10 @@ def test_int8_is_closer_to_fp32_than_int4_and_gptq_closer_than_nearest(run):
     assert entries["wo-int4-b32-gptq"]["settings"]["gptq"]["calibration_positions"] == 8 * 32
     assert entries["rotated-wo-int4-b32"]["status"].startswith("not applicable: ")
     assert entries["online-rotated-wo-int4-b32-acc4"]["settings"]["rotation"] == "online"
+    # accuracy_level 4 records what its int8 inputs lose per block (tests/test_block_sqnr.py)
+    blocks = entries["wo-int4-b32-acc4"]["settings"]["activation_blocks"]
+    assert blocks["status"] == "measured" and blocks["windows"] == 8 and blocks["inputs"]
+    assert "activation_blocks" not in entries["wo-int4-b32"]["settings"]
     assert "MatMulNBits int4 block 32, accuracy_level 4, nearest, head quantized" in (run["dir"] / "report.md").read_text()
 
 

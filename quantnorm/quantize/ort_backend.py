@@ -45,7 +45,7 @@ from .ort_weights import ort_quantizes_weights_fast
 from .pertoken import ACT_QMAX, ACT_ZERO_POINT, EPS, quantize_per_token
 from .recipes import Recipe
 from .sanity import sanity_check
-from .weight_only import quantize_weight_only
+from .weight_only import activation_blocks, quantize_weight_only
 
 DEFAULT_CALIB_BATCH = 4
 
@@ -151,6 +151,9 @@ def quantize(fp32_path: Path, recipe: Recipe, calib_inputs: np.ndarray | None, o
             with _quiet(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")   # HQQ's torch.from_numpy on a read-only array
                 settings.update(quantize_weight_only(pre_path, q_path, recipe, to_quantize, calib_inputs))
+            blocks = activation_blocks(pre_path, recipe, settings["quantized_nodes"], calib_inputs, cache)
+            if blocks is not None:
+                settings["activation_blocks"] = blocks
             problems = sanity_check(q_path, probe_inputs)
         elif recipe.mode == "pertoken":
             hessians, scales = _pertoken_calibration(pre_path, recipe, to_quantize, normed, calib_inputs, settings)

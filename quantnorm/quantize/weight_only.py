@@ -23,6 +23,7 @@ float as the recipe says; the embedding is a Gather and stays float (the quantiz
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections import deque
 
@@ -30,7 +31,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ..errors import ConfigError
+from ..errors import ConfigError, QuantnormError
+from ..measure.block_sqnr import activation_block_sqnr
 from ..transforms.gptq import DAMP, collect_hessians, gptq_block_codes
 from .recipes import Recipe
 
@@ -61,6 +63,26 @@ def quantize_weight_only(pre_path, q_path, recipe: Recipe, to_quantize: list[str
                           f"(a weight that is not 2-D?): {', '.join(left[:5])}")
     onnx.save(model, str(q_path))
     return {**done, "quantized_nodes": to_quantize, "matmulnbits_nodes": len(replaced)}
+
+
+BLOCK_SQNR_WINDOWS = 8
+
+
+def activation_blocks(pre_path, recipe: Recipe, nodes: list[str], calib_inputs, cache) -> dict | None:
+    """accuracy_level 4 only: the per-block int8 SQNR of the quantized MatMuls' inputs on the first
+    calibration windows (``measure.block_sqnr``), once per FP32 model, block size and node set in a
+    run (``cache``: the run's ``PreprocessCache``, whose ``ranges`` keeps computed results)."""
+    if recipe.accuracy_level != 4:
+        return None
+    if calib_inputs is None or len(calib_inputs) == 0:
+        return {"status": "not measured: no calibration windows were given"}
+    windows = np.ascontiguousarray(np.asarray(calib_inputs, dtype=np.int64)[:BLOCK_SQNR_WINDOWS])
+    key = ("block-sqnr", str(pre_path), recipe.block_size, tuple(nodes), hashlib.sha256(windows.tobytes()).hexdigest())
+    try:
+        return {"status": "measured", **cache.ranges(key, lambda: activation_block_sqnr(pre_path, windows,
+                                                                                         recipe.block_size, nodes))}
+    except QuantnormError as exc:
+        return {"status": f"not measured: {' '.join(str(exc).split())[:300]}"}
 
 
 def head_matmuls(graph: onnx.GraphProto, weight_matmuls: list[str]) -> list[str]:
