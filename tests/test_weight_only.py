@@ -207,7 +207,10 @@ def test_int8_is_closer_to_fp32_than_int4_and_gptq_closer_than_nearest(run):
     blocks = entries["wo-int4-b32-acc4"]["settings"]["activation_blocks"]
     assert blocks["status"] == "measured" and blocks["windows"] == 8 and blocks["inputs"]
     assert "activation_blocks" not in entries["wo-int4-b32"]["settings"]
-    assert "MatMulNBits int4 block 32, accuracy_level 4, nearest, head quantized" in (run["dir"] / "report.md").read_text()
+    report = (run["dir"] / "report.md").read_text()
+    assert "### accuracy_level 4: the int8 inputs per block" in report
+    assert "| `wo-int4-b32-acc4` | 32 |" in report and f"{kl['wo-int4-b32']:.2e} (`wo-int4-b32`)" in report
+    assert "MatMulNBits int4 block 32, accuracy_level 4, nearest, head quantized" in report
 
 
 def test_the_search_takes_weight_only_recipes(run):
