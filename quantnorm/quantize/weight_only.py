@@ -188,8 +188,8 @@ def pack_nbits(codes: np.ndarray, scales: np.ndarray, bits: int, block: int) -> 
     scales float32 [N, blocks]."""
     k_dim, n_dim = codes.shape
     blocks = -(-k_dim // block)
-    padded = np.zeros((blocks * block, n_dim), dtype=np.int32)
-    padded[:k_dim] = codes.astype(np.int32) + (1 << (bits - 1))
+    padded = np.zeros((blocks * block, n_dim), dtype=np.int16)
+    padded[:k_dim] = codes.astype(np.int16) + (1 << (bits - 1))
     stored = padded.T.reshape(n_dim, blocks, block).astype(np.uint8)
     if bits == 4:
         stored = stored[..., 0::2] | (stored[..., 1::2] << 4)

@@ -120,7 +120,7 @@ def gptq_quantize(weight: np.ndarray, hessian: np.ndarray, qmax: int, *, damp: f
     amax = np.abs(np.asarray(weight, dtype=np.float64)).max(axis=0)
     scale = np.where(amax > 0, amax / qmax, 1.0)
     codes = _gptq_rows(weight, hessian, lambda k: scale, -qmax, qmax, damp=damp, block=block)
-    return codes.astype(np.int8), scale.astype(np.float32)
+    return codes, scale.astype(np.float32)
 
 
 def block_scales(weight: np.ndarray, bits: int, block: int) -> np.ndarray:
@@ -145,7 +145,7 @@ def gptq_block_codes(weight: np.ndarray, hessian: np.ndarray, bits: int, group: 
     scales = block_scales(np.asarray(weight, dtype=np.float32), bits, group)
     safe = np.where(scales != 0, scales, 1.0).astype(np.float64)
     codes = _gptq_rows(weight, hessian, lambda k: safe[k // group], qmin, -qmin - 1, damp=damp)
-    return codes.astype(np.int8), scales
+    return codes, scales
 
 
 def _gptq_rows(weight: np.ndarray, hessian: np.ndarray, scale_of, qmin: int, qmax: int, *, damp: float = DAMP,
@@ -163,7 +163,7 @@ def _gptq_rows(weight: np.ndarray, hessian: np.ndarray, scale_of, qmin: int, qma
     h_inv = np.linalg.inv(h)
     h_inv = (h_inv + h_inv.T) / 2
     u = np.linalg.cholesky(h_inv).T
-    codes = np.empty(w.shape, dtype=np.int16)
+    codes = np.empty(w.shape, dtype=np.int8)   # qmin >= -128 and qmax <= 127 for every caller
     for b0 in range(0, k_dim, block):
         b1 = min(b0 + block, k_dim)
         w1 = w[b0:b1]                      # a view: updated in place
