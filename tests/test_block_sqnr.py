@@ -93,3 +93,6 @@ def test_accuracy_level_4_recipes_record_it(planted, tmp_path):
     assert blocks["summary"]["carriers"]["inputs"] == 1
     q0 = quantize(path, get_recipe("wo-int8-b32"), windows, tmp_path / "q0.onnx", vnni=False, probe_inputs=windows[:2])
     assert "activation_blocks" not in q0.settings   # float activations: nothing to measure
+    bare = quantize(path, get_recipe("wo-int8-b32-acc4"), windows, tmp_path / "q4.onnx", vnni=False,
+                    probe_inputs=windows[:2], diagnostics=False)   # the generation stage's call
+    assert bare.ok and "activation_blocks" not in bare.settings

@@ -120,13 +120,16 @@ class PreprocessCache:
 
 def quantize(fp32_path: Path, recipe: Recipe, calib_inputs: np.ndarray | None, out_path: Path, *,
              vnni: bool, probe_inputs: np.ndarray, calib_batch_size: int = DEFAULT_CALIB_BATCH,
-             progress: bool = False, preprocessed: PreprocessCache | None = None) -> QuantizeResult:
+             progress: bool = False, preprocessed: PreprocessCache | None = None,
+             diagnostics: bool = True) -> QuantizeResult:
     """Quantize the FP32 model at ``fp32_path`` with ``recipe`` into ``out_path``.
 
     ``calib_inputs``: int64 windows [n, seq] from the calibration split (static recipes only;
     see ``calibration.calibration_windows``). ``vnni`` resolves ``reduce_range="auto"``.
     ``probe_inputs``: windows the sanity check runs (any split; only finiteness is checked).
     ``preprocessed``: a cache shared by the recipes of one run (None: pre-process for this call).
+    ``diagnostics``: False skips what a recipe measures beside its model (accuracy_level 4's
+    per-block inputs), for a caller that records none of it.
     """
     fp32_path, out_path = Path(fp32_path), Path(out_path)
     if not fp32_path.is_file():
@@ -151,7 +154,8 @@ def quantize(fp32_path: Path, recipe: Recipe, calib_inputs: np.ndarray | None, o
             with _quiet(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")   # HQQ's torch.from_numpy on a read-only array
                 settings.update(quantize_weight_only(pre_path, q_path, recipe, to_quantize, calib_inputs))
-            blocks = activation_blocks(pre_path, recipe, settings["quantized_nodes"], calib_inputs, cache)
+            blocks = activation_blocks(pre_path, recipe, settings["quantized_nodes"], calib_inputs, cache) \
+                if diagnostics else None
             if blocks is not None:
                 settings["activation_blocks"] = blocks
             problems = sanity_check(q_path, probe_inputs)
