@@ -2,8 +2,9 @@
 
 Steps: the pre-processing ORT recommends (its basic graph optimization, then ONNX shape inference;
 ``_preprocess``) into a temporary directory, once per FP32 model when a ``PreprocessCache`` is
-shared by the recipes of one run; pick the nodes to quantize from that graph; ``quantize_static`` (QDQ),
-``quantize_dynamic``, the per-token rewrite (``pertoken``) or MatMulNBits (``weight_only``); ``sanity_check``; copy the model to ``out_path`` atomically.
+shared by the recipes of one run; pick the nodes to quantize from that graph; ``quantize_static``
+(QDQ), ``quantize_dynamic``, the per-token rewrite (``pertoken``) or MatMulNBits (``weight_only``);
+``sanity_check``; copy the model to ``out_path`` atomically.
 
 A model that quantizes but fails the sanity check is still written (so the damage can be
 measured) and comes back with ``status = "broken: <first problem>"``; a quantizer that refuses
