@@ -82,6 +82,7 @@ def _wo(**kw) -> Recipe:
     (lambda: Recipe("x", "pertoken", None, True, "matmul", False, "auto", weight_rounding="hqq"),
      "HQQ rounding is for the weight-only recipes only"),
     (lambda: get_recipe("wo-int4-b32-hqq-acc4"), "unknown recipe"),
+    (lambda: get_recipe("wo-int4-b32-asym-gptq"), "asymmetric weights are round-to-nearest only"),
     (lambda: get_recipe("wo-int2-b32"), "weight_bits must be one of"),
 ])
 def test_bad_settings_are_one_line(make, message):
@@ -127,9 +128,10 @@ def test_our_packing_is_ort_round_to_nearest_code_for_code(bits, block):
     assert len(node.input) == 3   # symmetric: the default zero point, no input
 
 
-@pytest.mark.parametrize("name, bits, block, level", [("wo-int4-b32-acc4", 4, 32, 4), ("wo-int8-b128-gptq", 8, 128, 0),
-                                                     ("wo-int4-b32-hqq", 4, 32, 0)])
-def test_every_weight_matmul_becomes_matmulnbits(zoo_exported, tmp_path, name, bits, block, level):
+@pytest.mark.parametrize("name, bits, block, level, inputs", [
+    ("wo-int4-b32-acc4", 4, 32, 4, 3), ("wo-int8-b128-gptq", 8, 128, 0, 3), ("wo-int4-b32-hqq", 4, 32, 0, 4),
+    ("wo-int4-b32-asym-acc4", 4, 32, 4, 4)])   # inputs: a zero point per block where the codes are not symmetric
+def test_every_weight_matmul_becomes_matmulnbits(zoo_exported, tmp_path, name, bits, block, level, inputs):
     _, fp32 = zoo_exported("pre")
     q = quantize(fp32, get_recipe(name), CALIB, tmp_path / "q.onnx", vnni=False, probe_inputs=CALIB[:2])
     assert q.ok, q.status
@@ -140,6 +142,7 @@ def test_every_weight_matmul_becomes_matmulnbits(zoo_exported, tmp_path, name, b
     for node in nodes:
         a = attrs(node)
         assert (a["bits"], a["block_size"], a.get("accuracy_level", 0)) == (bits, block, level)
+        assert len(node.input) == inputs
     assert q.settings["head_nodes"] == ["head/MatMul"] and q.settings["format"] == "MatMulNBits"
     assert quant_format(q.path) == "operator"   # a quantized kernel: not "simulated INT8" on CUDA
 

@@ -87,6 +87,9 @@ class Recipe:
     block_size: int | None = None
     accuracy_level: int = 0
     quantize_head: bool = True
+    # weight-only only: symmetric codes (one scale per block, the default zero point; llama.cpp's
+    # Q4_0/Q8_0) or asymmetric ones (a scale and a uint8 zero point per block; Q4_1's kind).
+    weight_symmetric: bool = True
 
     def __post_init__(self) -> None:
         # The name goes into file names (model.int8.<name>.onnx) and results.json.
@@ -148,9 +151,10 @@ class Recipe:
     def _check_weight_only(self) -> None:
         """The weight-only fields: set on weight-only recipes, left at their defaults on the others."""
         if self.mode != "weight-only":
-            if (self.weight_bits, self.block_size, self.accuracy_level, self.quantize_head) != (None, None, 0, True):
-                raise ConfigError(f"recipe {self.name}: weight_bits, block_size, accuracy_level and quantize_head "
-                                  "apply to weight-only recipes only")
+            if (self.weight_bits, self.block_size, self.accuracy_level, self.quantize_head,
+                    self.weight_symmetric) != (None, None, 0, True, True):
+                raise ConfigError(f"recipe {self.name}: weight_bits, block_size, accuracy_level, quantize_head and "
+                                  "weight_symmetric apply to weight-only recipes only")
             if self.weight_rounding == "hqq":
                 raise ConfigError(f"recipe {self.name}: HQQ rounding is for the weight-only recipes only")
             return
@@ -170,6 +174,9 @@ class Recipe:
         if self.weight_rounding == "hqq" and (self.weight_bits != 4 or self.accuracy_level != 0):
             raise ConfigError(f"recipe {self.name}: HQQ is 4-bit at accuracy_level 0 only (its float zero points "
                               "run on ORT's float path: 8 bits fail there and accuracy_level 4 is ignored)")
+        if not self.weight_symmetric and self.weight_rounding != "nearest":
+            raise ConfigError(f"recipe {self.name}: asymmetric weights are round-to-nearest only (GPTQ's codes here "
+                              "are on the symmetric grid; HQQ has float zero points of its own)")
         if self.pertoken_kernel != "standard" or self.smoothquant_alpha is not None:
             raise ConfigError(f"recipe {self.name}: a weight-only recipe takes no per-token kernel or SmoothQuant")
 
@@ -237,7 +244,10 @@ class Recipe:
                "bits": self.weight_bits, "block_size": self.block_size, "accuracy_level": self.accuracy_level,
                "weight_type": (f"uint{self.weight_bits} with a float scale and zero point per block (HQQ)" if hqq else
                                f"int{self.weight_bits} symmetric, one scale per block of {self.block_size} along K "
-                               "per output channel"),
+                               "per output channel" if self.weight_symmetric else
+                               f"uint{self.weight_bits} asymmetric, one scale and uint8 zero point per block of "
+                               f"{self.block_size} along K per output channel"),
+               "symmetric_weights": self.weight_symmetric and not hqq,
                "activation_type": ("float32 (the weights dequantized in the kernel)" if self.accuracy_level == 0 else
                                    f"int8, one scale per block of {self.block_size} along K, at run time "
                                    "(accuracy_level 4)"),
@@ -252,7 +262,8 @@ class Recipe:
 
     def _describe_weight_only(self) -> str:
         rounding = {"nearest": "round-to-nearest", "gptq": "GPTQ rounding (calibrated)", "hqq": "HQQ (float zero points)"}
-        parts = [f"weight-only MatMulNBits: int{self.weight_bits} weights per block of {self.block_size} along K, "
+        parts = [f"weight-only MatMulNBits: int{self.weight_bits} weights per block of {self.block_size} along K"
+                 + ("" if self.weight_symmetric else " (asymmetric: a zero point per block)") + ", "
                  + ("float activations (accuracy_level 0)" if self.accuracy_level == 0
                     else "int8 activations per block at run time (accuracy_level 4)"),
                  rounding[self.weight_rounding], "LM head " + ("quantized" if self.quantize_head else "kept float32")]
@@ -314,11 +325,12 @@ def _static(name: str, calibration: str, *, per_channel: bool = True, op_scope: 
     return Recipe(name, "static", calibration, per_channel, op_scope, symmetric_activations, "auto", **kw)
 
 
-# Weight-only names: [rotated-|online-rotated-]wo-int{4,8}-b<block>[-acc4][-gptq|-hqq][-fphead]
-# (-acc4: accuracy_level 4, int8 activations; -fphead: the LM head kept float32). The registry
+# Weight-only names: [rotated-|online-rotated-]wo-int{4,8}-b<block>[-asym][-acc4][-gptq|-hqq][-fphead]
+# (-asym: a zero point per block; -acc4: accuracy_level 4, int8 activations; -fphead: the LM head
+# kept float32). The registry
 # lists the useful points of that grid; ``get_recipe`` builds any other name of the form.
 WEIGHT_ONLY_NAME = re.compile(r"(?P<rot>rotated-|online-rotated-)?wo-int(?P<bits>\d+)-b(?P<block>\d+)"
-                              r"(?P<acc>-acc4)?(?P<rounding>-gptq|-hqq)?(?P<head>-fphead)?")
+                              r"(?P<asym>-asym)?(?P<acc>-acc4)?(?P<rounding>-gptq|-hqq)?(?P<head>-fphead)?")
 
 
 def weight_only(name: str) -> Recipe:
@@ -326,12 +338,12 @@ def weight_only(name: str) -> Recipe:
     m = WEIGHT_ONLY_NAME.fullmatch(name)
     if m is None:
         raise ConfigError(f"{name!r} is not a weight-only recipe name ([rotated-|online-rotated-]wo-int<4|8>-b<block>"
-                          "[-acc4][-gptq|-hqq][-fphead])")
+                          "[-asym][-acc4][-gptq|-hqq][-fphead])")
     rotation = {None: None, "rotated-": "hadamard", "online-rotated-": "online"}[m["rot"]]
     rounding = (m["rounding"] or "-nearest")[1:]
     return Recipe(name, "weight-only", None, True, "matmul", False, False, rotation=rotation,
                   weight_bits=int(m["bits"]), block_size=int(m["block"]), accuracy_level=4 if m["acc"] else 0,
-                  weight_rounding=rounding, quantize_head=m["head"] is None)
+                  weight_rounding=rounding, quantize_head=m["head"] is None, weight_symmetric=m["asym"] is None)
 
 
 _WEIGHT_ONLY_LIST = [
@@ -343,6 +355,8 @@ _WEIGHT_ONLY_LIST = [
     "wo-int8-b128-gptq", "wo-int4-b32-gptq", "wo-int4-b32-acc4-gptq", "wo-int4-b128-gptq", "wo-int4-b128-acc4-gptq",
     # HQQ (ORT's quantizer; 4 bits, float activations only).
     "wo-int4-b32-hqq", "wo-int4-b128-hqq",
+    # Asymmetric 4-bit codes (a zero point per block, as llama.cpp's Q4_1 and ORT's quantizer's default).
+    "wo-int4-b32-asym", "wo-int4-b32-asym-acc4", "wo-int4-b128-asym",
     # The LM head kept float32: the largest matrix of a small model, and the one int4 hurts most.
     "wo-int4-b32-fphead", "wo-int4-b128-fphead",
     # The rotations: does spreading a massive activation over the block save accuracy_level 4?
@@ -436,7 +450,7 @@ def get_recipe(name: str) -> Recipe:
     except KeyError:
         raise ConfigError(f"unknown recipe {name!r}: choose one of {', '.join(RECIPES)} (SmoothQuant recipes also "
                           f"as NAME{ALPHA_SEPARATOR}ALPHA, e.g. smoothquant{ALPHA_SEPARATOR}0.7; weight-only ones "
-                          "as [rotated-|online-rotated-]wo-int<4|8>-b<block>[-acc4][-gptq|-hqq][-fphead])") from None
+                          "as [rotated-|online-rotated-]wo-int<4|8>-b<block>[-asym][-acc4][-gptq|-hqq][-fphead])") from None
     if not sep:
         return recipe
     if recipe.smoothquant_alpha is None:

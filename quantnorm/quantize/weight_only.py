@@ -8,10 +8,11 @@ GenAI's CPU default).
 
 The codes come from three roundings on the same kind of grid:
 
-- ``nearest``: ORT's own ``MatMulNBitsQuantizer`` (``DefaultWeightOnlyQuantConfig``, symmetric):
+- ``nearest``: ORT's own ``MatMulNBitsQuantizer`` (``DefaultWeightOnlyQuantConfig``). Symmetric:
   per block and column ``s = w* / qmin`` where ``w*`` is the weight of largest magnitude (so the
   scale carries its sign and ``w*`` gets the code ``qmin``, -8 or -128), codes in
-  ``[qmin, -qmin - 1]``, stored as ``code - qmin`` (no zero-point input: the default zero point);
+  ``[qmin, -qmin - 1]``, stored as ``code - qmin`` (no zero-point input: the default zero point).
+  Asymmetric (``-asym``): the block's min..max on the unsigned codes, a uint8 zero point per block;
 - ``gptq``: GPTQ's error-compensating rounding (``transforms.gptq``) against ``X^T X`` of the
   calibration windows, on that same grid (scales from the weights, only the codes differ), packed
   here in ORT's layout (a test checks the packing against ORT's round-to-nearest, code for code);
@@ -127,7 +128,7 @@ def _ort_quantizer(model: onnx.ModelProto, recipe: Recipe, keep: list[str]) -> o
         if recipe.weight_rounding == "hqq":
             config = HQQWeightOnlyQuantConfig(block_size=recipe.block_size, bits=recipe.weight_bits)
         else:
-            config = DefaultWeightOnlyQuantConfig(block_size=recipe.block_size, is_symmetric=True,
+            config = DefaultWeightOnlyQuantConfig(block_size=recipe.block_size, is_symmetric=recipe.weight_symmetric,
                                                   accuracy_level=recipe.accuracy_level, bits=recipe.weight_bits)
         quantizer = MatMulNBitsQuantizer(model, algo_config=config, nodes_to_exclude=keep)
         quantizer.process()
