@@ -17,7 +17,7 @@ from onnx import TensorProto, helper, numpy_helper
 from quantnorm.cli import cli, main
 from quantnorm.errors import ConfigError
 from quantnorm.measure.latency import quant_format
-from quantnorm.quantize import RECIPES, Recipe, get_recipe, quantize, weight_matmuls
+from quantnorm.quantize import RECIPES, Recipe, get_recipe, quantize, weight_matmuls, with_exclusions
 from quantnorm.quantize.sanity import check_quant_params
 from quantnorm.quantize.weight_only import _ort_quantizer, pack_nbits
 from quantnorm.results import generation_models, validate
@@ -155,6 +155,11 @@ def test_the_head_kept_float_and_accuracy_level_4_changes_the_outputs(zoo_export
         assert q.ok, q.status
         paths[name] = q.path
     assert weight_matmuls(onnx.load(str(paths["wo-int4-b32-fphead"])).graph) == ["head/MatMul"]
+    # --exclude (mixed precision) keeps matching nodes float in a weight-only recipe as in any other
+    mixed = quantize(fp32, with_exclusions(get_recipe("wo-int4-b32"), "blocks.0.*"), CALIB, tmp_path / "mixed.onnx",
+                     vnni=False, probe_inputs=CALIB[:2])
+    assert mixed.ok and weight_matmuls(onnx.load(str(mixed.path)).graph) == [
+        n for n in weight_matmuls(onnx.load(str(fp32)).graph) if n.startswith("blocks.0.")]
     ids = RNG.integers(0, 256, size=(2, 32))
     ref, level0, level4 = logits(fp32, ids), logits(paths["wo-int8-b32"], ids), logits(paths["wo-int8-b32-acc4"], ids)
     # int8 activations per block are another computation than float ones, and both are close to FP32
