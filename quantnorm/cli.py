@@ -339,7 +339,8 @@ def recipes():
     for name, recipe in RECIPES.items():
         mark = "*" if name in DEFAULT_RECIPES else " "
         click.echo(f"{mark} {name:<36} {recipe.describe()}")
-    click.echo("(* = in the default set)")
+    click.echo("(* = in the default set; weight-only recipes also by any name of the form "
+               "[rotated-|online-rotated-]wo-int<4|8>-b<block>[-asym][-acc4][-gptq|-hqq][-fphead])")
 
 
 @cli.command()

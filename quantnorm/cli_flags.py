@@ -60,7 +60,8 @@ def evaluate_options(func):
         _threshold("--max-kld", "--recipes auto: the largest mean KL divergence from FP32, in nats."),
         click.option("--search-space", default=None,
                      help="With --recipes auto: the comma-separated recipes the search tries, in order "
-                          "(weight-MatMul recipes only). [default: every weight-MatMul recipe of `quantnorm recipes`]"),
+                          "(weight-MatMul recipes only, weight-only ones included). [default: every INT8 "
+                          "weight-MatMul recipe of `quantnorm recipes` but the weight-only ones]"),
         click.option("--search-pick", type=click.Choice(["fastest", "first"]), default="fastest", show_default=True,
                      help="--recipes auto: keep the fastest passing model (CPU p50, batch 8) or the first one found."),
         click.option("--providers", default=None,

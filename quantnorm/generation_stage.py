@@ -126,7 +126,7 @@ def _quantize_past(variants, name: str, recipe, fp32_past: Path, data, cfg, run_
     except QuantnormError as exc:   # a transformed with-past export that fails its parity gate
         return {"name": name, "status": f"broken: {' '.join(str(exc).split())[:300]}"}
     q = quantize(source_past, recipe, data.calib_inputs, run_dir / past_onnx_file(name), vnni=vnni,
-                 probe_inputs=data.eval_inputs[:2])
+                 probe_inputs=data.eval_inputs[:2], diagnostics=False)   # its entry records no settings
     release_memory()
     entry: dict = {"name": name, "status": q.status, "quantized_from": source_past.name,
                    "seconds": round(time.perf_counter() - started, 2)}

@@ -71,9 +71,12 @@ ACCURACY_METRICS = tuple(metric for _, metric, _ in ACCURACY_LIMITS)  # what a t
 
 
 def default_space() -> tuple[str, ...]:
-    """The registry's recipes that quantize only weight MatMuls (static or dynamic, SmoothQuant
-    included), in registry order: ``static-minmax-matmul`` first, the baseline."""
-    return tuple(name for name, r in RECIPES.items() if r.op_scope == "matmul" and not r.excluded)
+    """The registry's INT8 recipes that quantize only weight MatMuls (static, dynamic, per token,
+    SmoothQuant included), in registry order: ``static-minmax-matmul`` first, the baseline. The
+    weight-only recipes are another deployment (MatMulNBits, a grid of them): a space names them
+    (``--search-space wo-int8-b128,wo-int4-b32-acc4,...``), the default does not try them all."""
+    return tuple(name for name, r in RECIPES.items()
+                 if r.op_scope == "matmul" and not r.excluded and r.mode != "weight-only")
 
 
 # ---------------------------------------------------------------------------------------------

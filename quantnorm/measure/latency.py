@@ -48,10 +48,11 @@ _MEASUREMENT_KEYS = ("p50_ms", "p90_ms", "p99_ms", "mean_ms", "tokens_per_s", "i
                      "peak_rss_mb", "node_providers", "node_ops", "op_ms", "load_s")
 
 # Op types that make a graph quantized; the first group is the QDQ format (float ops between
-# Q/DQ pairs), the second the operator format (integer kernels).
+# Q/DQ pairs), the second the operator format (quantized kernels: MatMulNBits, the weight-only
+# op, has its own CPU and CUDA kernels, so its INT4/INT8 is not simulated on CUDA either).
 _QDQ_OPS = {"QuantizeLinear", "DequantizeLinear"}
 _INTEGER_OPS = {"MatMulInteger", "DynamicQuantizeLinear", "QLinearMatMul", "QLinearConv", "ConvInteger",
-                "MatMulIntegerToFloat", "QAttention", "DynamicQuantizeMatMul", "QGemm"}
+                "MatMulIntegerToFloat", "QAttention", "DynamicQuantizeMatMul", "QGemm", "MatMulNBits"}
 
 _SIMULATED_NOTE = ("CUDA EP has INT8 kernels only for QuantizeLinear/DequantizeLinear/MatMulInteger: "
                    "the QDQ graph runs as simulated quantization (float math between Q/DQ)")

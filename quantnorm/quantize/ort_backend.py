@@ -2,8 +2,9 @@
 
 Steps: the pre-processing ORT recommends (its basic graph optimization, then ONNX shape inference;
 ``_preprocess``) into a temporary directory, once per FP32 model when a ``PreprocessCache`` is
-shared by the recipes of one run; pick the nodes to quantize from that graph; ``quantize_static`` (QDQ) or
-``quantize_dynamic``; ``sanity_check``; copy the model to ``out_path`` atomically.
+shared by the recipes of one run; pick the nodes to quantize from that graph; ``quantize_static``
+(QDQ), ``quantize_dynamic``, the per-token rewrite (``pertoken``) or MatMulNBits (``weight_only``);
+``sanity_check``; copy the model to ``out_path`` atomically.
 
 A model that quantizes but fails the sanity check is still written (so the damage can be
 measured) and comes back with ``status = "broken: <first problem>"``; a quantizer that refuses
@@ -45,6 +46,7 @@ from .ort_weights import ort_quantizes_weights_fast
 from .pertoken import ACT_QMAX, ACT_ZERO_POINT, EPS, quantize_per_token
 from .recipes import Recipe
 from .sanity import sanity_check
+from .weight_only import activation_blocks, quantize_weight_only
 
 DEFAULT_CALIB_BATCH = 4
 
@@ -119,13 +121,16 @@ class PreprocessCache:
 
 def quantize(fp32_path: Path, recipe: Recipe, calib_inputs: np.ndarray | None, out_path: Path, *,
              vnni: bool, probe_inputs: np.ndarray, calib_batch_size: int = DEFAULT_CALIB_BATCH,
-             progress: bool = False, preprocessed: PreprocessCache | None = None) -> QuantizeResult:
+             progress: bool = False, preprocessed: PreprocessCache | None = None,
+             diagnostics: bool = True) -> QuantizeResult:
     """Quantize the FP32 model at ``fp32_path`` with ``recipe`` into ``out_path``.
 
     ``calib_inputs``: int64 windows [n, seq] from the calibration split (static recipes only;
     see ``calibration.calibration_windows``). ``vnni`` resolves ``reduce_range="auto"``.
     ``probe_inputs``: windows the sanity check runs (any split; only finiteness is checked).
     ``preprocessed``: a cache shared by the recipes of one run (None: pre-process for this call).
+    ``diagnostics``: False skips what a recipe measures beside its model (accuracy_level 4's
+    per-block inputs), for a caller that records none of it.
     """
     fp32_path, out_path = Path(fp32_path), Path(out_path)
     if not fp32_path.is_file():
@@ -146,7 +151,16 @@ def quantize(fp32_path: Path, recipe: Recipe, calib_inputs: np.ndarray | None, o
             carriers, settings["carriers_found"] = find_carriers(pre_path, calib_inputs)
         to_quantize, excluded, normed = _nodes_to_quantize(pre_path, fp32_path.name, recipe, carriers, settings)
         q_path = Path(tmp_dir) / "quantized.onnx"
-        if recipe.mode == "pertoken":
+        if recipe.mode == "weight-only":
+            with _quiet(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")   # HQQ's torch.from_numpy on a read-only array
+                settings.update(quantize_weight_only(pre_path, q_path, recipe, to_quantize, calib_inputs))
+            blocks = activation_blocks(pre_path, recipe, settings["quantized_nodes"], calib_inputs, cache) \
+                if diagnostics else None
+            if blocks is not None:
+                settings["activation_blocks"] = blocks
+            problems = sanity_check(q_path, probe_inputs)
+        elif recipe.mode == "pertoken":
             hessians, scales = _pertoken_calibration(pre_path, recipe, to_quantize, normed, calib_inputs, settings)
             try:
                 settings.update(quantize_per_token(pre_path, q_path, to_quantize, reduce_range=settings["reduce_range"],

@@ -7,6 +7,7 @@ into ONNX Runtime calls. A new recipe is one entry in ``_RECIPE_LIST``.
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass, replace
 
 from ..calibration import CALIBRATION_METHODS
@@ -16,7 +17,9 @@ from ..errors import ConfigError
 #             run time with standard ONNX ops (quantize/pertoken.py); the massive-activation remedy.
 # "fp16": no integers at all: every float tensor in float16 (the GPU precision), a variant measured
 # beside the INT8 recipes (its file still goes by the recipe name: model.int8.fp16.onnx).
-MODES = ("static", "dynamic", "pertoken", "fp16")
+# "weight-only": the weights in 4 or 8 bits per block along K, ONNX Runtime's MatMulNBits
+#             (quantize/weight_only.py): what llama.cpp and ONNX Runtime GenAI users deploy instead.
+MODES = ("static", "dynamic", "pertoken", "fp16", "weight-only")
 # "matmul": only MatMuls whose second input is a weight initializer (the Linear layers and the
 #           LM head). Activation x activation MatMuls (q @ k^T, probs @ v) and everything else
 #           stay FP32, so the attention scores and the softmax are never calibrated (PITFALLS.md 1).
@@ -27,7 +30,15 @@ OP_SCOPES = ("matmul", "all")
 ROTATIONS = (None, "hadamard", "online")
 PERTOKEN_KERNELS = ("standard", "ort-fused")
 CARRIER_MODES = (None, "fp32", "pertoken")
-WEIGHT_ROUNDINGS = ("nearest", "gptq")
+# "hqq": Half-Quadratic Quantization (ORT's HQQ quantizer; weight-only 4-bit only).
+WEIGHT_ROUNDINGS = ("nearest", "gptq", "hqq")
+# Weight-only (MatMulNBits). accuracy_level 0: float activations (the weights dequantized in the
+# kernel); 4: the activations quantized to int8 per block of ``block_size`` along K at run time
+# and an int8 x int8 GEMM (ORT GenAI's CPU default; onnxruntime issue #29849: it flips greedy
+# tokens on models with massive activations). Levels 1-3 choose a float compute type only.
+WEIGHT_ONLY_BITS = (4, 8)
+WEIGHT_ONLY_BLOCKS = (16, 32, 64, 128, 256)
+ACCURACY_LEVELS = (0, 4)
 # pertoken only: how the MatMul inputs that are a norm's output get their activation scale.
 # "pertoken": like every other input, one scale per row at run time. "calibrated": one scale per
 # tensor from the calibration windows (an MSE-optimal clip / 127), on the rotated stream only,
@@ -69,6 +80,16 @@ class Recipe:
     weight_rounding: str = "nearest"
     # pertoken only: see NORM_INPUT_SCALES ("calibrated" needs the stream rotation).
     norm_inputs: str = "pertoken"
+    # weight-only only: bits per weight (WEIGHT_ONLY_BITS), weights per scale along K
+    # (WEIGHT_ONLY_BLOCKS), MatMulNBits' accuracy_level (ACCURACY_LEVELS), and whether the LM head
+    # is quantized too (False: kept float32; a tied embedding is a Gather and always stays float).
+    weight_bits: int | None = None
+    block_size: int | None = None
+    accuracy_level: int = 0
+    quantize_head: bool = True
+    # weight-only only: symmetric codes (one scale per block, the default zero point; llama.cpp's
+    # Q4_0/Q8_0) or asymmetric ones (a scale and a uint8 zero point per block; Q4_1's kind).
+    weight_symmetric: bool = True
 
     def __post_init__(self) -> None:
         # The name goes into file names (model.int8.<name>.onnx) and results.json.
@@ -78,6 +99,7 @@ class Recipe:
             raise ConfigError(f"recipe {self.name}: mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.op_scope not in OP_SCOPES:
             raise ConfigError(f"recipe {self.name}: op_scope must be one of {', '.join(OP_SCOPES)}, got {self.op_scope!r}")
+        self._check_weight_only()
         if self.mode == "fp16" and (self.per_channel or self.symmetric_activations or self.reduce_range is not False
                                     or self.op_scope != "all"):
             raise ConfigError(f"recipe {self.name}: an fp16 variant converts the whole graph (op_scope 'all') and "
@@ -103,8 +125,8 @@ class Recipe:
         if self.weight_rounding not in WEIGHT_ROUNDINGS:
             raise ConfigError(f"recipe {self.name}: weight_rounding must be one of {WEIGHT_ROUNDINGS}, "
                               f"got {self.weight_rounding!r}")
-        if self.weight_rounding == "gptq" and self.mode != "pertoken":
-            raise ConfigError(f"recipe {self.name}: GPTQ rounding is built for the per-token recipes only")
+        if self.weight_rounding == "gptq" and self.mode not in ("pertoken", "weight-only"):
+            raise ConfigError(f"recipe {self.name}: GPTQ rounding is built for the per-token and weight-only recipes only")
         if self.norm_inputs not in NORM_INPUT_SCALES:
             raise ConfigError(f"recipe {self.name}: norm_inputs must be one of {NORM_INPUT_SCALES}, "
                               f"got {self.norm_inputs!r}")
@@ -125,6 +147,38 @@ class Recipe:
             raise ConfigError(f"recipe {self.name}: rotation and SmoothQuant are alternatives, not combined here")
         if self.smoothquant_alpha is not None and not 0.0 <= self.smoothquant_alpha <= 1.0:
             raise ConfigError(f"recipe {self.name}: smoothquant_alpha must be in [0, 1], got {self.smoothquant_alpha}")
+
+    def _check_weight_only(self) -> None:
+        """The weight-only fields: set on weight-only recipes, left at their defaults on the others."""
+        if self.mode != "weight-only":
+            if (self.weight_bits, self.block_size, self.accuracy_level, self.quantize_head,
+                    self.weight_symmetric) != (None, None, 0, True, True):
+                raise ConfigError(f"recipe {self.name}: weight_bits, block_size, accuracy_level, quantize_head and "
+                                  "weight_symmetric apply to weight-only recipes only")
+            if self.weight_rounding == "hqq":
+                raise ConfigError(f"recipe {self.name}: HQQ rounding is for the weight-only recipes only")
+            return
+        if self.calibration is not None or self.op_scope != "matmul" or not self.per_channel \
+                or self.symmetric_activations or self.reduce_range is not False:
+            raise ConfigError(f"recipe {self.name}: a weight-only recipe quantizes the weight MatMuls (op_scope "
+                              "'matmul', per_channel on, no calibration method, no activation settings, "
+                              "reduce_range False)")
+        if self.weight_bits not in WEIGHT_ONLY_BITS:
+            raise ConfigError(f"recipe {self.name}: weight_bits must be one of {WEIGHT_ONLY_BITS}, got {self.weight_bits!r}")
+        if self.block_size not in WEIGHT_ONLY_BLOCKS:
+            raise ConfigError(f"recipe {self.name}: block_size must be one of {WEIGHT_ONLY_BLOCKS}, "
+                              f"got {self.block_size!r}")
+        if self.accuracy_level not in ACCURACY_LEVELS:
+            raise ConfigError(f"recipe {self.name}: accuracy_level must be one of {ACCURACY_LEVELS} (0: float "
+                              f"activations, 4: int8 activations per block), got {self.accuracy_level!r}")
+        if self.weight_rounding == "hqq" and (self.weight_bits != 4 or self.accuracy_level != 0):
+            raise ConfigError(f"recipe {self.name}: HQQ is 4-bit at accuracy_level 0 only (its float zero points "
+                              "run on ORT's float path: 8 bits fail there and accuracy_level 4 is ignored)")
+        if not self.weight_symmetric and self.weight_rounding != "nearest":
+            raise ConfigError(f"recipe {self.name}: asymmetric weights are round-to-nearest only (GPTQ's codes here "
+                              "are on the symmetric grid; HQQ has float zero points of its own)")
+        if self.pertoken_kernel != "standard" or self.smoothquant_alpha is not None:
+            raise ConfigError(f"recipe {self.name}: a weight-only recipe takes no per-token kernel or SmoothQuant")
 
     def resolved_reduce_range(self, vnni: bool) -> bool:
         """7-bit weights unless the CPU has VNNI (u8s8 kernels without VNNI can saturate)."""
@@ -148,6 +202,8 @@ class Recipe:
             return {"format": "FP16", "mode": "fp16", "weight_type": "float16", "activation_type": "float16",
                     "conversion": "quantnorm.quantize.fp16 (float32 graph inputs and outputs)",
                     "excluded_nodes": list(self.excluded)}
+        if self.mode == "weight-only":
+            return self._weight_only_settings()
         static = self.mode == "static"
         out = {
             "format": "QDQ" if static else ("QOperator" if self.mode == "dynamic" else
@@ -182,9 +238,48 @@ class Recipe:
             out["norm_inputs"] = self.norm_inputs
         return out
 
+    def _weight_only_settings(self) -> dict:
+        hqq = self.weight_rounding == "hqq"
+        out = {"format": "MatMulNBits", "mode": "weight-only", "op": "com.microsoft.MatMulNBits",
+               "bits": self.weight_bits, "block_size": self.block_size, "accuracy_level": self.accuracy_level,
+               "weight_type": (f"uint{self.weight_bits} with a float scale and zero point per block (HQQ)" if hqq else
+                               f"int{self.weight_bits} symmetric, one scale per block of {self.block_size} along K "
+                               "per output channel" if self.weight_symmetric else
+                               f"uint{self.weight_bits} asymmetric, one scale and uint8 zero point per block of "
+                               f"{self.block_size} along K per output channel"),
+               "symmetric_weights": self.weight_symmetric and not hqq,
+               "activation_type": ("float32 (the weights dequantized in the kernel)" if self.accuracy_level == 0 else
+                                   f"int8, one scale per block of {self.block_size} along K, at run time "
+                                   "(accuracy_level 4)"),
+               "weight_rounding": self.weight_rounding, "head": "quantized" if self.quantize_head else "float32",
+               "embedding": "float32 (a Gather: the quantizer takes MatMuls only)",
+               "calibration": "GPTQ's X^T X on the calibration windows" if self.weight_rounding == "gptq" else None,
+               "per_channel": True, "reduce_range": False, "op_scope": self.op_scope, "op_types": self.op_types(),
+               "weight_matmuls_only": True, "excluded_nodes": list(self.excluded)}
+        if self.rotation is not None:
+            out["rotation"] = self.rotation
+        return out
+
+    def _describe_weight_only(self) -> str:
+        rounding = {"nearest": "round-to-nearest", "gptq": "GPTQ rounding (calibrated)", "hqq": "HQQ (float zero points)"}
+        parts = [f"weight-only MatMulNBits: int{self.weight_bits} weights per block of {self.block_size} along K"
+                 + ("" if self.weight_symmetric else " (asymmetric: a zero point per block)") + ", "
+                 + ("float activations (accuracy_level 0)" if self.accuracy_level == 0
+                    else "int8 activations per block at run time (accuracy_level 4)"),
+                 rounding[self.weight_rounding], "LM head " + ("quantized" if self.quantize_head else "kept float32")]
+        if self.rotation == "hadamard":
+            parts.append("on the Hadamard-rotated model (residual stream; Pre-RMSNorm checkpoints)")
+        elif self.rotation == "online":
+            parts.append("every Linear's input Hadamard-rotated online (any placement)")
+        if self.excluded:
+            parts.append(f"{len(self.excluded)} node pattern(s) kept in FP32")
+        return ", ".join(parts)
+
     def describe(self) -> str:
         """One line saying what the recipe does (``quantnorm recipes``), built from the fields so
         that a new recipe describes itself."""
+        if self.mode == "weight-only":
+            return self._describe_weight_only()
         if self.mode == "fp16":
             return ("FP16: every float tensor in float16, float32 inputs and outputs (the GPU precision; "
                     "the CPU provider computes it in float32)")
@@ -229,6 +324,45 @@ def _static(name: str, calibration: str, *, per_channel: bool = True, op_scope: 
             symmetric_activations: bool = False, **kw) -> Recipe:
     return Recipe(name, "static", calibration, per_channel, op_scope, symmetric_activations, "auto", **kw)
 
+
+# Weight-only names: [rotated-|online-rotated-]wo-int{4,8}-b<block>[-asym][-acc4][-gptq|-hqq][-fphead]
+# (-asym: a zero point per block; -acc4: accuracy_level 4, int8 activations; -fphead: the LM head
+# kept float32). The registry
+# lists the useful points of that grid; ``get_recipe`` builds any other name of the form.
+WEIGHT_ONLY_NAME = re.compile(r"(?P<rot>rotated-|online-rotated-)?wo-int(?P<bits>\d+)-b(?P<block>\d+)"
+                              r"(?P<asym>-asym)?(?P<acc>-acc4)?(?P<rounding>-gptq|-hqq)?(?P<head>-fphead)?")
+
+
+def weight_only(name: str) -> Recipe:
+    """The weight-only recipe a name of ``WEIGHT_ONLY_NAME``'s form says (ConfigError otherwise)."""
+    m = WEIGHT_ONLY_NAME.fullmatch(name)
+    if m is None:
+        raise ConfigError(f"{name!r} is not a weight-only recipe name ([rotated-|online-rotated-]wo-int<4|8>-b<block>"
+                          "[-asym][-acc4][-gptq|-hqq][-fphead])")
+    rotation = {None: None, "rotated-": "hadamard", "online-rotated-": "online"}[m["rot"]]
+    rounding = (m["rounding"] or "-nearest")[1:]
+    return Recipe(name, "weight-only", None, True, "matmul", False, False, rotation=rotation,
+                  weight_bits=int(m["bits"]), block_size=int(m["block"]), accuracy_level=4 if m["acc"] else 0,
+                  weight_rounding=rounding, quantize_head=m["head"] is None, weight_symmetric=m["asym"] is None)
+
+
+_WEIGHT_ONLY_LIST = [
+    # Round-to-nearest (ORT's own quantizer), 8 and 4 bits, blocks of 32 and 128, each at
+    # accuracy_level 0 (float activations) and 4 (int8 activations per block: ORT GenAI's CPU default).
+    "wo-int8-b32", "wo-int8-b32-acc4", "wo-int8-b128", "wo-int8-b128-acc4",
+    "wo-int4-b32", "wo-int4-b32-acc4", "wo-int4-b128", "wo-int4-b128-acc4",
+    # GPTQ rounding on the same grid (ours: quantize/weight_only.py), where rounding matters: 4 bits.
+    "wo-int8-b128-gptq", "wo-int4-b32-gptq", "wo-int4-b32-acc4-gptq", "wo-int4-b128-gptq", "wo-int4-b128-acc4-gptq",
+    # HQQ (ORT's quantizer; 4 bits, float activations only).
+    "wo-int4-b32-hqq", "wo-int4-b128-hqq",
+    # Asymmetric 4-bit codes (a zero point per block, as llama.cpp's Q4_1 and ORT's quantizer's default).
+    "wo-int4-b32-asym", "wo-int4-b32-asym-acc4", "wo-int4-b128-asym",
+    # The LM head kept float32: the largest matrix of a small model, and the one int4 hurts most.
+    "wo-int4-b32-fphead", "wo-int4-b128-fphead",
+    # The rotations: does spreading a massive activation over the block save accuracy_level 4?
+    "rotated-wo-int4-b32", "rotated-wo-int4-b32-acc4", "rotated-wo-int8-b128-acc4",
+    "online-rotated-wo-int4-b32", "online-rotated-wo-int4-b32-acc4", "online-rotated-wo-int8-b128-acc4",
+]
 
 _RECIPE_LIST = [
     # The baseline: W8A8 static QDQ on the weight MatMuls, per-channel weights, MinMax ranges.
@@ -282,6 +416,8 @@ _RECIPE_LIST = [
     _static("smoothquant", "minmax", smoothquant_alpha=0.5),
     # Not INT8: the float16 variant GPUs run, beside the INT8 recipes on the same windows.
     Recipe("fp16", "fp16", None, False, "all", False, False),
+    # Weight-only: what users deploy instead of W8A8 (see WEIGHT_ONLY_NAME).
+    *[weight_only(name) for name in _WEIGHT_ONLY_LIST],
 ]
 RECIPES: dict[str, Recipe] = {r.name: r for r in _RECIPE_LIST}
 
@@ -310,10 +446,11 @@ def get_recipe(name: str) -> Recipe:
     ALPHA in [0, 1] (so a search space or a recipe list can hold several alphas side by side)."""
     base, sep, alpha = name.partition(ALPHA_SEPARATOR)
     try:
-        recipe = RECIPES[base]
+        recipe = RECIPES[base] if base in RECIPES or not WEIGHT_ONLY_NAME.fullmatch(base) else weight_only(base)
     except KeyError:
         raise ConfigError(f"unknown recipe {name!r}: choose one of {', '.join(RECIPES)} (SmoothQuant recipes also "
-                          f"as NAME{ALPHA_SEPARATOR}ALPHA, e.g. smoothquant{ALPHA_SEPARATOR}0.7)") from None
+                          f"as NAME{ALPHA_SEPARATOR}ALPHA, e.g. smoothquant{ALPHA_SEPARATOR}0.7; weight-only ones "
+                          "as [rotated-|online-rotated-]wo-int<4|8>-b<block>[-asym][-acc4][-gptq|-hqq][-fphead])") from None
     if not sep:
         return recipe
     if recipe.smoothquant_alpha is None:

@@ -5,7 +5,8 @@ held -inf) and only print a RuntimeWarning (PITFALLS.md 1); the model still runs
 finite logits that are noise. So a quantized model is checked before anyone measures it:
 
 - every quantization scale (the scale input of QuantizeLinear / DequantizeLinear, and the
-  ``*_scale`` initializers of dynamic models) is finite and > 0;
+  ``*_scale`` initializers of dynamic models) is finite and > 0; a MatMulNBits block scale is
+  finite (ORT's symmetric weight-only scales carry the sign of the block's largest weight);
 - every zero point lies in its integer type's range (and is finite);
 - the model loads and runs on ORT's CPU provider on the probe inputs with finite logits.
 """
@@ -87,6 +88,7 @@ def check_quant_params(model: onnx.ModelProto) -> list[str]:
     consts = _constant_tensors(model.graph)
     scales: dict[str, str] = {}      # scale tensor -> a node that uses it
     zero_points: dict[str, str] = {}
+    signed: dict[str, str] = {}      # MatMulNBits' block scales and zero points: finite, any sign
     for node in model.graph.node:
         if node.op_type in QDQ_OPS:
             if len(node.input) > 1:
@@ -97,6 +99,10 @@ def check_quant_params(model: onnx.ModelProto) -> list[str]:
             for name in node.input[2:4]:
                 if name:
                     zero_points.setdefault(name, node.name)
+        elif node.op_type == "MatMulNBits":
+            for name in node.input[2:4]:
+                if name:
+                    signed.setdefault(name, node.name)
     for name in consts:  # dynamic (QOperator) models multiply by <weight>_scale after MatMulInteger
         if name.endswith("_scale") and consts.is_float(name):
             scales.setdefault(name, "(initializer)")
@@ -111,6 +117,10 @@ def check_quant_params(model: onnx.ModelProto) -> list[str]:
             bad_scales.append(f"{name} (node {node}) = {_describe(value)}: not finite")
         elif not np.all(value > 0):
             bad_scales.append(f"{name} (node {node}) = {_describe(value)}: not > 0")
+    for name, node in signed.items():
+        value = consts.get(name)
+        if value is not None and not np.all(np.isfinite(value.astype(np.float64))):
+            bad_scales.append(f"{name} (node {node}) = {_describe(value)}: not finite")
     for name, node in zero_points.items():
         value = consts.get(name)
         if value is None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from .. import results as results_file
 from .markdown import fmt, pct, table, token_suffix
-from .sections import sqnr_tables, warnings_for
+from .sections import sqnr_tables, warnings_for, weight_only_what
 
 
 def title(results: dict) -> str:
@@ -292,7 +292,7 @@ def _softmax_note(results: dict) -> list[str]:
 
 
 def _what(s: dict) -> str:
-    return (f"{s.get('format', '')} {s.get('calibration') or 'dynamic'}, "
+    return weight_only_what(s) or (f"{s.get('format', '')} {s.get('calibration') or 'dynamic'}, "
             f"{'per-channel' if s.get('per_channel') else 'per-tensor'}, {s.get('op_scope', '')} scope, "
             f"reduce_range={s.get('reduce_range')}")
 

@@ -33,7 +33,8 @@ class RunReport:
 
 ZOO_REPORT = RunReport(sections.zoo_title, (
     sections.training_status, sections.reproduce, sections.hardware, sections.zoo_model_and_data,
-    sections.zoo_training, sections.zoo_export, sections.zoo_recipes, sections.session_and_latency,
+    sections.zoo_training, sections.zoo_export, sections.zoo_recipes, sections.accuracy_level_4,
+    sections.session_and_latency,
     generation.generation, sections.zoo_outliers, sections.smoothquant, sections.search, sections.zoo_diagnostics,
 ), sections.warnings_for)
 
@@ -41,14 +42,16 @@ ZOO_REPORT = RunReport(sections.zoo_title, (
 # module, exported here with a parity check.
 LOADED_REPORT = RunReport(checkpoint.title, (
     sections.reproduce, sections.hardware, checkpoint.model_loaded, checkpoint.data, checkpoint.export_checked,
-    checkpoint.massive, checkpoint.fp16, checkpoint.recipes, sections.smoothquant, sections.search,
+    checkpoint.massive, checkpoint.fp16, checkpoint.recipes, sections.accuracy_level_4, sections.smoothquant,
+    sections.search,
     sections.session_and_latency, generation.generation, checkpoint.outliers,
 ), checkpoint.warnings)
 
 # An ONNX export directory: no PyTorch module; placement from the graph, the graph used as given.
 ONNX_REPORT = RunReport(checkpoint.title, (
     sections.reproduce, sections.hardware, checkpoint.model_onnx, checkpoint.data, checkpoint.export_given,
-    checkpoint.massive, checkpoint.fp16, checkpoint.recipes, sections.smoothquant, sections.search,
+    checkpoint.massive, checkpoint.fp16, checkpoint.recipes, sections.accuracy_level_4, sections.smoothquant,
+    sections.search,
     sections.session_and_latency, generation.generation, checkpoint.outliers,
 ), checkpoint.warnings)
 

@@ -283,13 +283,60 @@ def zoo_export(results: dict) -> list[str]:
             f"(tolerance {ex.get('tolerance', '?')}); norm ops: {norm_ops}."]
 
 
+def weight_only_what(s: dict) -> str | None:
+    """The settings column of a weight-only (MatMulNBits) recipe; None for any other recipe."""
+    if s.get("format") != "MatMulNBits":
+        return None
+    return (f"MatMulNBits int{s.get('bits')} block {s.get('block_size')}, accuracy_level {s.get('accuracy_level')}, "
+            f"{s.get('weight_rounding')}, head {s.get('head')}")
+
+
+_TWIN_KEYS = ("bits", "block_size", "weight_rounding", "head", "rotation", "excluded_nodes")
+
+
+def accuracy_level_4(results: dict) -> list[str]:
+    """Each weight-only recipe at accuracy_level 4 with its per-block input measurement
+    (``settings.activation_blocks``): what the int8 inputs lose, at the MatMul inputs the probe
+    marks as carrying a massive activation and at the others, beside its KL and its level-0 twin's."""
+    recipes = [r for r in results_file.recipes(results) if r.settings.get("format") == "MatMulNBits"]
+    rows = []
+    for r in recipes:
+        blocks = r.settings.get("activation_blocks")
+        if r.settings.get("accuracy_level") != 4 or not blocks:
+            continue
+        if blocks.get("status") != "measured":
+            rows.append([f"`{r.name}`", r.settings.get("block_size"), blocks.get("status"), "", "", "", ""])
+            continue
+        twin = next((t for t in recipes if t.settings.get("accuracy_level") == 0 and t.accuracy
+                     and all(t.settings.get(k) == r.settings.get(k) for k in _TWIN_KEYS)), None)
+        c, o = blocks["summary"]["carriers"], blocks["summary"]["others"]
+        rows.append([f"`{r.name}`", blocks["block_size"],
+                     f"{c['inputs']}: {fmt(c['median_output_db'], '.1f')} / {fmt(c['min_max_row_rest_db'], '.1f')}",
+                     f"{o['inputs']}: {fmt(o['median_output_db'], '.1f')} / {fmt(o['median_rest_db'], '.1f')} / "
+                     f"{fmt(o['min_max_row_rest_db'], '.1f')}",
+                     f"{r.accuracy['kld_mean']:.2e}" if r.accuracy else r.status,
+                     f"{twin.accuracy['kld_mean']:.2e} (`{twin.name}`)" if twin else "–",
+                     f"{fmt(100 * r.accuracy['top1_agreement'], '.2f', '%')}" if r.accuracy else "–"])
+    if not rows:
+        return []
+    return ["", "### accuracy_level 4: the int8 inputs per block", "",
+            "Each MatMulNBits input quantized to int8 per row and per block along K, as ONNX Runtime's CPU kernel does "
+            "at accuracy_level 4, measured in numpy on calibration windows with float weights (dB). Carriers: the "
+            "inputs the graph probe finds carrying a massive activation; the output SQNR is of x @ W; the rest SQNR "
+            "is of the values that are not their block's largest |a|, and of the row holding the tensor's largest "
+            "|a| (near 0 dB: that row's other values in the block round to zero).", "",
+            *table(["recipe", "block", "carriers: median output / worst max-row rest",
+                    "others: median output / median rest / worst max-row rest", "KL mean", "KL mean at level 0",
+                    "top-1"], rows)]
+
+
 def zoo_recipes(results: dict) -> list[str]:
     L = ["", "## INT8 recipes (accuracy on the evaluation range, vs the FP32 ONNX model, same session options)", ""]
     rows = []
     for r in results_file.recipes(results):
         s, a = r.settings, r.accuracy
-        what = f"{s.get('format', '')} {s.get('calibration') or 'dynamic'}, " \
-               f"{'per-channel' if s.get('per_channel') else 'per-tensor'}, reduce_range={s.get('reduce_range')}"
+        what = weight_only_what(s) or f"{s.get('format', '')} {s.get('calibration') or 'dynamic'}, " \
+            f"{'per-channel' if s.get('per_channel') else 'per-tensor'}, reduce_range={s.get('reduce_range')}"
         if a is None:
             rows.append([f"`{r.name}`", what, r.status, "–", "–", "–", "–", "–", "–"])
         else:

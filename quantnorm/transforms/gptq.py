@@ -1,4 +1,5 @@
-"""GPTQ-style rounding of INT8 weights (Frantar et al. 2023), for the per-token recipes.
+"""GPTQ-style rounding of INT8 weights (Frantar et al. 2023), for the per-token recipes (and of
+the 4- and 8-bit block codes of the weight-only ones, ``gptq_block_codes``).
 
 Round-to-nearest gives every weight its own rounding error; GPTQ rounds the input rows of a
 weight ``W`` [K, N] one at a time and pushes each row's error onto the rows not yet rounded, in
@@ -116,10 +117,43 @@ def gptq_quantize(weight: np.ndarray, hessian: np.ndarray, qmax: int, *, damp: f
                   block: int = BLOCK) -> tuple[np.ndarray, np.ndarray]:
     """GPTQ codes of ``weight`` [K, N] (``y = x @ W``) on the per-output-channel grid
     ``s = max|W[:, n]| / qmax``: (codes int8 [K, N], scales float32 [N])."""
+    amax = np.abs(np.asarray(weight, dtype=np.float64)).max(axis=0)
+    scale = np.where(amax > 0, amax / qmax, 1.0)
+    codes = _gptq_rows(weight, hessian, lambda k: scale, -qmax, qmax, damp=damp, block=block)
+    return codes, scale.astype(np.float32)
+
+
+def block_scales(weight: np.ndarray, bits: int, block: int) -> np.ndarray:
+    """ORT's symmetric scales of ``weight`` [K, N]: per block of ``block`` rows (the last one
+    padded with zeros) and column, the weight of largest magnitude over ``qmin``. [K / block, N]."""
+    k_dim, n_dim = weight.shape
+    blocks = -(-k_dim // block)
+    padded = np.zeros((blocks * block, n_dim), dtype=np.float32)
+    padded[:k_dim] = weight
+    grouped = padded.reshape(blocks, block, n_dim)
+    top = np.take_along_axis(grouped, np.abs(grouped).argmax(axis=1)[:, None, :], axis=1)[:, 0, :]
+    return (top / -(1 << (bits - 1))).astype(np.float32)
+
+
+def gptq_block_codes(weight: np.ndarray, hessian: np.ndarray, bits: int, group: int, *,
+                     damp: float = DAMP) -> tuple[np.ndarray, np.ndarray]:
+    """GPTQ codes of ``weight`` [K, N] on ONNX Runtime's symmetric MatMulNBits grid: one scale per
+    ``group`` rows along K and column (``block_scales``), codes in ``[qmin, -qmin - 1]``. The
+    scales come from the weights (GPTQ's static groups): only the codes differ from round-to-nearest.
+    Returns (codes int8 [K, N], scales float32 [ceil(K / group), N])."""
+    qmin = -(1 << (bits - 1))
+    scales = block_scales(np.asarray(weight, dtype=np.float32), bits, group)
+    safe = np.where(scales != 0, scales, 1.0).astype(np.float64)
+    codes = _gptq_rows(weight, hessian, lambda k: safe[k // group], qmin, -qmin - 1, damp=damp)
+    return codes, scales
+
+
+def _gptq_rows(weight: np.ndarray, hessian: np.ndarray, scale_of, qmin: int, qmax: int, *, damp: float = DAMP,
+               block: int = BLOCK) -> np.ndarray:
+    """The GPTQ loop: row ``k`` of ``weight`` rounded to ``scale_of(k)`` [N] times a code in
+    ``[qmin, qmax]``, its error pushed onto the rows after it through the Cholesky factor of H^-1."""
     w = np.asarray(weight, dtype=np.float64).copy()
     k_dim = w.shape[0]
-    amax = np.abs(w).max(axis=0)
-    scale = np.where(amax > 0, amax / qmax, 1.0)
     h = np.asarray(hessian, dtype=np.float64).copy()
     dead = np.diag(h) == 0
     h[dead, dead] = 1.0
@@ -129,20 +163,21 @@ def gptq_quantize(weight: np.ndarray, hessian: np.ndarray, qmax: int, *, damp: f
     h_inv = np.linalg.inv(h)
     h_inv = (h_inv + h_inv.T) / 2
     u = np.linalg.cholesky(h_inv).T
-    codes = np.empty(w.shape, dtype=np.int8)
+    codes = np.empty(w.shape, dtype=np.int8)   # qmin >= -128 and qmax <= 127 for every caller
     for b0 in range(0, k_dim, block):
         b1 = min(b0 + block, k_dim)
         w1 = w[b0:b1]                      # a view: updated in place
         errors = np.empty_like(w1)
         u1 = u[b0:b1, b0:b1]
         for i in range(b1 - b0):
-            q = np.clip(np.rint(w1[i] / scale), -qmax, qmax)
+            scale = scale_of(b0 + i)
+            q = np.clip(np.rint(w1[i] / scale), qmin, qmax)
             codes[b0 + i] = q
             err = (w1[i] - q * scale) / u1[i, i]
             w1[i:] -= np.outer(u1[i, i:], err)
             errors[i] = err
         w[b1:] -= u[b0:b1, b1:].T @ errors
-    return codes, scale.astype(np.float32)
+    return codes
 
 
 def output_error(weight: np.ndarray, codes: np.ndarray, scale: np.ndarray, hessian: np.ndarray) -> float:
