@@ -209,6 +209,44 @@ def _decode_row(model: dict, batch: int) -> dict | None:
                  and d.get("batch") == batch and d.get("status") == "measured"), None)
 
 
+TWIN_KEYS = ("bits", "block_size", "weight_rounding", "head", "rotation")
+
+
+def accuracy_level_lines(r: dict) -> list[str]:
+    """The accuracy_level 4 question (weight-only MatMulNBits with int8 activations per block):
+    each level-4 recipe against its level-0 twin, in KL, top-1 and generation agreement, and where
+    the int8 inputs lose (the carriers' worst row against the other inputs)."""
+    wo = [x for x in r["recipes"] if x.get("settings", {}).get("format") == "MatMulNBits" and x.get("accuracy")]
+    agreement = {m["name"]: (m.get("agreement") or {}).get("identical_before_divergence")
+                 for m in (r.get("generation") or {}).get("models", [])}
+    parts = []
+    for x in wo:
+        s = x["settings"]
+        twin = next((t for t in wo if t["settings"].get("accuracy_level") == 0 and s.get("accuracy_level") == 4
+                     and all(t["settings"].get(k) == s.get(k) for k in TWIN_KEYS)), None)
+        if twin is None:
+            continue
+        a, b = x["accuracy"], twin["accuracy"]
+        text = (f"`{x['name']}` KL {a['kld_mean']:.4f} against {b['kld_mean']:.4f} at level 0 "
+                f"({a['kld_mean'] / b['kld_mean']:.1f}x), top-1 {pct(a['top1_agreement'])} against "
+                f"{pct(b['top1_agreement'])}")
+        if agreement.get(x["name"]) is not None and agreement.get(twin["name"]) is not None:
+            text += (f", greedy tokens identical before the first divergence {pct(agreement[x['name']])} against "
+                     f"{pct(agreement[twin['name']])}")
+        blocks = s.get("activation_blocks") or {}
+        if blocks.get("status") == "measured":
+            c, o = blocks["summary"]["carriers"], blocks["summary"]["others"]
+            text += (f"; the int8 inputs' worst max-row rest SQNR {fmt(c['min_max_row_rest_db'], '.1f')} dB at the "
+                     f"{c['inputs']} inputs carrying a massive value, {fmt(o['min_max_row_rest_db'], '.1f')} dB at the "
+                     f"{o['inputs']} others")
+        parts.append(text)
+    if not parts:
+        return []
+    return ["", "accuracy_level 4 (weight-only MatMulNBits, activations quantized to int8 per block at run time, "
+                "ONNX Runtime GenAI's CPU default) against level 0 (float activations), same weights: "
+            + "; ".join(parts) + "."]
+
+
 def bundle_check_lines(name: str, run_dir: Path) -> list[str]:
     """tools/bundle_check.py's record: the bundled pick generating in ONNX Runtime GenAI."""
     path = run_dir / "bundle_check.json"
@@ -402,6 +440,7 @@ def model_section(name: str, r: dict, run_dir: Path, by_cpu: dict | None = None)
         L += ["", f"FP16: **{f['verdict']}**. " + "; ".join(
             f"{k}: {v.get('status')}" + (f" (PPL ratio {v['ppl_ratio']:.4f}, KL {v['kld_mean']:.4f})" if v.get("ppl_ratio") else "")
             for k, v in fw.items()) + "."]
+    L += accuracy_level_lines(r)
     L += generation_lines(name, r, run_dir)
     secs = r.get("stage_seconds", {})
     L += ["", f"Run: `{r['command']}`; {sum(secs.values()) / 60:.1f} min of stages."]
