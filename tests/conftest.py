@@ -11,6 +11,13 @@ import re
 
 import pytest
 
+# Under pytest-xdist (.ci/run: a worker per core), torch computes on one thread in each worker:
+# two workers' thread pools each as wide as the machine would spin against each other.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    import torch
+
+    torch.set_num_threads(1)
+
 pytest_plugins = ["pytester"]  # tests/test_conftest.py runs small inner sessions
 
 STRICT_SKIPS_ENV = "QUANTNORM_STRICT_SKIPS"
