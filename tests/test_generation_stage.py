@@ -59,12 +59,20 @@ def _check_models(results: dict, exact: tuple[str, ...], *, new_tokens: int = 12
     return models
 
 
+PREPROCESSED: list[str] = []   # the FP32 models zoo_run pre-processed for quantization, in order
+
+
 @pytest.fixture(scope="module")
 def zoo_run(tmp_path_factory) -> Path:
+    from quantnorm.quantize import ort_backend
+
     out = tmp_path_factory.mktemp("gen-zoo") / "run"
     recipes = "static-minmax-matmul,dynamic,pertoken-fused-gptq,online-rotated-pertoken-fused,smoothquant"
-    assert main(["evaluate", "--placement", "pre", "--norm", "rms", *TINY, *FAST, *GEN, "--out", str(out),
-                 "--recipes", recipes, "--providers", "cpu,cuda"]) == 0
+    preprocess = ort_backend._preprocess
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ort_backend, "_preprocess", lambda src, dst: PREPROCESSED.append(src.name) or preprocess(src, dst))
+        assert main(["evaluate", "--placement", "pre", "--norm", "rms", *TINY, *FAST, *GEN, "--out", str(out),
+                     "--recipes", recipes, "--providers", "cpu,cuda"]) == 0
     return out
 
 
@@ -80,6 +88,8 @@ def test_zoo_every_recipe_generates_through_its_cache(zoo_run):
     assert models["dynamic"].entry["quantized_from"] == "model.fp32.past.onnx"
     for m in models.values():
         assert (zoo_run / m.path).is_file()
+    # each FP32 model, whole-window or with-past, pre-processed once for all the recipes it serves
+    assert sorted(PREPROCESSED) == sorted(set(PREPROCESSED)) and "model.fp32.past.onnx" in PREPROCESSED
     # an absent GPU is "not measured: why", never a number
     cuda = [r for r in models["fp32"].decode if r["provider"] == "CUDAExecutionProvider"]
     assert cuda and all(r["status"].startswith("not measured: ") and "gen_tokens_per_s" not in r for r in cuda)
