@@ -11,7 +11,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from onnx import numpy_helper
 
 from quantnorm.measure.block_sqnr import activation_block_sqnr, block_int8
 from quantnorm.quantize import get_recipe, quantize, weight_matmuls
@@ -20,6 +20,7 @@ from quantnorm.quantize.weight_only import _ort_quantizer
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_massive import BOS, planted_llama  # noqa: E402
+from test_weight_only import _matmul_model  # noqa: E402
 
 
 @pytest.mark.parametrize("bits, block", [(8, 32), (4, 128)])
@@ -29,12 +30,7 @@ def test_block_int8_is_what_accuracy_level_4_computes(bits, block):
     rng = np.random.default_rng(0)
     k, n = 256, 48
     weight = (rng.standard_normal((k, n)) * 0.1).astype(np.float32)
-    graph = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"], name="mm")], "g",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, k])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, n])],
-                              [numpy_helper.from_array(weight, "W")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
-    model.ir_version = 9
+    model = _matmul_model(weight)
     recipe = Recipe("x", "weight-only", None, True, "matmul", False, False, weight_bits=bits, block_size=block,
                     accuracy_level=4)
     q = _ort_quantizer(model, recipe, keep=[])
