@@ -31,6 +31,8 @@ class EngineRequest:
 
     checkpoint: Path        # the file or directory the source read (a GGUF file, a Hugging Face directory)
     checkpoint_kind: str    # "gguf" | "hf"
+    hf_dir: Path | None     # a Hugging Face directory of the same weights (the checkpoint itself, or
+                            # the GGUF's dequantization the source made), for engines that build from one
     work_dir: Path          # where the engine writes its models (<run dir>/engines/<engine>)
     threads: int            # the threads quantnorm's own rows ran with
     max_length: int         # the longest sequence (prompt + new tokens) the engine must hold
