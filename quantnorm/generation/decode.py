@@ -221,6 +221,18 @@ class CacheCheck:
                 "tolerance": self.tolerance, "ok": self.ok, "prefill": self.prefill, "windows": list(self.windows)}
 
 
+def _whole_nll_sum(session: ort.InferenceSession, windows: np.ndarray, batch_size: int) -> float:
+    """Next-token NLL summed over ``windows`` scored whole by a whole-window graph."""
+    vocab = next(o.shape[-1] for o in session.get_outputs() if o.name == LOGITS)
+    step = rows_within_budget(windows.shape[1], vocab if isinstance(vocab, int) and vocab > 0 else 1, batch_size)
+    feed = window_feeder(session)
+    total = 0.0
+    for lo in range(0, len(windows), step):
+        batch = windows[lo:lo + step]
+        total += float(nll_rows(session.run([LOGITS], feed(batch))[0][:, :-1], batch[:, 1:]).sum())
+    return total
+
+
 def check_cache(model, windows: np.ndarray, prefill: int, *, whole=None, tolerance: float = 1e-4,
                 batch_size: int = 8, threads: int | None = 1) -> CacheCheck:
     """Score ``windows`` [n, seq] through the cache (prefill ``prefill`` tokens, then one token at
@@ -237,23 +249,23 @@ def check_cache(model, windows: np.ndarray, prefill: int, *, whole=None, toleran
     if not 1 <= prefill < windows.shape[1]:
         raise ConfigError(f"prefill must be in [1, {windows.shape[1] - 1}] for {windows.shape[1]}-token windows, "
                           f"got {prefill}")
+    # One graph in memory at a time (two FP32 copies of a checkpoint, each with its arena, are most
+    # of the generation stage's peak): the whole-window graph scores first and is let go.
+    whole_sum = None if whole is None else _whole_nll_sum(open_session(whole, threads), windows, batch_size)
     runner = DecodeSession(model, threads=threads)
-    whole_session = None if whole is None else open_session(whole, threads)
     batch_size = rows_within_budget(windows.shape[1], runner.vocab, batch_size)
-    cached_sum = whole_sum = 0.0
+    cached_sum, own_whole_sum = 0.0, 0.0
     for lo in range(0, len(windows), batch_size):
         batch = windows[lo:lo + batch_size]
         runner.reset(len(batch))
-        parts = [runner.step(batch[:, :prefill])]
+        # each step's NLL as it comes: never all positions' logits at once
+        cached_sum += float(nll_rows(runner.step(batch[:, :prefill]), batch[:, 1:prefill + 1]).sum())
         for t in range(prefill, batch.shape[1] - 1):
-            parts.append(runner.step(batch[:, t:t + 1]))
-        cached_sum += float(nll_rows(np.concatenate(parts, axis=1), batch[:, 1:]).sum())
-        if whole_session is None:
+            cached_sum += float(nll_rows(runner.step(batch[:, t:t + 1]), batch[:, t + 1:t + 2]).sum())
+        if whole is None:
             runner.reset(len(batch))
-            whole_logits = runner.step(batch)
-        else:
-            whole_logits = whole_session.run([LOGITS], window_feeder(whole_session)(batch))[0]
-        whole_sum += float(nll_rows(whole_logits[:, :-1], batch[:, 1:]).sum())
+            own_whole_sum += float(nll_rows(runner.step(batch)[:, :-1], batch[:, 1:]).sum())
     n = windows.shape[0] * (windows.shape[1] - 1)
+    whole_sum = own_whole_sum if whole_sum is None else whole_sum
     return CacheCheck(cached_sum / n, whole_sum / n, prefill, list(windows.shape), tolerance)
 
