@@ -113,6 +113,12 @@ class EvaluateConfig:
         return replace(DEFAULT_POLICY, max_ppl_ratio=self.max_ppl_ratio, min_top1=self.min_top1, max_kld=self.max_kld,
                        max_kld_p99=self.max_kld_p99)
 
+    def accuracy_thresholds(self) -> dict:
+        """``results["policy"]``: the accuracy thresholds the run is judged by (the search's goals and
+        the report's verdict), as the policy names them."""
+        return {"max_ppl_ratio": self.max_ppl_ratio, "max_kld": self.max_kld, "max_kld_p99": self.max_kld_p99,
+                "min_top1": self.min_top1}
+
     def search_config(self):
         return SearchConfig(policy=self.policy(), pick=self.search_pick, space=self.search_space,
                             sq_alpha=self.sq_alpha, latency_iters=min(self.latency_iters, 10))

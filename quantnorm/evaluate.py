@@ -103,6 +103,7 @@ def evaluate(source: ModelSource | RunDir, cfg: EvaluateConfig, *, command: str)
     with stage("prepare"):
         source.prepare(cfg)
     out = ResultsBuilder(command, cfg.threads)
+    out.section("policy", cfg.accuracy_thresholds())   # what the report's verdict judges by
     run = open_run(source, cfg, out, stage, stage_seconds)
     quantize_recipes(run, out)
     run.fp32_session.close()   # the search opens its own; latency, the probe and the FP16 check read files

@@ -15,7 +15,7 @@ from pathlib import Path
 from .. import results as results_file
 from ..fileio import write_text_atomic
 from ..runs import PLOTS_DIR, REPORT_FILE
-from . import checkpoint, generation, sections
+from . import checkpoint, generation, sections, verdict
 from .plots import plot_layer_outliers, plot_recipe_tradeoff, plot_sqnr_vs_outlier
 
 Section = Callable[[dict], list[str]]
@@ -32,7 +32,7 @@ class RunReport:
 
 
 ZOO_REPORT = RunReport(sections.zoo_title, (
-    sections.training_status, sections.reproduce, sections.hardware, sections.zoo_model_and_data,
+    sections.training_status, verdict.verdict, sections.reproduce, sections.hardware, sections.zoo_model_and_data,
     sections.zoo_training, sections.zoo_export, sections.zoo_recipes, sections.accuracy_level_4,
     sections.session_and_latency,
     generation.generation, sections.zoo_outliers, sections.smoothquant, sections.search, sections.zoo_diagnostics,
@@ -41,7 +41,7 @@ ZOO_REPORT = RunReport(sections.zoo_title, (
 # A checkpoint loaded into PyTorch (HF directory, GGUF file): detected placement verified on the
 # module, exported here with a parity check.
 LOADED_REPORT = RunReport(checkpoint.title, (
-    sections.reproduce, sections.hardware, checkpoint.model_loaded, checkpoint.data, checkpoint.export_checked,
+    verdict.verdict, sections.reproduce, sections.hardware, checkpoint.model_loaded, checkpoint.data, checkpoint.export_checked,
     checkpoint.massive, checkpoint.fp16, checkpoint.recipes, sections.accuracy_level_4, sections.smoothquant,
     sections.search,
     sections.session_and_latency, generation.generation, checkpoint.outliers,
@@ -49,7 +49,7 @@ LOADED_REPORT = RunReport(checkpoint.title, (
 
 # An ONNX export directory: no PyTorch module; placement from the graph, the graph used as given.
 ONNX_REPORT = RunReport(checkpoint.title, (
-    sections.reproduce, sections.hardware, checkpoint.model_onnx, checkpoint.data, checkpoint.export_given,
+    verdict.verdict, sections.reproduce, sections.hardware, checkpoint.model_onnx, checkpoint.data, checkpoint.export_given,
     checkpoint.massive, checkpoint.fp16, checkpoint.recipes, sections.accuracy_level_4, sections.smoothquant,
     sections.search,
     sections.session_and_latency, generation.generation, checkpoint.outliers,
