@@ -26,6 +26,8 @@ Schema versions (:data:`READABLE_SCHEMAS`; :func:`load` refuses any other):
   search beside its PPL ratio target); the ``generation`` section (``status``, ``settings``, the
   with-past ``export``, and ``models``: FP32 then each recipe on its with-past graph, with its
   ``cache_check``, ``agreement`` and ``decode`` rows; read through :func:`generation_models`).
+  The ``policy`` section: the accuracy thresholds the run was held to (``max_ppl_ratio``,
+  ``max_kld``, ``max_kld_p99``, ``min_top1``; None = off), which the report's verdict applies.
   A version-1 file is read as it is: every key added in 2 is optional to a reader.
 """
 
