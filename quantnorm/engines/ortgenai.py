@@ -206,7 +206,7 @@ class OrtGenAIModel:
                 out = np.empty((*windows.shape, row.shape[-1]), dtype=np.float32)
             out[i] = row
             del generator
-        return out
+        return out if out is not None else np.zeros((*windows.shape, 0), dtype=np.float32)
 
     def greedy(self, prompts: np.ndarray, new_tokens: int) -> np.ndarray:
         prompts = np.asarray(prompts, dtype=np.int32)
