@@ -76,7 +76,8 @@ def test_the_builder_makes_its_cpu_default_int4_model_and_records_how(built):
     assert model.format == "int4-b32-acc4"     # the builder's CPU defaults, read back from its graph
     s = model.settings
     assert s["builder_options"] == ["--precision", "int4", "--execution_provider", "cpu"]
-    assert s["builder_version"] == "0.18.0" and s["session_options"] == {"intra_op_num_threads": 1}
+    assert s["builder_version"] == "0.18.0" and s["threads"] == 1
+    assert s["session_options"] == {"intra_op_num_threads": 1}
     # every linear layer and the head: 2 layers x (qkv, o, gate, up, down) + lm_head
     assert s["matmulnbits"] == [{"bits": 4, "block_size": 32, "accuracy_level": 4, "nodes": 11}]
     assert model.path == built["work_dir"] / "int4" and (model.path / "genai_config.json").is_file()
@@ -124,6 +125,14 @@ def test_greedy_does_not_stop_or_swerve_at_the_end_of_sequence_token(built, tmp_
     (folder / "genai_config.json").write_text(json.dumps(config))
     model = OrtGenAIModel(folder, built["fp32"].settings, threads=1)
     np.testing.assert_array_equal(model.greedy(prompts, new), tokens)
+    model.close()
+
+
+def test_without_threads_the_runtime_keeps_its_default_and_says_so(built):
+    model = OrtGenAIModel(built["fp32"].path, built["fp32"].settings, threads=None)
+    assert model.settings["threads"] is None and model.settings["session_options"] == {}
+    ids = windows(1, 8)
+    np.testing.assert_array_equal(model.logits(ids), built["fp32"].logits(ids))
     model.close()
 
 

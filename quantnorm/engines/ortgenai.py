@@ -21,7 +21,8 @@ when it succeeds. The model then runs in ONNX Runtime GenAI's ``Generator``:
   no model: the timed steps are the calls after it, one forward pass of one token each.
 
 Threads: the decoder's ``intra_op_num_threads`` set to the run's (``og.Config.overlay``; the folder
-keeps the builder's genai_config.json as it wrote it).
+keeps the builder's genai_config.json as it wrote it); a run without ``--threads`` leaves ONNX
+Runtime's default, as quantnorm's own rows have it.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ def builder_args(precision: str) -> list[str]:
     return ["--precision", precision, "--execution_provider", "cpu"]
 
 
-def build_model(hf_dir: Path, work_dir: Path, precision: str, *, threads: int,
+def build_model(hf_dir: Path, work_dir: Path, precision: str, *, threads: int | None,
                 progress: bool = False) -> tuple[Path, dict] | NotMeasured:
     """(model folder ``work_dir/<precision>``, settings), or why the builder refused the checkpoint."""
     target = work_dir / precision
@@ -104,8 +105,8 @@ def build_model(hf_dir: Path, work_dir: Path, precision: str, *, threads: int,
         command = [sys.executable, "-m", BUILDER, "--input", str(hf_dir), "--output", str(tmp / "model"),
                    "--cache_dir", str(tmp / "cache"), *builder_args(precision)]
         # the builder's torch and numpy within the run's threads; nothing fetched from a hub
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-               "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+               **({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)} if threads else {})}
         if progress:
             print(f"{NAME}: building {precision} from {hf_dir} with ONNX Runtime GenAI's model builder",
                   file=sys.stderr, flush=True)
@@ -178,16 +179,18 @@ def format_name(precision: str, settings: dict) -> str:
 class OrtGenAIModel:
     engine = NAME
 
-    def __init__(self, path: Path, settings: dict, *, threads: int):
+    def __init__(self, path: Path, settings: dict, *, threads: int | None):
         og = _genai()
         self.path = Path(path)
         self.version = og.__version__
         self.format = format_name(settings["precision"], settings)
-        session = {"intra_op_num_threads": int(threads)}
-        self.settings = {**settings, "session_options": session}
+        # threads None: ONNX Runtime's default (one per physical core), as quantnorm's own rows ran
+        session = {"intra_op_num_threads": int(threads)} if threads else {}
+        self.settings = {**settings, "threads": int(threads) if threads else None, "session_options": session}
         self.size_bytes = sum(f.stat().st_size for f in self.path.rglob("*") if f.is_file())
         config = og.Config(str(self.path))
-        config.overlay(json.dumps({"model": {"decoder": {"session_options": session}}}))
+        if session:
+            config.overlay(json.dumps({"model": {"decoder": {"session_options": session}}}))
         self._og, self._model = og, og.Model(config)
 
     def _generator(self, max_length: int, min_length: int = 0):

@@ -211,7 +211,7 @@ def engines(results: dict) -> list[str]:
           "", *_picks(rows, policy), ""]
     missing = [r for r in others if not r.ok]
     if missing:
-        L += ["Not measured:", ""] + [f"- `{r.label}`: {r.status}" for r in missing] + [""]
+        L += ["Not measured or broken:", ""] + [f"- `{r.label}`: {r.status}" for r in missing] + [""]
     settings = _settings_rows(results)
     if settings:
         L += ["Engine settings:", ""] + [f"- `{r.label}` ({r.engine} {r.version}): {_settings(e)}"
