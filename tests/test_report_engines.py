@@ -140,7 +140,7 @@ def test_picks_say_when_fp32_is_the_answer_or_nothing_is_fast_enough():
     results["generation"]["models"][2]["decode"] = decode(1200.0, 70.0)
     text = "\n".join(report_engines.engines(results))
     assert "(KL mean): none: no model generates at FP32's 100.0 tok/s or faster." in text
-    assert "(generation tok/s): `fp32`: KL 0, PPL ratio 1.0000" in text
+    assert "(generation tok/s): `fp32`: KL 0, PPL ratio 1.0000, top-1 100.00%, 100.0 generation tok/s" in text
     assert "(FP32 itself: no quantized model is both faster and within the goal)." in text
 
 

@@ -158,10 +158,10 @@ def _cells(row: Row, policy: Policy) -> list:
 
 def _numbers(row: Row) -> str:
     a = row.accuracy
+    agreement = "" if row.reference else f"generation agreement {pct(row.agreement)}, "
     return (f"`{row.label}`: KL {fmt(a.get('kld_mean'), '.4g')}, PPL ratio {fmt(a.get('ppl_ratio'), '.4f')}, "
-            f"top-1 {pct(a.get('top1_agreement'))}, generation agreement {pct(row.agreement)}, "
-            f"{fmt(row.gen_tok_s, ',.1f')} generation tok/s, {fmt(row.prompt_tok_s, ',.0f')} prompt tok/s, "
-            f"{_size(row.size_bytes)}")
+            f"top-1 {pct(a.get('top1_agreement'))}, {agreement}{fmt(row.gen_tok_s, ',.1f')} generation tok/s, "
+            f"{fmt(row.prompt_tok_s, ',.0f')} prompt tok/s, {_size(row.size_bytes)}")
 
 
 def _picks(rows: list[Row], policy: Policy) -> list[str]:

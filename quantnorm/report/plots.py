@@ -284,6 +284,7 @@ def plot_accuracy_speed(points: list[tuple[str, str, float, float]], front: list
     for group in groups:
         ax.scatter([], [], color=colours[group], label=group)
     ax.set_yscale("log")
+    ax.margins(x=0.12)   # room for the labels of the rightmost points
     ax.set_xlabel("generation tokens/s (batch 1)")
     ax.set_ylabel("KL mean vs FP32, nats (log)")
     ax.legend(fontsize=7, loc="best")
