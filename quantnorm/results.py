@@ -358,6 +358,30 @@ def generation_model(results: dict | None, name: str) -> GenerationModel | None:
     return next((m for m in generation_models(results) if m.name == name), None)
 
 
+def file_size(results: dict | None, name: str) -> int | None:
+    """The model file's size of ``name`` (``fp32`` or a recipe): the recipe entry's ``size_bytes``,
+    else ``file_sizes_bytes``; None when the run recorded neither."""
+    entry = recipe(results, name)
+    size = entry.entry.get("size_bytes") if entry is not None else None
+    if not isinstance(size, int):
+        size = ((results or {}).get("file_sizes_bytes") or {}).get(name)
+    return size if isinstance(size, int) and not isinstance(size, bool) else None
+
+
+def engine_rows(results: dict | None) -> list[dict]:
+    """``engines.engines[*].rows`` (``--engines``: other engines' formats, scored like the recipes),
+    each with its engine's ``engine`` and ``version`` added; [] for a run without engines."""
+    engines = (section(results, "engines") or {}).get("engines")
+    out = []
+    for engine in engines if isinstance(engines, list) else []:
+        if not isinstance(engine, dict):
+            continue
+        for row in engine.get("rows") or []:
+            if isinstance(row, dict):
+                out.append({**row, "engine": engine.get("engine"), "version": engine.get("version")})
+    return out
+
+
 # ------------------------------------------------------------------------------------ activations
 
 

@@ -254,3 +254,39 @@ def plot_token_latency(series: dict[str, list[float]], out_png: Path, title: str
     ax.legend(fontsize=7, loc="upper left")
     ax.set_title(title)
     return save(fig, out_png)
+
+
+def plot_accuracy_speed(points: list[tuple[str, str, float, float]], front: list[str], out_png: Path, title: str, *,
+                        goal_kld: float | None = None, fp32_tok_s: float | None = None) -> Path:
+    """KL mean (log y) against generation tokens/s (x): ``points`` are (label, group, tokens/s, KL),
+    one colour per group (quantnorm, each engine), each point labelled. The accuracy goal's KL is a
+    horizontal line, FP32's speed a vertical one, the Pareto front (the ``front`` labels) joined.
+    A KL of 0 (an engine's own float model can match exactly) is drawn at the axis' floor."""
+    if not points:
+        raise ValueError("no points to plot")
+    positive = [kl for *_, kl in points if kl > 0]
+    floor = min(positive + [goal_kld or 1.0]) / 10
+    fig = Figure(figsize=(8, 5))
+    ax = fig.subplots()
+    groups = list(dict.fromkeys(group for _, group, _, _ in points))
+    colours = {group: f"C{i}" for i, group in enumerate(groups)}
+    for label, group, speed, kl in points:
+        ax.scatter([speed], [max(kl, floor)], color=colours[group], zorder=3)
+        ax.annotate(label, (speed, max(kl, floor)), fontsize=7, xytext=(4, 3), textcoords="offset points")
+    by_label = {label: (speed, max(kl, floor)) for label, _, speed, kl in points}
+    line = sorted(by_label[label] for label in front if label in by_label)
+    if len(line) > 1:
+        ax.plot(*zip(*line), color="black", lw=1.0, ls="-", zorder=2, label="Pareto front")
+    if goal_kld:
+        ax.axhline(goal_kld, color="tab:red", ls=":", lw=1.0, label=f"accuracy goal: KL {goal_kld:g}")
+    if fp32_tok_s:
+        ax.axvline(fp32_tok_s, color="gray", ls="--", lw=1.0, label=f"FP32: {fp32_tok_s:,.1f} tok/s")
+    for group in groups:
+        ax.scatter([], [], color=colours[group], label=group)
+    ax.set_yscale("log")
+    ax.margins(x=0.12)   # room for the labels of the rightmost points
+    ax.set_xlabel("generation tokens/s (batch 1)")
+    ax.set_ylabel("KL mean vs FP32, nats (log)")
+    ax.legend(fontsize=7, loc="best")
+    ax.set_title(title)
+    return save(fig, out_png)

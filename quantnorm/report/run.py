@@ -15,7 +15,7 @@ from pathlib import Path
 from .. import results as results_file
 from ..fileio import write_text_atomic
 from ..runs import PLOTS_DIR, REPORT_FILE
-from . import checkpoint, generation, sections, verdict
+from . import checkpoint, engines, generation, sections, verdict
 from .plots import plot_layer_outliers, plot_recipe_tradeoff, plot_sqnr_vs_outlier
 
 Section = Callable[[dict], list[str]]
@@ -35,7 +35,8 @@ ZOO_REPORT = RunReport(sections.zoo_title, (
     sections.training_status, verdict.verdict, sections.reproduce, sections.hardware, sections.zoo_model_and_data,
     sections.zoo_training, sections.zoo_export, sections.zoo_recipes, sections.accuracy_level_4,
     sections.session_and_latency,
-    generation.generation, sections.zoo_outliers, sections.smoothquant, sections.search, sections.zoo_diagnostics,
+    generation.generation, engines.engines, sections.zoo_outliers, sections.smoothquant, sections.search,
+    sections.zoo_diagnostics,
 ), sections.warnings_for)
 
 # A checkpoint loaded into PyTorch (HF directory, GGUF file): detected placement verified on the
@@ -44,7 +45,7 @@ LOADED_REPORT = RunReport(checkpoint.title, (
     verdict.verdict, sections.reproduce, sections.hardware, checkpoint.model_loaded, checkpoint.data, checkpoint.export_checked,
     checkpoint.massive, checkpoint.fp16, checkpoint.recipes, sections.accuracy_level_4, sections.smoothquant,
     sections.search,
-    sections.session_and_latency, generation.generation, checkpoint.outliers,
+    sections.session_and_latency, generation.generation, engines.engines, checkpoint.outliers,
 ), checkpoint.warnings)
 
 # An ONNX export directory: no PyTorch module; placement from the graph, the graph used as given.
@@ -52,7 +53,7 @@ ONNX_REPORT = RunReport(checkpoint.title, (
     verdict.verdict, sections.reproduce, sections.hardware, checkpoint.model_onnx, checkpoint.data, checkpoint.export_given,
     checkpoint.massive, checkpoint.fp16, checkpoint.recipes, sections.accuracy_level_4, sections.smoothquant,
     sections.search,
-    sections.session_and_latency, generation.generation, checkpoint.outliers,
+    sections.session_and_latency, generation.generation, engines.engines, checkpoint.outliers,
 ), checkpoint.warnings)
 
 # source kind (quantnorm.results.source_kind) -> report; None: a results.json without
@@ -94,6 +95,7 @@ def make_plots(run_dir: Path, results: dict) -> dict[str, str]:
     if outliers is not None and (out_dir / "heatmap.png").is_file():  # drawn by evaluate, which holds the model
         made[f"|a| over (position, channel), layer {outliers.get('heatmap_layer')}"] = f"{PLOTS_DIR}/heatmap.png"
     made.update(generation.plot(run_dir, results, out_dir))
+    made.update(engines.plot(run_dir, results, out_dir))
     for recipe, rows in results.get("sqnr", {}).items():
         points = [r for r in rows if r.get("modules")]  # weight-MatMul inputs (see evaluate.measure_outliers)
         if points:
