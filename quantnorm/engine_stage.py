@@ -54,11 +54,11 @@ def engines_section(source, cfg, *, run_dir: Path, fp32_path: Path, generation: 
     measured = generation is not None and generation.get("status") == MEASURED
     max_length = (generation["settings"]["max_length"] if measured else None) or getattr(source, "max_positions", None)
     prompt_tokens, new_tokens = decode_lengths(max_length, cfg.gen_prompt_tokens, cfg.gen_new_tokens)
-    eval_inputs = np.asarray(source.data.eval_inputs)
+    eval_inputs = np.asarray(source.data.eval_inputs)[:, :max_length]   # as the generation stage cuts them
     reference = None
     if measured:
         with stage("engines:fp32_continuation"):
-            prompts, agreement_new = agreement_prompts(eval_inputs[:, :max_length], max_length,
+            prompts, agreement_new = agreement_prompts(eval_inputs, max_length,
                                                        n=cfg.agreement_prompts, new_tokens=cfg.agreement_new_tokens)
             reference = fp32_continuation(run_dir / past_onnx_file("fp32"), prompts, agreement_new,
                                           threads=cfg.threads)

@@ -71,7 +71,7 @@ class LlamaCppEngine:
             _import()
         except ImportError:
             return NOT_INSTALLED
-        except OSError as exc:   # the package is there but its shared library does not load
+        except (OSError, RuntimeError) as exc:   # the package is there but its shared library does not load
             return f"llama-cpp-python cannot load llama.cpp ({' '.join(str(exc).split())[:200]}): reinstall it"
         return None
 
