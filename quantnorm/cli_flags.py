@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from .config import EvaluateConfig
+from .config import LLAMACPP_DEFAULT_TYPES, EvaluateConfig
 from .policy import DEFAULT_POLICY, resolve_policy
 from .quantize import DEFAULT_RECIPES
 
@@ -97,6 +97,16 @@ def evaluate_options(func):
                           "positions when they do not fit)."),
         click.option("--agreement", default="16,64", show_default=True,
                      help="Generation agreement: prompts (from the evaluation split) and greedy new tokens each."),
+        click.option("--engines", default=None,
+                     help="Comma-separated other inference engines to measure beside the recipes, on the same "
+                          "checkpoint, windows and threads, scored against the same FP32 model: llamacpp "
+                          "(llama.cpp's own quantizations of a GGUF --model; needs quantnorm[llamacpp]). Each "
+                          "format is a row: PPL ratio, KL, top-1, generation agreement, prompt and generation "
+                          "tokens/s, size; an engine that cannot run here says why. [default: none]"),
+        click.option("--llamacpp-types", default=",".join(LLAMACPP_DEFAULT_TYPES), show_default=True,
+                     help="With --engines llamacpp: the llama.cpp types made from the GGUF with llama.cpp's own "
+                          "quantizer (F32 is its dequantization, the FP32 baseline's weights; also F16, BF16, "
+                          "Q6_K, Q5_K_M, Q5_K_S, Q5_0, Q5_1, Q4_K_S, Q4_1, IQ4_NL, IQ4_XS, Q3_K_L/M/S, Q2_K)."),
         click.option("--no-outliers", is_flag=True,
                      help="Skip the activation probe and per-tensor SQNR (a sweep's residual-growth and outlier "
                           "findings need them)."),
@@ -125,6 +135,7 @@ def evaluate_config(flags: dict, progress: bool, *, with_model: bool = False,
         min_top1=policy.min_top1, max_kld=policy.max_kld, max_kld_p99=policy.max_kld_p99, search_pick=f["search_pick"],
         search_space=tuple(_csv(f["search_space"])) if f["search_space"] else None, exclude=tuple(f["exclude"]),
         **generation_fields(f, generation_default),
+        engines=tuple(_csv(f["engines"]) or ()), llamacpp_types=tuple(_csv(f["llamacpp_types"]) or ()),
     )
 
 

@@ -9,6 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from . import serial
+from .engines import ENGINES
+from .engines.llamacpp import DEFAULT_TYPES as LLAMACPP_DEFAULT_TYPES
+from .engines.llamacpp import check_types as check_llamacpp_types
 from .errors import ConfigError
 from .measure.sessions import SessionSpec, listed_providers, resolve_providers
 from .policy import DEFAULT_POLICY, Policy
@@ -65,6 +68,10 @@ class EvaluateConfig:
     gen_rounds: int = 2
     agreement_prompts: int = 16         # generation agreement: prompts from the evaluation split
     agreement_new_tokens: int = 64
+    # Other engines measured beside the recipes (quantnorm.engines: "llamacpp"), and the llama.cpp
+    # types made from a GGUF checkpoint.
+    engines: tuple[str, ...] = ()
+    llamacpp_types: tuple[str, ...] = LLAMACPP_DEFAULT_TYPES
 
     def __post_init__(self) -> None:
         if not self.recipes:
@@ -93,6 +100,10 @@ class EvaluateConfig:
                                    ("--agreement-new-tokens", self.agreement_new_tokens, 1)):
             if value < least:
                 raise ConfigError(f"{flag} must be >= {least}, got {value}")
+        for name in self.engines:
+            if name not in ENGINES:
+                raise ConfigError(f"--engines: unknown engine {name!r}: choose from {', '.join(sorted(ENGINES))}")
+        object.__setattr__(self, "llamacpp_types", check_llamacpp_types(self.llamacpp_types))
 
     @property
     def searches(self) -> bool:
@@ -134,6 +145,10 @@ class EvaluateConfig:
         if self.exclude and recipe.mode != "fp16":
             recipe = with_exclusions(recipe, self.exclude)
         return recipe
+
+    def engine_formats(self, engine: str) -> tuple[str, ...]:
+        """What ``engine`` is asked to make (empty: its defaults)."""
+        return self.llamacpp_types if engine == "llamacpp" else ()
 
     def provider_list(self) -> list[str]:
         if self.providers is not None:

@@ -23,6 +23,7 @@ import psutil
 from tqdm import tqdm
 
 from .config import AUTO, EvaluateConfig
+from .engine_stage import engines_section
 from .errors import ConfigError, QuantizeError
 from .fileio import release_memory, sweep_stale_temporaries
 from .generation_stage import generation_section
@@ -117,10 +118,14 @@ def evaluate(source: ModelSource | RunDir, cfg: EvaluateConfig, *, command: str)
     run.close()
     transform_sections(run, out)
     measure_models(run, out)
+    generation = None
     if cfg.generation:   # its own stages (generation:export, :quantize, :agreement, :decode) time it
-        out.section("generation", generation_section(source, cfg, run_dir=run.run_dir, fp32_path=run.fp32_path,
-                                                     recipes=run.recipes, int8_paths=run.int8_paths,
-                                                     vnni=run.vnni, stage=stage))
+        generation = generation_section(source, cfg, run_dir=run.run_dir, fp32_path=run.fp32_path,
+                                        recipes=run.recipes, int8_paths=run.int8_paths, vnni=run.vnni, stage=stage)
+        out.section("generation", generation)
+    if cfg.engines:   # after generation: agreement continues its FP32 with-past graph
+        out.section("engines", engines_section(source, cfg, run_dir=run.run_dir, fp32_path=run.fp32_path,
+                                               generation=generation, stage=stage))
     results = out.write(run.run_dir, stage_seconds)
     write_report(run.run_dir, results)  # the sections are chosen by the source's kind (quantnorm.report.run)
     return results

@@ -85,10 +85,10 @@ def generation_section(source, cfg, *, run_dir: Path, fp32_path: Path, recipes: 
             if entry["status"] == "ok":
                 entry["agreement"] = generation_agreement(run_dir / entry["path"], reference, threads=cfg.threads)
     with stage("generation:decode"):
-        speed_prompts = _speed_prompts(data.eval_inputs, prompt_tokens, max(cfg.gen_batches))
+        timed_prompts = speed_prompts(data.eval_inputs, prompt_tokens, max(cfg.gen_batches))
         for entry in _bar(models, "decode speed", cfg):
             if entry["status"] == "ok":
-                entry["decode"] = _decode_rows(run_dir / entry["path"], speed_prompts, new_tokens, cfg)
+                entry["decode"] = _decode_rows(run_dir / entry["path"], timed_prompts, new_tokens, cfg)
     return {"status": "measured", "export": exported.to_dict(run_dir),
             "settings": {"prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "batches": list(cfg.gen_batches),
                          "rounds": cfg.gen_rounds, "max_length": max_length,
@@ -141,7 +141,7 @@ def _quantize_past(variants, name: str, recipe, fp32_past: Path, data, cfg, run_
             "cache_check": _cache_check(q.path, data.eval_inputs, None, cfg)}
 
 
-def _speed_prompts(eval_inputs: np.ndarray, prompt_tokens: int, batch: int) -> np.ndarray:
+def speed_prompts(eval_inputs: np.ndarray, prompt_tokens: int, batch: int) -> np.ndarray:
     """``batch`` prompts of ``prompt_tokens`` tokens: evaluation text, windows joined end to end
     when one window is shorter than the prompt, rows cycling through the windows."""
     tokens = np.asarray(eval_inputs, dtype=np.int64).reshape(-1)

@@ -28,6 +28,9 @@ Schema versions (:data:`READABLE_SCHEMAS`; :func:`load` refuses any other):
   ``cache_check``, ``agreement`` and ``decode`` rows; read through :func:`generation_models`).
   The ``policy`` section: the accuracy thresholds the run was held to (``max_ppl_ratio``,
   ``max_kld``, ``max_kld_p99``, ``min_top1``; None = off), which the report's verdict applies.
+  The ``engines`` section (``--engines``): ``{"status", "engines": [{"engine", "version", "rows":
+  [{"format", "status", "path", "size_bytes", "settings", "accuracy", "agreement", "speed"}]}]}``,
+  other engines' models scored against the run's FP32 (read through :func:`engine_rows`).
   A version-1 file is read as it is: every key added in 2 is optional to a reader.
 """
 
@@ -369,17 +372,10 @@ def file_size(results: dict | None, name: str) -> int | None:
 
 
 def engine_rows(results: dict | None) -> list[dict]:
-    """``engines.engines[*].rows`` (``--engines``: other engines' formats, scored like the recipes),
-    each with its engine's ``engine`` and ``version`` added; [] for a run without engines."""
-    engines = (section(results, "engines") or {}).get("engines")
-    out = []
-    for engine in engines if isinstance(engines, list) else []:
-        if not isinstance(engine, dict):
-            continue
-        for row in engine.get("rows") or []:
-            if isinstance(row, dict):
-                out.append({**row, "engine": engine.get("engine"), "version": engine.get("version")})
-    return out
+    """Every row of ``engines.engines[].rows`` with its ``engine`` and ``version``; [] without the section."""
+    groups = (section(results, "engines") or {}).get("engines")
+    return [{"engine": g.get("engine"), "version": g.get("version"), **row} for g in groups or []
+            if isinstance(g, dict) for row in g.get("rows") or [] if isinstance(row, dict)]
 
 
 # ------------------------------------------------------------------------------------ activations
@@ -589,3 +585,10 @@ def validate(results: Any, source: str = "results") -> None:
     source_kind(results, source)
     _validate_recipes(results.get("recipes"), source)
     _validate_latency(results.get("latency"), source)
+    for i, row in enumerate(engine_rows(results)):
+        status, field = row.get("status"), f"engines row {i} ({row['engine']} {row.get('format')})"
+        if status == OK_STATUS:
+            _validate_accuracy(row.get("accuracy"), source, f"{field}.accuracy")
+        elif not (isinstance(status, str) and status.startswith((NOT_MEASURED_PREFIX, BROKEN_PREFIX))):
+            raise _malformed(source, f"{field}.status", f"is {status!r}: must be 'ok', 'not measured: ...' or "
+                             "'broken: ...'")

@@ -16,6 +16,7 @@ __all__ = ["ENGINES", "Engine", "EngineModel", "EngineRequest", "NotMeasured", "
 
 # name -> "module:class" (imported on use)
 ENGINES: dict[str, str] = {
+    "llamacpp": "llamacpp:LlamaCppEngine",
     "ortgenai": "ortgenai:OrtGenAIEngine",
 }
 

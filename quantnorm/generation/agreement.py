@@ -16,6 +16,7 @@ both with-past graphs, position by position (``greedy_decode``: no stop token), 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -87,15 +88,33 @@ def fp32_continuation(fp32_path, prompts: np.ndarray, new_tokens: int, *, thread
 def generation_agreement(candidate_path, reference: Continuation, *, threads: int | None = 1) -> dict:
     """The candidate's agreement with FP32's continuation (see the module doc)."""
     runner = DecodeSession(candidate_path, threads=threads)
+    new = reference.tokens.shape[1]
+    return agreement_of(_greedy(runner, reference.prompts, new), lambda p, t: _teacher_forced(runner, p, t),
+                        reference, step=max(1, _chunk(runner, reference.prompts, new) // 2))  # two models' logits
+
+
+def engine_agreement(greedy: Callable, logits: Callable, vocab: int, reference: Continuation) -> dict:
+    """``generation_agreement`` of a model another engine runs: ``greedy(prompts, new)`` -> tokens
+    [n, new]; ``logits(windows)`` -> [n, seq, vocab], each window from an empty cache."""
+    prompts, new = reference.prompts, reference.tokens.shape[1]
+
+    def teacher_forced(p: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        return logits(np.concatenate([p, tokens[:, :-1]], axis=1))[:, p.shape[1] - 1:]
+    step = max(1, rows_within_budget(prompts.shape[1] + new, vocab, MAX_CHUNK) // 2)
+    return agreement_of(np.asarray(greedy(prompts, new)), teacher_forced, reference, step=step)
+
+
+def agreement_of(tokens: np.ndarray, teacher_forced: Callable, reference: Continuation, *, step: int) -> dict:
+    """The statistics of the module doc: the candidate's greedy ``tokens`` [n, new] against FP32's,
+    and its logits along FP32's continuation (``teacher_forced(prompts, fp32_tokens)`` -> [k, new,
+    vocab]) beside FP32's own, ``step`` prompts at a time."""
     n, new = reference.tokens.shape
-    tokens = _greedy(runner, reference.prompts, new)
     differs = tokens != reference.tokens
     first = np.where(differs.any(axis=1), differs.argmax(axis=1), new)
     ladder = PairLadder()
-    step = max(1, _chunk(runner, reference.prompts, new) // 2)   # two models' logits at once
     for lo in range(0, n, step):
         prompts, fp32_tokens = reference.prompts[lo:lo + step], reference.tokens[lo:lo + step]
-        ladder.add(_teacher_forced(reference.fp32, prompts, fp32_tokens), _teacher_forced(runner, prompts, fp32_tokens),
+        ladder.add(_teacher_forced(reference.fp32, prompts, fp32_tokens), teacher_forced(prompts, fp32_tokens),
                    fp32_tokens)
     kld = ladder.kld
     return {"prompts": n, "prompt_tokens": int(reference.prompts.shape[1]), "new_tokens": new,

@@ -61,7 +61,7 @@ def compare_tokens(fp32_session, int8_session, inputs: np.ndarray, targets: np.n
     if scored is None:
         scored = np.ones(inputs.shape, dtype=bool)
     ladder = PairLadder()
-    batch_size = batch_size or auto_batch(inputs.shape[1], _vocab(fp32_session))
+    batch_size = batch_size or auto_batch(inputs.shape[1], logits_vocab(fp32_session))
     for (lo, lp), (_, lq) in zip(_run(fp32_session, inputs, output, batch_size),
                                  _run(int8_session, inputs, output, batch_size), strict=True):
         if lp.shape != lq.shape:
@@ -71,6 +71,11 @@ def compare_tokens(fp32_session, int8_session, inputs: np.ndarray, targets: np.n
         if tgt.size and tgt.max() >= lp.shape[-1]:
             raise MeasureError(f"a target id {int(tgt.max())} is outside the model's vocabulary of {lp.shape[-1]}")
         ladder.add(lp[mask], lq[mask], tgt)
+    return token_summary(ladder)
+
+
+def token_summary(ladder: PairLadder) -> dict:
+    """The ``accuracy`` dict of a filled ladder over tokens: its summary, bits per token."""
     s = ladder.summary()
     nll_p, nll_q = s.pop("mean_nll_fp32"), s.pop("mean_nll_int8")
     return {**s, "level": "token",
@@ -151,13 +156,14 @@ def encoder_compare(fp32: dict[str, np.ndarray], int8_session, inputs: np.ndarra
             raise MeasureError("MLM metrics need the FP32 session")
         masked, scored = mlm
         mlm_acc = compare_tokens(fp32_session, int8_session, masked, inputs, scored=scored,
-                                 batch_size=auto_batch(inputs.shape[1], _vocab(fp32_session)))
+                                 batch_size=auto_batch(inputs.shape[1], logits_vocab(fp32_session)))
         out.update({k: v for k, v in mlm_acc.items() if k != "level"})
         out["mlm"] = True
     return out
 
 
-def _vocab(session) -> int:
+def logits_vocab(session) -> int:
+    """The vocabulary of a graph's ``logits`` output (32000 when its shape does not say)."""
     for o in session.get_outputs():
         if o.name == "logits" and isinstance(o.shape[-1], int):
             return o.shape[-1]

@@ -47,6 +47,7 @@ class HFOptions:
     # Where the checkpoint came from when it is not a plain directory (a GGUF file): the
     # ``model.source`` object of results.json (RESULTS.md additions). None: ``hf:<path>``.
     provenance: dict | None = None
+    gguf: Path | None = None          # the GGUF file the checkpoint was dequantized from (engines run it)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "path", Path(self.path))
@@ -266,7 +267,8 @@ def gguf_source(model_path: Path, *, out: Path | None, progress: bool, **options
     gguf = resolve_gguf(model_path, progress=progress)
     out = check_out_dir(out or Path("runs") / f"gguf-{gguf_run_name(gguf.provenance.file)}")
     checkpoint = gguf_checkpoint(gguf, out, progress=progress)
-    return HFSource(HFOptions(path=checkpoint, out_dir=out, provenance=gguf.provenance.to_dict(), **options))
+    return HFSource(HFOptions(path=checkpoint, out_dir=out, provenance=gguf.provenance.to_dict(), gguf=gguf.path,
+                              **options))
 
 
 def gguf_run_name(file_name: str) -> str:
