@@ -287,7 +287,8 @@ def _backend_init(ll) -> None:
 # the whole run with it.
 _PROBE = """
 import sys, llama_cpp as ll
-ll.llama_log_set(ll.llama_log_callback(lambda *a: None), None)
+quiet = ll.llama_log_callback(lambda *a: None)   # kept referenced: llama.cpp calls it later
+ll.llama_log_set(quiet, None)
 ll.llama_backend_init()
 model = ll.llama_model_load_from_file(sys.argv[1].encode(), ll.llama_model_default_params())
 params = ll.llama_context_default_params()
