@@ -8,6 +8,7 @@ both with-past graphs, position by position (``greedy_decode``: no stop token), 
 - ``identical_before_divergence``: the share of all generated tokens that came before a prompt's
   first divergence (1.0: every generation identical to FP32's);
 - ``identical_prompts``: how many prompts generated exactly FP32's tokens;
+- ``first_divergence``: each prompt's first divergence (a paired test between two recipes reads it);
 - ``kl_mean`` / ``kl_max`` along FP32's own continuation: both models teacher-forced on the
   prompt followed by FP32's tokens, KL(FP32 || candidate) of the next-token distribution at each
   generated position (so a divergence does not send the two down different texts);
@@ -121,5 +122,6 @@ def agreement_of(tokens: np.ndarray, teacher_forced: Callable, reference: Contin
             "identical_before_divergence": round(float(first.sum()) / (n * new), 6),
             "first_divergence_mean": round(float(first.mean()), 3),
             "identical_prompts": int((first == new).sum()),
+            "first_divergence": [int(x) for x in first],
             "kl_mean": float(kld.mean()), "kl_max": float(kld.max()),
             "top1_along_fp32": round(ladder.agree / kld.size, 6)}
