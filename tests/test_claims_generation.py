@@ -130,3 +130,17 @@ def test_claims_14_and_15_on_a_sweep():
                                                                        for s in range(3)], None))}
     assert plain[14].verdict == NOT_TESTED and "wo-int8-b32-acc4 --generation" in plain[14].why
     assert plain[15].verdict == NOT_TESTED and "--generation" in plain[15].why
+
+
+def test_the_sweep_report_compares_placements_by_generation():
+    from quantnorm.report.claims_generation import generation_section
+    cells = []
+    for p, base in (("pre", 20), ("peri", 50)):
+        for s in range(3):
+            r = ladder([0.01], [1.01], [base + s])
+            cells.append(cell(p, s, r))
+    text = "\n".join(generation_section(Sweep(Path("synthetic"), cells, None)))
+    assert "## Generation: does the placement change what INT8 generates?" in text
+    assert "| pre rms | 21.0 [" in text and "| peri rms | 51.0 [" in text
+    assert "`r0`: first divergence, peri minus pre (tokens): +30" in text and "**holds here**" in text
+    assert generation_section(Sweep(Path("synthetic"), [cell("pre", 0, {"recipes": []})], None)) == []

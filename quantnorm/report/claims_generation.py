@@ -24,8 +24,9 @@ from scipy import stats as scipy_stats
 
 from .. import results as results_file
 from .evidence import Finding, arm_why, by_seed, decide, paired, strata
-from .stats import DOES_NOT_HOLD, HOLDS, NOT_SIGNIFICANT, NOT_TESTED, finite, sign_test
-from .sweep import CellResult, Sweep
+from .markdown import table
+from .stats import DOES_NOT_HOLD, HOLDS, NOT_SIGNIFICANT, NOT_TESTED, estimate, finite, holm, sign_test
+from .sweep import CellResult, Sweep, placements_in
 
 # the settings a level-4 recipe shares with its level-0 twin
 TWIN_KEYS = ("bits", "block_size", "weight_rounding", "head", "rotation")
@@ -277,3 +278,47 @@ def claim_kl_predicts(sweep: Sweep, full: Sweep | None = None) -> Finding:
                                missing=bad if "collapsed" in bad or "diverged" in bad else None))
     return decide(f, tests, "rule: KL's rank correlation with the first divergence stronger than the PPL ratio's, "
                             "per seed, per placement, norm and setting")
+
+
+# ------------------------------------------------------------------------------------ sweep section
+
+
+def first_divergence(c: CellResult, name: str) -> float | None:
+    """A cell's mean first divergence from FP32's greedy tokens under recipe ``name`` (None: not measured)."""
+    return _first(_agreement(c.results, name))
+
+
+def generation_section(sweep: Sweep) -> list[str]:
+    """``## Generation``: for each recipe, every placement's greedy tokens against FP32's (mean first
+    divergence over seeds, 95% interval), and each placement against Pre-LN, paired on the seed with
+    Holm's correction over the section's comparisons. Empty when no trained cell measured generation."""
+    names = [n for n in sweep.recipes() if any(first_divergence(c, n) is not None for c in sweep.cells)]
+    if not names:
+        return []
+    new = next((a.get("new_tokens") for c in sweep.cells for m in results_file.generation_models(c.results)
+                if (a := m.agreement)), None)
+    L = ["", "## Generation: does the placement change what INT8 generates? (trained cells)", "",
+         f"Greedy generation from the same prompts by each recipe's with-past model and by FP32's, {new} new tokens "
+         "each: the mean position of the first token that differs from FP32's (higher: the quantized model keeps "
+         "generating FP32's text for longer). Then each placement against Pre-LN, paired on the seed (> 0: the "
+         "placement's INT8 keeps FP32's tokens longer), Holm-corrected over the section's comparisons.", ""]
+    tests = []
+    for name in names:
+        rows = []
+        for norm, depth, warmup, lr in strata(sweep.cells, "norm", "depth", "warmup", "lr"):
+            where = dict(norm=norm, depth=depth, warmup=warmup, lr=lr)
+            pre = by_seed(sweep.select(placement="pre", **where), lambda c: first_divergence(c, name))
+            for p in placements_in(sweep, sweep.select(**where)):
+                mine = by_seed(sweep.select(placement=p, **where), lambda c: first_divergence(c, name))
+                if not mine:
+                    continue
+                rows.append([sweep.axes_label(placement=p, **where).strip(), estimate(mine.values()).format(".1f")])
+                if p != "pre" and pre:
+                    tests.append(sign_test(sweep.axes_label(placement=p, **where).strip(),
+                                           f"`{name}`: first divergence, {p} minus pre (tokens)",
+                                           paired(mine, pre), +1))
+        L += [f"### `{name}`", ""] + table(["setting", f"first divergence (of {new} tokens)"], rows) + [""]
+    if tests:
+        holm(tests)
+        L += ["### Each placement against Pre-LN", ""] + [f"- {t.line()}" for t in tests] + [""]
+    return L
