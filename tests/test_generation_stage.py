@@ -250,6 +250,8 @@ def test_agreement_is_total_for_the_same_model_and_measures_another(tmp_path):
     assert other["identical_before_divergence"] < 0.5 and other["identical_prompts"] == 0
     assert other["kl_mean"] > 0.01 and other["top1_along_fp32"] < 0.5
     assert other["first_divergence_mean"] == other["identical_before_divergence"] * 10
+    assert same["first_divergence"] == [10] * 6 and len(other["first_divergence"]) == 6   # per prompt: a paired test
+    assert abs(sum(other["first_divergence"]) / 6 - other["first_divergence_mean"]) < 1e-3
 
 
 def test_a_sliding_window_shorter_than_the_windows_cuts_what_the_cache_reads(tmp_path):
