@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 from scipy import stats as scipy_stats
@@ -174,11 +175,10 @@ def claim_level4(sweep: Sweep, full: Sweep | None = None) -> Finding:
             f.lines.append(f"{label}: massive activations found by the probe per seed: "
                            + ", ".join(f"{int(v)}" for _, v in sorted(massive.items())))
         for four, zero in names:
-            def first(name: str):
-                return lambda c: _first(_agreement(c.results, name))
             tests.append(sign_test(label, f"first divergence from FP32's greedy tokens, `{four}` minus `{zero}` "
                                           f"(tokens; < 0: level 4 leaves sooner)",
-                                   paired(by_seed(cells, first(four)), by_seed(cells, first(zero))), -1,
+                                   paired(by_seed(cells, partial(first_divergence, name=four)),
+                                          by_seed(cells, partial(first_divergence, name=zero))), -1,
                                    missing=missing))
     return decide(f, tests, "rule: level 4's greedy tokens leave FP32's sooner than its level-0 twin's, paired on the "
                             "seed, per placement, norm and setting")
@@ -307,9 +307,10 @@ def generation_section(sweep: Sweep) -> list[str]:
         rows = []
         for norm, depth, warmup, lr in strata(sweep.cells, "norm", "depth", "warmup", "lr"):
             where = dict(norm=norm, depth=depth, warmup=warmup, lr=lr)
-            pre = by_seed(sweep.select(placement="pre", **where), lambda c: first_divergence(c, name))
+            of_recipe = partial(first_divergence, name=name)
+            pre = by_seed(sweep.select(placement="pre", **where), of_recipe)
             for p in placements_in(sweep, sweep.select(**where)):
-                mine = by_seed(sweep.select(placement=p, **where), lambda c: first_divergence(c, name))
+                mine = by_seed(sweep.select(placement=p, **where), of_recipe)
                 if not mine:
                     continue
                 rows.append([sweep.axes_label(placement=p, **where).strip(), estimate(mine.values()).format(".1f")])
