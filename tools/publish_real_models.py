@@ -17,7 +17,7 @@ from pathlib import Path
 
 from quantnorm.fileio import atomic_path
 from quantnorm.report import engines as report_engines
-from quantnorm.report.claims_generation import TWIN_KEYS, kl_answer, kl_sentence, level4_answer, level4_sentence
+from quantnorm.report.claims_generation import kl_answer, kl_sentence, level4_answer, level4_sentence, level_pairs
 from quantnorm.report.markdown import pct, table
 from quantnorm.report.sections import kernel_time_split
 
@@ -248,29 +248,24 @@ def accuracy_level_lines(r: dict) -> list[str]:
     """The accuracy_level 4 question (weight-only MatMulNBits with int8 activations per block):
     each level-4 recipe against its level-0 twin, in KL, top-1 and generation agreement, and where
     the int8 inputs lose (the carriers' worst row against the other inputs)."""
-    wo = [x for x in r["recipes"] if x.get("settings", {}).get("format") == "MatMulNBits" and x.get("accuracy")]
-    agreement = {m["name"]: (m.get("agreement") or {}).get("identical_before_divergence")
-                 for m in (r.get("generation") or {}).get("models", [])}
     parts = []
-    for x in wo:
-        s = x["settings"]
-        twin = next((t for t in wo if t["settings"].get("accuracy_level") == 0 and s.get("accuracy_level") == 4
-                     and all(t["settings"].get(k) == s.get(k) for k in TWIN_KEYS)), None)
-        if twin is None:
-            continue
-        a, b = x["accuracy"], twin["accuracy"]
-        text = (f"`{x['name']}` KL {a['kld_mean']:.4f} against {b['kld_mean']:.4f} at level 0 "
+    for pair in level_pairs(r):
+        x, twin = pair.level4, pair.level0
+        a, b = x.accuracy, twin.accuracy
+        text = (f"`{x.name}` KL {a['kld_mean']:.4f} against {b['kld_mean']:.4f} at level 0 "
                 f"({a['kld_mean'] / b['kld_mean']:.1f}x), top-1 {pct(a['top1_agreement'])} against "
                 f"{pct(b['top1_agreement'])}")
-        if agreement.get(x["name"]) is not None and agreement.get(twin["name"]) is not None:
-            text += (f", greedy tokens identical before the first divergence {pct(agreement[x['name']])} against "
-                     f"{pct(agreement[twin['name']])}")
-        blocks = s.get("activation_blocks") or {}
+        four, zero = (pair.agreement4 or {}), (pair.agreement0 or {})
+        if four.get("identical_before_divergence") is not None and zero.get("identical_before_divergence") is not None:
+            text += (f", greedy tokens identical before the first divergence {pct(four['identical_before_divergence'])} "
+                     f"against {pct(zero['identical_before_divergence'])}")
+        blocks = x.settings.get("activation_blocks") or {}
         if blocks.get("status") == "measured":
             c, o = blocks["summary"]["carriers"], blocks["summary"]["others"]
-            text += (f"; the int8 inputs' worst max-row rest SQNR {fmt(c['min_max_row_rest_db'], '.1f')} dB at the "
-                     f"{c['inputs']} inputs carrying a massive value, {fmt(o['min_max_row_rest_db'], '.1f')} dB at the "
-                     f"{o['inputs']} others")
+            carriers = (f"{fmt(c['min_max_row_rest_db'], '.1f')} dB at the {c['inputs']} inputs carrying a massive "
+                        f"value, " if c["inputs"] else "no input carries a massive value; ")
+            text += (f"; the int8 inputs' worst max-row rest SQNR: {carriers}{fmt(o['min_max_row_rest_db'], '.1f')} dB "
+                     f"at the {o['inputs']} others")
         parts.append(text)
     if not parts:
         return []

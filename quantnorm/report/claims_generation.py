@@ -26,11 +26,10 @@ from scipy import stats as scipy_stats
 from .. import results as results_file
 from .evidence import Finding, arm_why, by_seed, decide, paired, strata
 from .markdown import table
+from .sections import level0_twin
 from .stats import DOES_NOT_HOLD, HOLDS, NOT_SIGNIFICANT, NOT_TESTED, estimate, finite, holm, sign_test
 from .sweep import CellResult, Sweep, placements_in
 
-# the settings a level-4 recipe shares with its level-0 twin
-TWIN_KEYS = ("bits", "block_size", "weight_rounding", "head", "rotation")
 ALPHA = 0.05
 RESAMPLES = 2000   # bootstrap over recipes for one model's rank-correlation difference
 
@@ -55,15 +54,13 @@ class LevelPair:
 
 def level_pairs(results: dict | None) -> list[LevelPair]:
     """Every weight-only recipe at accuracy_level 4 that has a level-0 twin in the same run."""
-    wo = [r for r in results_file.recipes(results) if r.settings.get("format") == "MatMulNBits" and r.accuracy]
+    recipes = results_file.recipes(results)
     agreement = {m.name: m.agreement for m in results_file.generation_models(results)}
     pairs = []
-    for r in wo:
-        if r.settings.get("accuracy_level") != 4:
+    for r in recipes:
+        if r.settings.get("format") != "MatMulNBits" or r.settings.get("accuracy_level") != 4 or not r.accuracy:
             continue
-        twin = next((t for t in wo if t.settings.get("accuracy_level") == 0
-                     and all(t.settings.get(k) == r.settings.get(k) for k in TWIN_KEYS)), None)
-        if twin is not None:
+        if (twin := level0_twin(recipes, r)) is not None:
             pairs.append(LevelPair(r, twin, agreement.get(r.name), agreement.get(twin.name)))
     return pairs
 

@@ -291,7 +291,15 @@ def weight_only_what(s: dict) -> str | None:
             f"{s.get('weight_rounding')}, head {s.get('head')}")
 
 
-_TWIN_KEYS = ("bits", "block_size", "weight_rounding", "head", "rotation", "excluded_nodes")
+# what a weight-only recipe at accuracy_level 4 shares with its level-0 twin: the same weights
+TWIN_KEYS = ("bits", "block_size", "weight_rounding", "head", "rotation", "excluded_nodes")
+
+
+def level0_twin(recipes: list[results_file.Recipe], recipe: results_file.Recipe) -> results_file.Recipe | None:
+    """The scored level-0 weight-only recipe with ``recipe``'s weights (None when the run has none)."""
+    return next((t for t in recipes if t.settings.get("format") == "MatMulNBits"
+                 and t.settings.get("accuracy_level") == 0 and t.accuracy
+                 and all(t.settings.get(k) == recipe.settings.get(k) for k in TWIN_KEYS)), None)
 
 
 def accuracy_level_4(results: dict) -> list[str]:
@@ -307,8 +315,7 @@ def accuracy_level_4(results: dict) -> list[str]:
         if blocks.get("status") != "measured":
             rows.append([f"`{r.name}`", r.settings.get("block_size"), blocks.get("status"), "", "", "", ""])
             continue
-        twin = next((t for t in recipes if t.settings.get("accuracy_level") == 0 and t.accuracy
-                     and all(t.settings.get(k) == r.settings.get(k) for k in _TWIN_KEYS)), None)
+        twin = level0_twin(recipes, r)
         c, o = blocks["summary"]["carriers"], blocks["summary"]["others"]
         rows.append([f"`{r.name}`", blocks["block_size"],
                      f"{c['inputs']}: {fmt(c['median_output_db'], '.1f')} / {fmt(c['min_max_row_rest_db'], '.1f')}",
