@@ -198,11 +198,21 @@ def search(results: dict) -> list[str]:
          f"{found['target_max_ppl_ratio']} (tuner: {found.get('tuner')}; metric "
          f"{found.get('metric')}; trials on {found['eval_windows']} evaluation windows; stopped by "
          f"{found['stopped_by']}): {verdict}.", ""]
-    L += table(["#", "trial", "phase", "PPL ratio", "KL mean", "top-1", "p50 ms", "passed"], [
+    trials = found.get("trials", [])
+    timed = any(t.get("seconds") is not None for t in trials)   # runs before per-trial times have none
+
+    def passed(t: dict) -> str:
+        if t.get("passed"):
+            return "yes"
+        return f"no (screened out on {t['screened_windows']} windows)" if t.get("screened_windows") else "no"
+    L += table(["#", "trial", "phase", "PPL ratio", "KL mean", "top-1", "p50 ms", "passed", *(["s"] if timed else [])], [
         [t["index"], f"`{t['name']}`", t["phase"], fmt(t.get("ppl_ratio"), ".4f"), fmt(t.get("kld_mean"), ".2e"),
          fmt(None if t.get("top1_agreement") is None else 100 * t["top1_agreement"], ".2f", "%"),
-         fmt(t.get("latency_p50_ms"), ".2f"), "yes" if t.get("passed") else "no"]
-        for t in found.get("trials", [])])
+         fmt(t.get("latency_p50_ms"), ".2f"), passed(t), *([fmt(t.get("seconds"), ".0f")] if timed else [])]
+        for t in trials])
+    if any(t.get("screened_windows") for t in trials):
+        L += ["", "A screened-out trial missed the policy by 4x on that many of its evaluation windows, evenly spaced (its numbers are "
+                  "theirs): it was neither timed nor scored on the rest."]
     return L
 
 
