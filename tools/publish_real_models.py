@@ -4,7 +4,8 @@ report.md written from those results.json files alone.
 
 Run:  python tools/publish_real_models.py RUNS_DIR reports/real-models
       (RUNS_DIR holds one run directory per model, e.g. smollm2/, gemma3/, minilm/; a model it
-      lacks keeps its published files and section unchanged)
+      lacks keeps its published files and section unchanged). A NOTES.md in a run directory (what
+      its measurement shared the machine with, say) is published with it and quoted in its section.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from quantnorm.report.markdown import pct, table
 from quantnorm.report.sections import kernel_time_split
 
 KEEP = ("results.json", "report.md")
+# A run directory's hand-written notes on its measurement (published beside it, quoted in its section)
+NOTES_FILE = "NOTES.md"
 # One row per CPU kind the latency goal was read on, kept across runs on different machines: each
 # publish adds its own run's kind and keeps the others (each row names its machine and date).
 LATENCY_BY_CPU = "latency-by-cpu.json"
@@ -355,6 +358,10 @@ def model_section(name: str, r: dict, run_dir: Path, by_cpu: dict | None = None)
          f" on block 0: {check.get('detail', '')}); {m['n_layers']} blocks, d_model {m['d_model']}, "
          f"{m['n_params']:,} parameters, vocabulary {m.get('vocab_size'):,}. Full report: [{name}/report.md]({name}/report.md).",
          ""]
+    notes = run_dir / NOTES_FILE
+    if notes.is_file():   # what the person who ran it saw and the numbers cannot say (a neighbour's load)
+        L += ["**Measurement notes** (written by hand beside this run):", "",
+              *[f"> {line}".rstrip() for line in notes.read_text(encoding="utf-8").strip().splitlines()], ""]
     recipes = r["recipes"]
     fp32 = latency(r, "fp32")
     first = next((x["accuracy"] for x in recipes if x.get("accuracy")), {})
@@ -503,7 +510,7 @@ def main(runs: str, dest: str) -> int:
         if (run / "plots").is_dir():
             shutil.rmtree(target / "plots", ignore_errors=True)
             shutil.copytree(run / "plots", target / "plots")
-        for extra in ("bench.json", "decode.json", "bundle_check.json"):
+        for extra in ("bench.json", "decode.json", "bundle_check.json", NOTES_FILE):
             if (run / extra).is_file():
                 shutil.copy2(run / extra, target / extra)
         L += ["", *model_section(name, r, run, by_cpu)]
