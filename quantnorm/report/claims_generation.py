@@ -120,7 +120,10 @@ def level4_answer(results: dict | None) -> dict:
     verdicts = [t["verdict"] for t in tests if t["verdict"] != NOT_TESTED]
     verdict = (NOT_TESTED if not verdicts else DOES_NOT_HOLD if DOES_NOT_HOLD in verdicts
                else HOLDS if all(v == HOLDS for v in verdicts) else NOT_SIGNIFICANT)
-    return {"pairs": tests, "verdict": verdict, "massive": results_file.massive_count(results),
+    probe = results_file.outliers(results) or {}
+    massive = probe.get("massive_total", results_file.massive_count(results))   # the list is capped; the total is not
+    carriers = sum(1 for x in probe.get("matmul_inputs") or [] if x.get("carries_massive")) if probe else None
+    return {"pairs": tests, "verdict": verdict, "massive": massive, "carriers": carriers,
             "why": "" if tests else "the run has no weight-only recipe at accuracy_level 4 with its level-0 twin "
                                     "(e.g. --recipes wo-int8-b32,wo-int8-b32-acc4)"}
 
@@ -138,10 +141,12 @@ def level4_sentence(answer: dict) -> str:
                      f"{t['first0']:.1f} of {t['new_tokens']}, {t['identical4']} against {t['identical0']} of "
                      f"{t['prompts']} prompts identical to FP32's, KL {t['kld4']:.4f} against {t['kld0']:.4f} "
                      f"({t['test']}: p = {t['p']:.2g}, Holm p = {t['p_holm']:.2g}) -> {t['verdict']}")
-    massive = answer["massive"]
+    massive, carriers = answer["massive"], answer.get("carriers")
     premise = ("the probe found no massive activation" if massive == 0 else
                f"the probe found {massive} massive activation{'s' if massive != 1 else ''}" if massive else
                "the model was not probed")
+    if massive and carriers is not None:
+        premise += f", {carriers} quantized MatMul input{'s' if carriers != 1 else ''} carrying one"
     return (f"Claim 14 (accuracy_level 4 changes greedy generations where level 0 does not; {premise}): "
             + "; ".join(parts) + f". **{answer['verdict']}**.")
 
