@@ -64,6 +64,11 @@ def evaluate_options(func):
                           "weight-MatMul recipe of `quantnorm recipes` but the weight-only ones]"),
         click.option("--search-pick", type=click.Choice(["fastest", "first"]), default="fastest", show_default=True,
                      help="--recipes auto: keep the fastest passing model (CPU p50, batch 8) or the first one found."),
+        click.option("--search-budget", type=click.FloatRange(min=0, min_open=True), default=None,
+                     help="--recipes auto: minutes of search; no trial starts after them (the trials that ran are "
+                          "still compared and the fastest passing one kept; the report says the budget stopped "
+                          "it). Trials are screened either way: one that misses the policy by 4x on 8 of its "
+                          "windows is neither timed nor scored further. [default: no limit]"),
         click.option("--providers", default=None,
                      help="Comma-separated execution providers for latency: cpu, cuda, tensorrt. "
                           "[default: all this onnxruntime lists; unusable ones are reported as not measured]"),
@@ -133,7 +138,8 @@ def evaluate_config(flags: dict, progress: bool, *, with_model: bool = False,
         else (f["latency_budget"] or None),
         outliers=not f["no_outliers"], progress=progress, sq_alpha=f["sq_alpha"], max_ppl_ratio=policy.max_ppl_ratio,
         min_top1=policy.min_top1, max_kld=policy.max_kld, max_kld_p99=policy.max_kld_p99, search_pick=f["search_pick"],
-        search_space=tuple(_csv(f["search_space"])) if f["search_space"] else None, exclude=tuple(f["exclude"]),
+        search_space=tuple(_csv(f["search_space"])) if f["search_space"] else None, search_budget_min=f["search_budget"],
+        exclude=tuple(f["exclude"]),
         **generation_fields(f, generation_default),
         engines=tuple(_csv(f["engines"]) or ()), llamacpp_types=tuple(_csv(f["llamacpp_types"]) or ()),
     )

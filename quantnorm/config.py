@@ -21,7 +21,8 @@ from .search import SearchConfig
 
 AUTO = "auto"  # --recipes auto: the accuracy-aware search (quantnorm.search)
 # EvaluateConfig fields that only the search reads: without --recipes auto they change nothing.
-SEARCH_ONLY_FIELDS = ("max_ppl_ratio", "min_top1", "max_kld", "max_kld_p99", "search_pick", "search_space")
+SEARCH_ONLY_FIELDS = ("max_ppl_ratio", "min_top1", "max_kld", "max_kld_p99", "search_pick", "search_space",
+                      "search_budget_min")
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ class EvaluateConfig:
     max_kld_p99: float | None = DEFAULT_POLICY.max_kld_p99
     search_pick: str = "fastest"        # the search's pick: fastest or first passing model
     search_space: tuple[str, ...] | None = None  # the search's recipes (None: every weight-MatMul recipe)
+    search_budget_min: float | None = None  # no search trial starts after this many minutes (None: no limit)
     exclude: tuple[str, ...] = ()       # node names / fnmatch patterns kept in FP32 by every recipe
     # Generation (causal models): each recipe on the with-past (KV-cache) graph, decode speed and
     # generation agreement (quantnorm.generation). Off unless asked: `quantnorm evaluate` turns it
@@ -132,7 +134,8 @@ class EvaluateConfig:
 
     def search_config(self):
         return SearchConfig(policy=self.policy(), pick=self.search_pick, space=self.search_space,
-                            sq_alpha=self.sq_alpha, latency_iters=min(self.latency_iters, 10))
+                            sq_alpha=self.sq_alpha, latency_iters=min(self.latency_iters, 10),
+                            time_budget_s=None if self.search_budget_min is None else 60.0 * self.search_budget_min)
 
     def recipe(self, name: str):
         """The registry recipe, with --sq-alpha applied to SmoothQuant recipes."""

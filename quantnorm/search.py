@@ -33,6 +33,11 @@ Steps:
    the best recipe in FP32 (SQNR from ``measure.sqnr.activation_sqnr`` on the best static trial;
    k counts input tensors, so q/k/v, which share one input, go together), k = 1, 2, 4, ... and
    finally all but one tensor; a second INC loop over ``exclude_worst`` stops at the first pass.
+Every trial is screened first: scored on ``screen_windows`` of its windows (8, evenly spaced), a
+trial that misses the policy by ``SCREEN_FACTOR`` there (each threshold's distance from lossless
+times 4: KL 0.01 -> 0.04) is recorded with those numbers and neither timed nor scored on the rest.
+With ``time_budget_s`` no trial starts once the search has run that long (``stopped_by``: "time
+budget"); the trials that ran are compared as below. Each trial records its wall time.
 3. Pick: the fastest passing trial by CPU p50 latency at batch 8, or the first. With several
    passing trials they are timed again side by side, in interleaved rounds, and each one's lowest
    round decides (each trial's own timing came minutes apart from the others', between quantizer
@@ -45,6 +50,7 @@ from __future__ import annotations
 import logging
 import math
 import shutil
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -65,6 +71,10 @@ from .quantize import RECIPES, Recipe, get_recipe, quantize, with_exclusions
 from .quantize.recipes import ALPHA_SEPARATOR
 
 PICKS = ("fastest", "first")
+# A trial that misses the policy by this factor on the screening windows is not scored further: on
+# the real checkpoints the recipes that break miss it by 10-100x (KL 0.06-0.8 against 0.007), and
+# 8 windows of 128 tokens put a mean KL within tens of percent of the 64-window figure.
+SCREEN_FACTOR = 4.0
 FRAMEWORK = "quantnorm_onnxruntime"   # our name in INC's config registry
 ALGO = "quantnorm_recipe"
 ACCURACY_METRICS = tuple(metric for _, metric, _ in ACCURACY_LIMITS)  # what a trial's scorer returns
@@ -155,6 +165,10 @@ class SearchConfig:
     space: tuple[str, ...] | None = None      # recipe names; None: default_space()
     sq_alpha: float | None = None             # overrides the alpha of SmoothQuant recipes
     eval_windows: int | None = 64             # trial accuracy on this many evaluation windows (None: all)
+    # a trial is first scored on this many of those windows and dropped there (not timed, not scored
+    # on the rest) when it misses the policy by SCREEN_FACTOR (None: no screening)
+    screen_windows: int | None = 8
+    time_budget_s: float | None = None        # no trial starts after this many seconds of search (None: no limit)
     fallback: bool = True
     sqnr_windows: int = 8
     latency_batch: int = 8
@@ -178,12 +192,29 @@ class SearchConfig:
             raise ConfigError(f"--sq-alpha must be in [0, 1], got {self.sq_alpha}")
         if self.eval_windows is not None and self.eval_windows < 1:
             raise ConfigError(f"eval_windows must be >= 1, got {self.eval_windows}")
+        if self.screen_windows is not None and self.screen_windows < 1:
+            raise ConfigError(f"screen_windows must be >= 1, got {self.screen_windows}")
+        if self.time_budget_s is not None and not self.time_budget_s > 0:
+            raise ConfigError(f"--search-budget must be > 0 minutes, got {self.time_budget_s / 60:g}")
         if self.sqnr_windows < 1 or self.latency_batch < 1 or self.latency_iters < 1 or self.latency_warmup < 0:
             raise ConfigError("sqnr_windows, latency_batch and latency_iters must be >= 1, latency_warmup >= 0")
 
     @property
     def max_ppl_ratio(self) -> float:
         return self.policy.max_ppl_ratio
+
+    def screen_policy(self) -> Policy | None:
+        """The policy a trial must meet on the screening windows to be scored on the rest: each accuracy
+        threshold's distance from lossless times SCREEN_FACTOR (KL 0.01 -> 0.04, PPL ratio 1.01 -> 1.04,
+        top-1 0.98 -> 0.92). None (no screening) without screen windows or for a PPL target at or below
+        FP32's own, where a looser bound means nothing."""
+        p = self.policy
+        if self.screen_windows is None or p.max_ppl_ratio <= 1.0:
+            return None
+        loose = lambda v, lossless: None if v is None else lossless + SCREEN_FACTOR * (v - lossless)  # noqa: E731
+        return Policy(max_ppl_ratio=loose(p.max_ppl_ratio, 1.0), max_kld=loose(p.max_kld, 0.0),
+                      max_kld_p99=loose(p.max_kld_p99, 0.0),
+                      min_top1=None if p.min_top1 is None else max(0.0, loose(p.min_top1, 1.0)))
 
     def recipes(self) -> tuple[str, ...]:
         return default_space() if self.space is None else tuple(self.space)
@@ -221,6 +252,8 @@ class Trial:
     metric: float = 0.0                 # 1 / ppl_ratio: what INC's tuner saw (0: no usable model)
     passed: bool = False
     path: Path | None = None
+    screened_windows: int | None = None   # dropped after scoring on this many windows (its numbers are theirs)
+    seconds: float | None = None          # wall time of the trial: transform, quantize, score, time
 
     def to_dict(self) -> dict:
         return {
@@ -228,8 +261,8 @@ class Trial:
             "status": self.status, "exclude_worst": self.exclude_worst, "excluded_nodes": list(self.excluded_nodes),
             "ppl_ratio": self.ppl_ratio, "kld_mean": self.kld_mean, "top1_agreement": self.top1_agreement,
             "latency_p50_ms": self.latency_p50_ms, "latency_side_by_side_ms": self.latency_side_by_side_ms,
-            "metric": self.metric, "passed": self.passed,
-            "settings": self.settings,
+            "metric": self.metric, "passed": self.passed, "screened_windows": self.screened_windows,
+            "seconds": self.seconds, "settings": self.settings,
         }
 
 
@@ -301,6 +334,7 @@ class _Runner:
     def run(self, recipe: Recipe, phase: str, base: str, k: int = 0, nodes: tuple[str, ...] = ()) -> Trial:
         index = len(self.trials) + 1
         common = dict(index=index, phase=phase, recipe=base, name=recipe.name, exclude_worst=k, excluded_nodes=nodes)
+        started = time.perf_counter()
         try:
             source = self.fp32_for(recipe)
             self.fp32_session.close()
@@ -309,23 +343,45 @@ class _Runner:
             if not q.ok or q.path is None:
                 trial = Trial(**common, status=q.status, settings=q.settings)
             else:
-                acc = self.scorer(self.fp32_session, make_session(q.path, self.spec), self.eval_inputs,
-                                  self.eval_targets)
-                latency = self.latency_fn(q.path, recipe.name)
-                # The gate's own accuracy rule (quantnorm.policy), so the pick passes the gate. A
-                # trial failing a threshold other than the PPL ratio scores 0, so INC's own pass rule
-                # (metric vs tolerable_loss) and ours agree: every target must hold.
-                failures = self.cfg.policy.accuracy_failures({m: getattr(acc, m, None) for m in ACCURACY_METRICS})
-                others_ok = all(f.startswith("ppl_ratio ") for f in failures)
-                metric = 1.0 / acc.ppl_ratio if acc.ppl_ratio > 0 and others_ok else 0.0
-                trial = Trial(**common, status="ok", settings=q.settings, ppl_ratio=acc.ppl_ratio,
-                              kld_mean=acc.kld_mean, top1_agreement=acc.top1_agreement, latency_p50_ms=latency,
-                              metric=metric, passed=not failures, path=q.path)
+                int8 = make_session(q.path, self.spec)
+                screened = self._screen(int8)
+                if screened is not None:   # missed the policy by SCREEN_FACTOR: neither timed nor scored further
+                    trial = self._scored(common, q, screened, latency=None, screened_windows=len(self.screen))
+                else:
+                    acc = self.scorer(self.fp32_session, int8, self.eval_inputs, self.eval_targets)
+                    trial = self._scored(common, q, acc, latency=self.latency_fn(q.path, recipe.name))
         except QuantnormError as exc:  # quantize, measure, export (smoothing) or config
             # One recipe failing is a finding of the search, not the end of it.
             trial = Trial(**common, status=f"error: {exc}")
+        trial = replace(trial, seconds=round(time.perf_counter() - started, 2))
         self.trials.append(trial)
         return trial
+
+    @property
+    def screen(self) -> np.ndarray:
+        """The screening windows: evenly spaced over the trial windows."""
+        return eval_subset(len(self.eval_inputs), self.cfg.screen_windows)
+
+    def _screen(self, int8_session):
+        """The trial's accuracy on the screening windows when it misses the screening policy, else None."""
+        policy = self.cfg.screen_policy()
+        if policy is None or len(self.screen) >= len(self.eval_inputs):
+            return None
+        acc = self.scorer(self.fp32_session, int8_session, self.eval_inputs[self.screen],
+                          self.eval_targets[self.screen])
+        return acc if policy.accuracy_failures({m: getattr(acc, m, None) for m in ACCURACY_METRICS}) else None
+
+    def _scored(self, common: dict, q, acc, *, latency: float | None, screened_windows: int | None = None) -> Trial:
+        # The gate's own accuracy rule (quantnorm.policy), so the pick passes the gate. A trial
+        # failing a threshold other than the PPL ratio scores 0, so INC's own pass rule (metric vs
+        # tolerable_loss) and ours agree: every target must hold.
+        failures = self.cfg.policy.accuracy_failures({m: getattr(acc, m, None) for m in ACCURACY_METRICS})
+        others_ok = all(f.startswith("ppl_ratio ") for f in failures)
+        metric = 1.0 / acc.ppl_ratio if acc.ppl_ratio > 0 and others_ok else 0.0
+        return Trial(**common, status="ok", settings=q.settings, ppl_ratio=acc.ppl_ratio, kld_mean=acc.kld_mean,
+                     top1_agreement=acc.top1_agreement, latency_p50_ms=latency, metric=metric,
+                     passed=not failures and screened_windows is None, path=q.path,
+                     screened_windows=screened_windows)
 
 
 def _bench_latency(spec, seq: int, cfg: SearchConfig) -> Callable[[Path, str], float | None]:
@@ -379,6 +435,7 @@ def search_recipes(fp32_path: Path, work_dir: Path, calib_inputs: np.ndarray, ev
     runner = _Runner(fp32_path, work_dir, calib_inputs, inputs, targets, cfg, spec, vnni, fp32_for, latency_fn, scorer,
                      preprocessed, fp32_session)
     budget = cfg.max_trials if cfg.max_trials is not None else 10**6
+    deadline = None if cfg.time_budget_s is None else time.monotonic() + cfg.time_budget_s
 
     with _quiet_inc():
         # Phase 1: the recipes. INC expands the config into one trial per recipe and owns the order
@@ -391,15 +448,16 @@ def search_recipes(fp32_path: Path, work_dir: Path, calib_inputs: np.ndarray, ev
             return trial.metric
 
         stopped_by, monitor = _tune(recipe_space_config(recipe=space), budget, cfg, EvaluationFuncWrapper(evaluate),
-                                    TuningConfig, init_tuning)
+                                    TuningConfig, init_tuning, deadline=deadline)
         phase1 = list(runner.trials)
         worst: list[dict] = []
-        if cfg.fallback and not any(t.passed for t in phase1) and len(runner.trials) < budget:
+        in_time = deadline is None or time.monotonic() < deadline
+        if cfg.fallback and not any(t.passed for t in phase1) and len(runner.trials) < budget and in_time:
             base_trial = by_config.get(id(monitor.get_best_quant_config())) if monitor.tuning_history else None
             if base_trial is not None and base_trial.status == "ok":
                 worst = _worst_tensors(phase1, fp32_for, cfg, inputs)
                 stopped_by = _fallback(runner, base_trial, worst, budget - len(runner.trials), cfg,
-                                       TuningConfig, init_tuning, EvaluationFuncWrapper) or stopped_by
+                                       TuningConfig, init_tuning, EvaluationFuncWrapper, deadline) or stopped_by
 
     trials = tuple(runner.trials)
     if cfg.pick == "fastest":
@@ -448,11 +506,12 @@ def _retime_side_by_side(trials: tuple[Trial, ...], latency_fn, rounds: int) -> 
 
 
 def _tune(config_set, budget: int, cfg: SearchConfig, evaluator, TuningConfig, init_tuning,
-          stop_at_first_pass: bool | None = None):
+          stop_at_first_pass: bool | None = None, deadline: float | None = None):
     """One INC tuning loop; returns (why it stopped, INC's monitor).
 
     INC's ``need_stop`` is "max_trials reached or the last trial met the target"; we honour the
-    first half always and the second when stopping at the first pass (``pick="first"``).
+    first half always and the second when stopping at the first pass (``pick="first"``). No trial
+    but the first starts after ``deadline`` (``time.monotonic()``; the search's time budget).
     """
     tuning_config = TuningConfig(config_set=config_set, tolerable_loss=cfg.tolerable_loss, max_trials=budget)
     loader, _tuning_logger, monitor = init_tuning(tuning_config)  # caps max_trials at the space size
@@ -460,6 +519,8 @@ def _tune(config_set, budget: int, cfg: SearchConfig, evaluator, TuningConfig, i
     first = cfg.pick == "first" if stop_at_first_pass is None else stop_at_first_pass
     space_size = len(loader.config_set)
     for index, config in enumerate(loader, 1):
+        if deadline is not None and index > 1 and time.monotonic() >= deadline:
+            return "time budget", monitor
         metric = evaluator.evaluate(config)
         monitor.add_trial_result(index, metric, config)
         if not monitor.need_stop():
@@ -530,7 +591,7 @@ def fallback_ks(n: int) -> list[int]:
 
 
 def _fallback(runner: _Runner, base: Trial, worst: list[dict], budget: int, cfg: SearchConfig,
-              TuningConfig, init_tuning, EvaluationFuncWrapper) -> str | None:
+              TuningConfig, init_tuning, EvaluationFuncWrapper, deadline: float | None = None) -> str | None:
     ks = fallback_ks(len(worst))
     if not ks or budget < 1:
         return None
@@ -544,7 +605,8 @@ def _fallback(runner: _Runner, base: Trial, worst: list[dict], budget: int, cfg:
 
     # The fallback always stops at its first pass: more FP32 tensors only cost speed.
     stopped_by, _ = _tune(recipe_space_config(recipe=base.recipe, exclude_worst=ks), budget, cfg,
-                          EvaluationFuncWrapper(evaluate), TuningConfig, init_tuning, stop_at_first_pass=True)
+                          EvaluationFuncWrapper(evaluate), TuningConfig, init_tuning, stop_at_first_pass=True,
+                          deadline=deadline)
     return stopped_by
 
 

@@ -140,3 +140,49 @@ def test_unknown_types_are_config_errors():
     with pytest.raises(ConfigError, match="choose from F32, F16"):
         EvaluateConfig(engines=("llamacpp",), llamacpp_types=("Q3",))
     assert EvaluateConfig(llamacpp_types=("q4_k_m",)).llamacpp_types == ("Q4_K_M",)
+
+
+def _vs_llamacpp():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "vs_llamacpp", Path(__file__).resolve().parents[1] / "benchmarks" / "vs_llamacpp.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_benchmark_against_llamacpp_reads_a_run_and_runs_one(engine_run, tiny_gguf, tmp_path, capsys):
+    """benchmarks/vs_llamacpp.py: the table of an existing run (its ratios are the rows' own numbers and
+    its exit status the goal's), then a run of its own on the tiny GGUF with Q8_0 and Q4_K_M added."""
+    from quantnorm.report.engines import engine_rows as table_rows
+    from quantnorm.report.engines import quantnorm_rows, versus_llamacpp
+
+    bench = _vs_llamacpp()
+    run, results = engine_run
+    code = bench.main(["--read", str(run)])
+    out = capsys.readouterr().out
+    versus = versus_llamacpp(quantnorm_rows(results) + table_rows(results))
+    assert code == (2 if versus is None else 0 if versus.ours and versus.gen_met and versus.prompt_met else 1)
+    q8 = _rows(results)["Q8_0"]["speed"]
+    dynamic = next(m for m in generation_models(results) if m.name == "dynamic").decode[0]
+    line = next(x for x in out.splitlines() if x.startswith("quantnorm  dynamic"))
+    assert line.split()[-1] == f"{dynamic['gen_tokens_per_s'] / q8['gen_tok_s']:.2f}"
+    assert "threads: 1" in out and "llamacpp   Q4_0" in out
+
+    out_dir = tmp_path / "bench"
+    code = bench.main(["--", "--model", str(tiny_gguf), *SMALL, "--gen-tokens", "8,6", "--gen-batches", "1",
+                       "--agreement", "4,6", "--out", str(out_dir)])
+    assert code in (0, 1), capsys.readouterr()
+    mine = json.loads((out_dir / "results.json").read_text())
+    assert sorted(_rows(mine)) == ["Q4_K_M", "Q8_0"] and "goal, `dynamic`" in capsys.readouterr().out \
+        or versus_llamacpp(quantnorm_rows(mine) + table_rows(mine)).ours is None
+
+
+def test_the_benchmark_against_llamacpp_refuses_bad_input(tmp_path, capsys):
+    bench = _vs_llamacpp()
+    assert bench.main(["--model", "x.gguf"]) == 2
+    assert bench.main(["--read", str(tmp_path)]) == 2
+    assert bench.main(["--read", str(tmp_path), "--", "--out", "x"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and all(line.startswith("error: ") for line in err)

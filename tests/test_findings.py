@@ -85,7 +85,7 @@ def sweep(cells: list[CellResult], jobs: int | None = None) -> Sweep:
 
 def verdict(s: Sweep, number: int):
     found = {f.number: f for f in findings(s)}
-    assert len(found) == 13
+    assert len(found) == 15
     return found[number]
 
 
@@ -574,7 +574,7 @@ def test_claim12_untested_when_every_post_cell_diverged():
 def test_findings_section_has_every_claim_and_a_verdict_table():
     text = "\n".join(findings_section(_perturbation_sweep("holds"), {"Perturbation sensitivity per depth": "plots/x.png"}))
     assert text.startswith("## Findings")
-    for n in range(1, 14):
+    for n in range(1, 16):
         assert f"### Claim {n}:" in text and f"claim {n}: " in text
     assert "| # | claim | verdict | why |" in text
     assert "| 3 | Post-LN amplifies" in text and "**holds here**" in text
@@ -649,7 +649,7 @@ def test_every_verdict_says_why(tmp_path):
     """The verdict table's "why" column is never empty, whatever the verdict."""
     text = "\n".join(findings_section(load_sweep(_write_sweep(tmp_path))))
     rows = [line for line in text.splitlines() if line.startswith("| ") and line[2:4].strip().isdigit()]
-    assert len(rows) == 13
+    assert len(rows) == 15
     assert "| 2 | At initialization" in text and "**not tested**" not in rows[1]  # claim 2 measured here
     assert all(not line.rstrip().endswith("|  |") for line in rows)
 

@@ -181,3 +181,17 @@ def test_the_run_report_of_a_real_run_carries_the_table_and_the_plot(tmp_path):
     assert rows[-1][:2] == ["ortgenai 0.18.0", "`int4-b32-acc4`"]
     assert "![KL mean against generation tokens/s](plots/engines.png)" in report
     assert (run / "plots" / "engines.png").is_file()
+
+
+def test_the_goal_against_llamacpp_is_read_as_ratios_of_the_same_run():
+    text = "\n".join(report_engines.engines(make_results()))
+    # dynamic (KL 0.003) is the only recipe at Q8_0's KL (0.004) or lower: 90 against 136.5 generated tok/s
+    assert ("- **Against llama.cpp Q8_0**, same CPU, threads and tokens, in this run: `dynamic` (the fastest quantnorm "
+            "recipe at Q8_0's KL or lower: 0.0030 against 0.0040): generation 90.0 against 136.5 tok/s = 0.66x (goal "
+            "1x: missed by 34%); prompt 900.0 against 531.0 tok/s = 1.69x (goal 2x: missed by 15%).") in text
+    assert "- **Against llama.cpp Q4_K_M** (KL 0.0534): generation 90.0 against 128.0 tok/s = 0.70x; prompt" in text
+    results = make_results()
+    results["recipes"][0]["accuracy"]["kld_mean"] = 0.005
+    assert "no quantnorm recipe in this run is as accurate" in "\n".join(report_engines.engines(results))
+    results["engines"]["engines"][0]["rows"] = results["engines"]["engines"][0]["rows"][:1]   # F32 only
+    assert "Against llama.cpp" not in "\n".join(report_engines.engines(results))

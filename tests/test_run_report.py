@@ -146,3 +146,29 @@ def test_the_real_models_publisher_explains_a_latency_miss_from_the_profiles():
     assert "the rest of the pick took 300 ms" in text and "(de)quantize 30" in text
     assert "which alone is 0.19 of FP32's 1600 ms of kernels" in text
     assert publisher.profile_split(fp32, {}) == "" and publisher.profile_split(None, pick) == ""
+
+
+def test_the_real_models_publisher_shows_the_engines_the_quoted_figures_and_claims_14_and_15(tmp_path):
+    """A run with engines (the committed engines-smollm2 run, published as smollm2): its section carries
+    the engines table with the goal against llama.cpp, the issue's quoted llama.cpp figures beside the
+    measured ones, and the checkpoint's answers to claims 14 and 15."""
+    import importlib.util
+    import shutil
+
+    spec = importlib.util.spec_from_file_location("publish_real_models", REPORTS.parent / "tools" / "publish_real_models.py")
+    publisher = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(publisher)
+    run = tmp_path / "runs" / "smollm2"
+    shutil.copytree(REPORTS / "engines-smollm2", run)
+    assert publisher.main(str(tmp_path / "runs"), str(tmp_path / "out")) == 0
+    text = (tmp_path / "out" / "report.md").read_text()
+    section = text[text.index("## smollm2"):]
+    assert "### Other engines, same checkpoint" in section and "](smollm2/plots/engines.png)" in section
+    assert "- **Against llama.cpp Q8_0**, same CPU, threads and tokens, in this run: `rotated-pertoken-fused-gptq`" \
+        in section and "(goal 1x: missed by 5%)" in section
+    assert "| Q8_0 | 1.0057 | 1.0022 | 0.0040 | 0.0052 | 96.70% | 95.39% |" in section
+    assert "### Claims 14 and 15 on this checkpoint" in section
+    assert "Claim 14 (accuracy_level 4 changes greedy generations): **not tested**" in section   # no level-0 twin
+    assert "Claim 15 (KL predicts how soon greedy generation leaves FP32's better than the PPL ratio): across 7 " \
+           "recipes and engines" in section
+    assert (tmp_path / "out" / "smollm2" / "plots" / "engines.png").is_file()

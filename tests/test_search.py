@@ -216,3 +216,35 @@ def test_min_top1_is_a_second_target(lm, tmp_path):
     assert len(strict.trials) > 1 and strict.trials[1].phase == "fallback"
     with pytest.raises(ConfigError):
         SearchConfig(policy=Policy(min_top1=1.5))
+
+
+def test_a_trial_that_misses_the_policy_by_far_on_the_screening_windows_is_neither_timed_nor_scored_further(lm, tmp_path):
+    timed: list[str] = []
+
+    def latency(path, name):
+        timed.append(name)
+        return 1.0
+    # a mean KL of 1e-12: every INT8 trial misses it by far more than 4x, on 2 windows
+    strict = run(lm, tmp_path / "strict", SearchConfig(policy=ppl_only(10.0, max_kld=1e-12), space=THREE[:2],
+                                                       screen_windows=2, fallback=False), latency)
+    assert [t.screened_windows for t in strict.trials] == [2, 2] and timed == []
+    assert all(t.status == "ok" and not t.passed and t.latency_p50_ms is None and t.kld_mean > 4e-12
+               for t in strict.trials)
+    assert strict.chosen is None and strict.best is not None
+    generous = run(lm, tmp_path / "generous", SearchConfig(policy=ppl_only(10.0), space=THREE[:2], screen_windows=2),
+                   latency)
+    assert [t.screened_windows for t in generous.trials] == [None, None] and timed[:2] == list(THREE[:2])
+    assert all(t.passed and t.seconds > 0 for t in generous.trials)
+    assert generous.to_dict()["trials"][0]["seconds"] == generous.trials[0].seconds
+    # the screening bound: each threshold's distance from lossless, times 4
+    loose = SearchConfig(policy=Policy(max_ppl_ratio=1.01, max_kld=0.007, min_top1=0.95)).screen_policy()
+    assert (loose.max_ppl_ratio, loose.max_kld, loose.min_top1) == pytest.approx((1.04, 0.028, 0.8))
+    assert SearchConfig(policy=ppl_only(0.5)).screen_policy() is None      # a target past FP32's: no screening
+    assert SearchConfig(screen_windows=None).screen_policy() is None
+
+
+def test_the_time_budget_stops_the_search_after_the_trial_that_spent_it(lm, tmp_path):
+    result = run(lm, tmp_path, SearchConfig(policy=ppl_only(10.0), space=THREE, time_budget_s=1e-6))
+    assert len(result.trials) == 1 and result.stopped_by == "time budget" and result.chosen is result.trials[0]
+    with pytest.raises(ConfigError, match="--search-budget"):
+        SearchConfig(time_budget_s=0)

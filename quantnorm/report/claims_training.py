@@ -10,6 +10,7 @@ from .evidence import (
     Finding,
     arm_status,
     arm_why,
+    best_rates_line,
     by_seed,
     decide,
     held_out_best,
@@ -36,6 +37,8 @@ def claim_warmup(sweep: Sweep, full: Sweep | None = None) -> Finding:
         return f
     w = max(full.warmups)
     bpb = lambda c: c.bits_per_byte  # noqa: E731
+    if line := best_rates_line(sweep, ("post", "pre"), warmup=w, depth=min(full.depths)):
+        f.lines.append(line)
     tests = []
     for norm, depth, lr in strata([c for c in full.cells if c.placement in ("post", "pre")], "norm", "depth", "lr"):
         if not all(full.select(placement="post", norm=norm, depth=depth, lr=lr, warmup=wu) for wu in (0, w)):
@@ -148,6 +151,8 @@ def claim_deepnorm(sweep: Sweep, full: Sweep | None = None) -> Finding:
         f.lines.append(f"depth {d}: deepnorm {arm_status(full, placement='deepnorm', depth=d)}; post "
                        f"{arm_status(full, placement='post', depth=d)}")
     d = max(full.depths)
+    if line := best_rates_line(sweep, ("deepnorm", "post"), depth=d):
+        f.lines.append(line)
     tests = []
     for norm, warmup, lr in strata(full.select(placement="deepnorm", depth=d) + full.select(placement="post", depth=d),
                                    "norm", "warmup", "lr"):

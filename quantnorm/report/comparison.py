@@ -17,6 +17,7 @@ from ..fileio import write_text_atomic
 from ..results import DIVERGED, STATUSES
 from ..results import STATUS_TRAINED as TRAINED
 from ..runs import PLOTS_DIR, REPORT_FILE
+from .claims_generation import generation_section
 from .findings import (
     FINDINGS_FILE,
     FINDINGS_JSON,
@@ -148,6 +149,7 @@ def render(sweep: Sweep, plots: dict[str, str] | None = None) -> str:
     if layer_table:
         L += ["", "## Residual stream per layer", ""] + layer_table
     L += _smoothquant_section(sweep, groups)
+    L += generation_section(sweep)
     L += [""] + findings_section(full, plots)
     if plots:
         L += ["## Plots", ""] + [f"![{title}]({path})" for title, path in plots.items()] + [""]

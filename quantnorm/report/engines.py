@@ -183,6 +183,76 @@ def _picks(rows: list[Row], policy: Policy) -> list[str]:
             + (", ".join(f"`{r.label}`" for r in front) if front else "none (no row has both a KL and a speed)") + "."]
 
 
+# issue goal against llama.cpp on the same CPU, threads and tokens (README, Other engines): at a KL no
+# higher than Q8_0's, generation at least Q8_0's tokens/s and prompt at least twice its tokens/s
+GOAL_GEN_VS_Q8 = 1.0
+GOAL_PROMPT_VS_Q8 = 2.0
+
+
+def _ratio_text(mine: float | None, theirs: float | None, goal: float | None = None) -> str:
+    if not (_finite(mine) and _finite(theirs)) or not theirs:
+        return "not measured"
+    ratio = mine / theirs
+    text = f"{mine:,.1f} against {theirs:,.1f} tok/s = {ratio:.2f}x"
+    if goal is None:
+        return text
+    return text + (f" (goal {goal:g}x: met)" if ratio >= goal else
+                   f" (goal {goal:g}x: missed by {100 * (1 - ratio / goal):.0f}%)")
+
+
+@dataclass(frozen=True)
+class VersusLlamaCpp:
+    """quantnorm's fastest recipe at llama.cpp Q8_0's KL or lower (None: no recipe is as accurate)
+    against Q8_0 (and Q4_K_M when measured), as ratios of tokens/s measured in the same run."""
+
+    q8: Row
+    q4: Row | None
+    ours: Row | None
+
+    def ratio(self, other: Row | None, key: str) -> float | None:
+        mine, theirs = (getattr(self.ours, key) if self.ours else None), (getattr(other, key) if other else None)
+        return mine / theirs if _finite(mine) and _finite(theirs) and theirs else None
+
+    @property
+    def gen_met(self) -> bool:
+        ratio = self.ratio(self.q8, "gen_tok_s")
+        return ratio is not None and ratio >= GOAL_GEN_VS_Q8
+
+    @property
+    def prompt_met(self) -> bool:
+        ratio = self.ratio(self.q8, "prompt_tok_s")
+        return ratio is not None and ratio >= GOAL_PROMPT_VS_Q8
+
+
+def versus_llamacpp(rows: list[Row]) -> VersusLlamaCpp | None:
+    """None without a measured llama.cpp Q8_0 row with a KL."""
+    by_format = {r.format: r for r in rows if r.engine == "llamacpp" and r.ok}
+    q8 = by_format.get("Q8_0")
+    if q8 is None or q8.kld is None:
+        return None
+    ours = [r for r in rows if r.engine == QUANTNORM and not r.reference and r.ok and r.kld is not None
+            and r.kld <= q8.kld and _finite(r.gen_tok_s)]
+    return VersusLlamaCpp(q8, by_format.get("Q4_K_M"), max(ours, key=lambda r: r.gen_tok_s, default=None))
+
+
+def llamacpp_goal(rows: list[Row]) -> list[str]:
+    """The lines of :func:`versus_llamacpp`; [] without a measured Q8_0 row."""
+    v = versus_llamacpp(rows)
+    if v is None:
+        return []
+    if v.ours is None:
+        return [f"- **Against llama.cpp Q8_0** (KL {v.q8.kld:.4f}): no quantnorm recipe in this run is as accurate."]
+    best, q8, q4 = v.ours, v.q8, v.q4
+    L = [f"- **Against llama.cpp Q8_0**, same CPU, threads and tokens, in this run: `{best.format}` (the fastest "
+         f"quantnorm recipe at Q8_0's KL or lower: {best.kld:.4f} against {q8.kld:.4f}): generation "
+         f"{_ratio_text(best.gen_tok_s, q8.gen_tok_s, GOAL_GEN_VS_Q8)}; prompt "
+         f"{_ratio_text(best.prompt_tok_s, q8.prompt_tok_s, GOAL_PROMPT_VS_Q8)}."]
+    if q4 is not None:
+        L.append(f"- **Against llama.cpp Q4_K_M** (KL {fmt(q4.kld, '.4f')}): generation "
+                 f"{_ratio_text(best.gen_tok_s, q4.gen_tok_s)}; prompt {_ratio_text(best.prompt_tok_s, q4.prompt_tok_s)}.")
+    return L
+
+
 def plot_points(rows: list[Row]) -> list[tuple[str, str, float, float]]:
     """(label, group, generation tok/s, KL) of each row the plot draws: every scored row with a speed
     but FP32 (its KL is 0 on a log axis; its speed is the vertical line)."""
@@ -208,7 +278,7 @@ def engines(results: dict) -> list[str]:
           f"CPU. Accuracy goal ({where} policy): {_goal_text(policy)}.", "",
           *table(["engine", "format or recipe", "PPL ratio", "KL mean", "top-1", "generation agreement",
                   "prompt tok/s", "generation tok/s", "size", "meets the goal"], [_cells(r, policy) for r in rows]),
-          "", *_picks(rows, policy), ""]
+          "", *_picks(rows, policy), *llamacpp_goal(rows), ""]
     missing = [r for r in others if not r.ok]
     if missing:
         L += ["Not measured or broken:", ""] + [f"- `{r.label}`: {r.status}" for r in missing] + [""]

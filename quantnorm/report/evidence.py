@@ -151,3 +151,20 @@ def norm_tests(sweep: Sweep, full: Sweep, what: str, metric: Callable[[CellResul
         tests.append(sign_test(label, what, paired(a, b), expected, missing=bad or None,
                                fmt=fmt_pct if "%" in what else None))
     return tests
+
+
+def best_rates_line(sweep: Sweep, placements: Iterable[str], **where) -> str | None:
+    """'best learning rate on held-out seeds: post 0.001, pre 0.003' over the cells matching ``where``
+    (trained cells: pass the trained view); None when the sweep has one rate."""
+    if len(sweep.lrs) < 2:
+        return None
+    parts = []
+    for p in placements:
+        _, chosen, best, _ = held_out_best(sweep.select(placement=p, **where), lambda c: (c.lr,),
+                                           lambda c: c.bits_per_byte)
+        if best is not None:
+            picks = sorted({v[0] for v in chosen.values()})
+            parts.append(f"{p} {best[0]:g}" + (f" (held-out picks {', '.join(f'{x:g}' for x in picks)})"
+                                               if len(picks) > 1 else ""))
+    return ("each placement's best learning rate (lowest bits/byte, chosen on held-out seeds): " + ", ".join(parts)
+            + "; each sub-test compares the arms at one rate") if parts else None

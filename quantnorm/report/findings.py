@@ -2,8 +2,9 @@
 tests it on the sweep's cells, the table of those functions (:data:`CLAIMS`), and the findings
 section and findings.json that present them.
 
-The claim functions live by subject: ``claims_training`` (1, 2, 6, 8, 9, 12) and
-``claims_activations`` (3, 4, 5, 7, 10, 11, 13); what they are built from is ``evidence``.
+The claim functions live by subject: ``claims_training`` (1, 2, 6, 8, 9, 12),
+``claims_activations`` (3, 4, 5, 7, 10, 11, 13) and ``claims_generation`` (14, 15); what they are
+built from is ``evidence``.
 
 A claim function takes the trained view of the sweep (every effect is computed on trained cells
 only) and the whole sweep (to say which arm of the design collapsed or diverged), splits the
@@ -28,6 +29,7 @@ from .claims_activations import (
     depth_shape,
     log_reference_exponent,
 )
+from .claims_generation import claim_kl_predicts, claim_level4
 from .claims_training import (
     claim_deepnorm,
     claim_grad_at_init,
@@ -64,6 +66,8 @@ CLAIMS: tuple[Callable[[Sweep, Sweep], Finding], ...] = (
     claim_outliers_predict,
     claim_post_best,
     claim_rotation,
+    claim_level4,
+    claim_kl_predicts,
 )
 
 
@@ -100,7 +104,7 @@ CLAIM_PLOTS = {3: ("Perturbation sensitivity per depth",), 4: ("Residual-stream 
 def findings_section(sweep: Sweep, plots: dict[str, str] | None = None,
                      found: list[Finding] | None = None) -> list[str]:
     """The Markdown lines of the findings section (``## Findings``): which cells are left out, one
-    subsection per claim, a summary line and the table of the thirteen verdicts. ``plots`` (title ->
+    subsection per claim, a summary line and the table of the verdicts. ``plots`` (title ->
     path relative to the sweep directory, as quantnorm.report.comparison.make_plots returns them)
     adds the pictures to the claims they illustrate."""
     found = found if found is not None else findings(sweep)

