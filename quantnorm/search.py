@@ -33,11 +33,8 @@ Steps:
    the best recipe in FP32 (SQNR from ``measure.sqnr.activation_sqnr`` on the best static trial;
    k counts input tensors, so q/k/v, which share one input, go together), k = 1, 2, 4, ... and
    finally all but one tensor; a second INC loop over ``exclude_worst`` stops at the first pass.
-Every trial is screened first: scored on ``screen_windows`` of its windows (8, evenly spaced), a
-trial that misses the policy by ``SCREEN_FACTOR`` there (each threshold's distance from lossless
-times 4: KL 0.01 -> 0.04) is recorded with those numbers and neither timed nor scored on the rest.
-With ``time_budget_s`` no trial starts once the search has run that long (``stopped_by``: "time
-budget"); the trials that ran are compared as below. Each trial records its wall time.
+Screening: a trial missing the policy by ``SCREEN_FACTOR`` on 8 of its windows is neither timed
+nor scored further. ``time_budget_s``: no trial starts after it ("time budget").
 3. Pick: the fastest passing trial by CPU p50 latency at batch 8, or the first. With several
    passing trials they are timed again side by side, in interleaved rounds, and each one's lowest
    round decides (each trial's own timing came minutes apart from the others', between quantizer
@@ -71,10 +68,7 @@ from .quantize import RECIPES, Recipe, get_recipe, quantize, with_exclusions
 from .quantize.recipes import ALPHA_SEPARATOR
 
 PICKS = ("fastest", "first")
-# A trial that misses the policy by this factor on the screening windows is not scored further: on
-# the real checkpoints the recipes that break miss it by 10-100x (KL 0.06-0.8 against 0.007), and
-# 8 windows of 128 tokens put a mean KL within tens of percent of the 64-window figure.
-SCREEN_FACTOR = 4.0
+SCREEN_FACTOR = 4.0   # real checkpoints' broken recipes miss the KL goal by 10-100x (0.06-0.8 vs 0.007)
 FRAMEWORK = "quantnorm_onnxruntime"   # our name in INC's config registry
 ALGO = "quantnorm_recipe"
 ACCURACY_METRICS = tuple(metric for _, metric, _ in ACCURACY_LIMITS)  # what a trial's scorer returns
@@ -165,9 +159,7 @@ class SearchConfig:
     space: tuple[str, ...] | None = None      # recipe names; None: default_space()
     sq_alpha: float | None = None             # overrides the alpha of SmoothQuant recipes
     eval_windows: int | None = 64             # trial accuracy on this many evaluation windows (None: all)
-    # a trial is first scored on this many of those windows and dropped there (not timed, not scored
-    # on the rest) when it misses the policy by SCREEN_FACTOR (None: no screening)
-    screen_windows: int | None = 8
+    screen_windows: int | None = 8            # screening windows (module doc; None: no screening)
     time_budget_s: float | None = None        # no trial starts after this many seconds of search (None: no limit)
     fallback: bool = True
     sqnr_windows: int = 8
@@ -204,17 +196,14 @@ class SearchConfig:
         return self.policy.max_ppl_ratio
 
     def screen_policy(self) -> Policy | None:
-        """The policy a trial must meet on the screening windows to be scored on the rest: each accuracy
-        threshold's distance from lossless times SCREEN_FACTOR (KL 0.01 -> 0.04, PPL ratio 1.01 -> 1.04,
-        top-1 0.98 -> 0.92). None (no screening) without screen windows or for a PPL target at or below
-        FP32's own, where a looser bound means nothing."""
+        """Each threshold's distance from lossless times SCREEN_FACTOR (KL 0.01 -> 0.04); None: no
+        screening (no screen windows, or a PPL target at or below FP32's own)."""
         p = self.policy
         if self.screen_windows is None or p.max_ppl_ratio <= 1.0:
             return None
         loose = lambda v, lossless: None if v is None else lossless + SCREEN_FACTOR * (v - lossless)  # noqa: E731
-        return Policy(max_ppl_ratio=loose(p.max_ppl_ratio, 1.0), max_kld=loose(p.max_kld, 0.0),
-                      max_kld_p99=loose(p.max_kld_p99, 0.0),
-                      min_top1=None if p.min_top1 is None else max(0.0, loose(p.min_top1, 1.0)))
+        return Policy(max_ppl_ratio=loose(p.max_ppl_ratio, 1.0), max_kld=loose(p.max_kld, 0.0), max_kld_p99=loose(
+            p.max_kld_p99, 0.0), min_top1=None if p.min_top1 is None else max(0.0, loose(p.min_top1, 1.0)))
 
     def recipes(self) -> tuple[str, ...]:
         return default_space() if self.space is None else tuple(self.space)
@@ -358,12 +347,10 @@ class _Runner:
         return trial
 
     @property
-    def screen(self) -> np.ndarray:
-        """The screening windows: evenly spaced over the trial windows."""
+    def screen(self) -> np.ndarray:   # the screening windows, evenly spaced over the trial windows
         return eval_subset(len(self.eval_inputs), self.cfg.screen_windows)
 
-    def _screen(self, int8_session):
-        """The trial's accuracy on the screening windows when it misses the screening policy, else None."""
+    def _screen(self, int8_session):   # the screening windows' accuracy when it misses the loose policy
         policy = self.cfg.screen_policy()
         if policy is None or len(self.screen) >= len(self.eval_inputs):
             return None
@@ -372,9 +359,8 @@ class _Runner:
         return acc if policy.accuracy_failures({m: getattr(acc, m, None) for m in ACCURACY_METRICS}) else None
 
     def _scored(self, common: dict, q, acc, *, latency: float | None, screened_windows: int | None = None) -> Trial:
-        # The gate's own accuracy rule (quantnorm.policy), so the pick passes the gate. A trial
-        # failing a threshold other than the PPL ratio scores 0, so INC's own pass rule (metric vs
-        # tolerable_loss) and ours agree: every target must hold.
+        # The gate's own rule (quantnorm.policy); failing a threshold other than the PPL ratio
+        # scores 0, so INC's pass rule (metric vs tolerable_loss) and ours agree.
         failures = self.cfg.policy.accuracy_failures({m: getattr(acc, m, None) for m in ACCURACY_METRICS})
         others_ok = all(f.startswith("ppl_ratio ") for f in failures)
         metric = 1.0 / acc.ppl_ratio if acc.ppl_ratio > 0 and others_ok else 0.0
@@ -401,11 +387,9 @@ def search_recipes(fp32_path: Path, work_dir: Path, calib_inputs: np.ndarray, ev
                    fp32_session=None) -> SearchResult:
     """Search the recipe space for a model with ``ppl_ratio <= cfg.max_ppl_ratio`` (module doc).
 
-    ``fp32_for(recipe)``: the FP32 model a recipe quantizes (the smoothed export for SmoothQuant
-    recipes); without it SmoothQuant recipes are skipped. Accuracy is always against
-    ``fp32_path``, the original model. Trial models are written to ``work_dir`` and left there
-    (``Trial.path``); the caller keeps the one it wants. ``latency_fn(path, name)`` -> p50 ms
-    (default: ``bench_model`` at ``cfg.latency_batch``); tests inject a fake one.
+    ``fp32_for(recipe)``: the FP32 model a recipe quantizes (without it SmoothQuant recipes are
+    skipped); accuracy is always against ``fp32_path``. Trial models stay in ``work_dir``
+    (``Trial.path``). ``latency_fn(path, name)`` -> p50 ms (default: ``bench_model``).
     ``preprocessed``: the run's ``quantize.PreprocessCache`` (each FP32 model pre-processed once).
     ``scorer(fp32_session, int8_session, inputs, targets)`` -> an object with ``ppl_ratio``,
     ``kld_mean`` and ``top1_agreement`` (default: the zoo's byte-level ``measure.accuracy.compare``;
@@ -451,8 +435,8 @@ def search_recipes(fp32_path: Path, work_dir: Path, calib_inputs: np.ndarray, ev
                                     TuningConfig, init_tuning, deadline=deadline)
         phase1 = list(runner.trials)
         worst: list[dict] = []
-        in_time = deadline is None or time.monotonic() < deadline
-        if cfg.fallback and not any(t.passed for t in phase1) and len(runner.trials) < budget and in_time:
+        if (cfg.fallback and not any(t.passed for t in phase1) and len(runner.trials) < budget
+                and (deadline is None or time.monotonic() < deadline)):
             base_trial = by_config.get(id(monitor.get_best_quant_config())) if monitor.tuning_history else None
             if base_trial is not None and base_trial.status == "ok":
                 worst = _worst_tensors(phase1, fp32_for, cfg, inputs)
@@ -486,12 +470,9 @@ def _pick_latency(trial: Trial) -> tuple[float, int]:
 
 
 def _retime_side_by_side(trials: tuple[Trial, ...], latency_fn, rounds: int) -> tuple[Trial, ...]:
-    """The passing trials timed again, in ``rounds`` interleaved rounds (A, B, C, A, B, C, ...),
-    each getting the lowest of its rounds' p50s. Why: each trial was timed once, minutes apart,
-    between quantizer passes; on a shared machine two graphs of the same cost (a recipe and its
-    GPTQ twin) can time 20% apart that way, enough to pick the slower recipe. The lowest, not the
-    median: a neighbour's load only ever adds time, and a median of 3 rounds can still be off by
-    as much."""
+    """The passing trials timed again in ``rounds`` interleaved rounds, each keeping its lowest p50:
+    timed once, minutes apart, two graphs of the same cost can time 20% apart (enough to pick the
+    slower); a neighbour's load only ever adds time, so the lowest, not the median."""
     passing = [t for t in trials if t.passed and t.path is not None and Path(t.path).is_file()]
     if len(passing) < 2:
         return trials
@@ -510,9 +491,8 @@ def _tune(config_set, budget: int, cfg: SearchConfig, evaluator, TuningConfig, i
     """One INC tuning loop; returns (why it stopped, INC's monitor).
 
     INC's ``need_stop`` is "max_trials reached or the last trial met the target"; we honour the
-    first half always and the second when stopping at the first pass (``pick="first"``). No trial
-    but the first starts after ``deadline`` (``time.monotonic()``; the search's time budget).
-    """
+    first half always and the second when stopping at the first pass (``pick="first"``); no trial
+    but the first starts after ``deadline``."""
     tuning_config = TuningConfig(config_set=config_set, tolerable_loss=cfg.tolerable_loss, max_trials=budget)
     loader, _tuning_logger, monitor = init_tuning(tuning_config)  # caps max_trials at the space size
     monitor.set_baseline(1.0)  # 1/ppl_ratio of the FP32 model against itself

@@ -154,7 +154,7 @@ def test_plot_is_written_and_a_run_without_engines_gets_neither_table_nor_plot(t
     assert report_engines.engines(without) == []
     assert report_engines.plot(tmp_path / "other", without, tmp_path / "other" / "plots") == {}
     assert not (tmp_path / "other").exists()
-    real = json.loads((REPORTS / "real-models" / "smollm2" / "results.json").read_text())
+    real = json.loads((REPORTS / "real-models" / "minilm" / "results.json").read_text())   # a run without engines
     assert "engines" not in real and "Other engines" not in render(real, {})
 
 
@@ -176,8 +176,11 @@ def test_the_run_report_of_a_real_run_carries_the_table_and_the_plot(tmp_path):
     report = write_report(run, results).read_text()
     section = report[report.index("## Other engines, same checkpoint"):]
     rows = table_rows(section.splitlines())
-    assert rows[0][:2] == ["quantnorm", "`fp32`"] and rows[0][7] == "39.9"   # its batch-1 CPU generation speed
-    assert [r[1] for r in rows[1:6]] == [f"`{r['name']}`" for r in results["recipes"]]
+    fp32 = next(m for m in results["generation"]["models"] if m["name"] == "fp32")
+    b1 = next(d for d in fp32["decode"] if d["batch"] == 1 and d["provider"] == "CPUExecutionProvider")
+    assert rows[0][:2] == ["quantnorm", "`fp32`"] and rows[0][7] == f"{b1['gen_tokens_per_s']:,.1f}"   # batch-1 CPU
+    scored = [r["name"] for r in results["recipes"] if r.get("status") == "ok" and r.get("accuracy")]
+    assert [r[1] for r in rows[1:1 + len(scored)]] == [f"`{n}`" for n in scored]
     assert rows[-1][:2] == ["ortgenai 0.18.0", "`int4-b32-acc4`"]
     assert "![KL mean against generation tokens/s](plots/engines.png)" in report
     assert (run / "plots" / "engines.png").is_file()
