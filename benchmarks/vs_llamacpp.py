@@ -37,16 +37,10 @@ from quantnorm.report.engines import (
     versus_llamacpp,
 )
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # the benchmarks' shared helpers, run or loaded by path
+from evaluate_budget import out_dir_of  # noqa: E402
+
 ISA = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8")
-
-
-def out_dir_of(args: list[str]) -> Path | None:
-    for i, a in enumerate(args):
-        if a == "--out" and i + 1 < len(args):
-            return Path(args[i + 1])
-        if a.startswith("--out="):
-            return Path(a.split("=", 1)[1])
-    return None
 
 
 def with_defaults(args: list[str]) -> list[str]:
