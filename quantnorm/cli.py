@@ -32,7 +32,7 @@ from .measure.sessions import SessionSpec, listed_providers, resolve_providers, 
 from .models import NORMS, PLACEMENTS, ModelConfig
 from .policy import resolve_policy, with_baseline_flags
 from .portable import PKG_PREFIX, portable_args, resolve_arg
-from .quantize import DEFAULT_RECIPES, RECIPES
+from .quantize import DEFAULT_RECIPES, MASSIVE_DEFAULT_RECIPES, RECIPES
 from .report import write_comparison, write_findings, write_report
 from .report.terminal import summary_lines, summary_lines_model
 from .results import load as load_results
@@ -337,9 +337,10 @@ def bundle(run_dir, recipe, out, force):
 def recipes():
     """List the INT8 recipes and which ones evaluate runs by default."""
     for name, recipe in RECIPES.items():
-        mark = "*" if name in DEFAULT_RECIPES else " "
+        mark = "*" if name in DEFAULT_RECIPES else "m" if name in MASSIVE_DEFAULT_RECIPES else " "
         click.echo(f"{mark} {name:<36} {recipe.describe()}")
-    click.echo("(* = in the default set; weight-only recipes also by any name of the form "
+    click.echo("(* = in the default set; m = the default set instead when evaluate's probe finds massive "
+               "activations in a language model; weight-only recipes also by any name of the form "
                "[rotated-|online-rotated-]wo-int<4|8>-b<block>[-asym][-acc4][-gptq|-hqq][-fphead])")
 
 
@@ -440,7 +441,8 @@ def sweep(ctx, placements, norms, seeds, warmups, depths, d_model, heads, contex
         depths=_int_csv(depths, "--depths"), lrs=_float_csv(lrs, "--lrs") if lrs is not None else None,
         d_model=d_model, heads=heads, context=context, steps=steps,
         batch_size=batch_size, lr=lr, corpus=corpus,
-        evaluate=evaluate_config(flags, progress=False, generation_default=False),  # cells write logs, not progress bars
+        # cells write logs, not progress bars, and compare the same recipes (no probe-picked set)
+        evaluate=evaluate_config(flags, progress=False, generation_default=False, probe_picks_recipes=False),
     )
     outcome = run_sweep(cfg, out, jobs=jobs, executor=executor, ray_address=ray_address, progress=not quiet,
                         command=_command_line(), echo=click.echo)

@@ -48,7 +48,9 @@ def evaluate_options(func):
         click.option("--recipes", default=None,
                      help="Comma-separated INT8 recipes (see `quantnorm recipes`), or `auto` for the accuracy-aware "
                           "search (may be combined with names). A SmoothQuant recipe takes an alpha as "
-                          "NAME@ALPHA (smoothquant@0.7), several side by side. [default: the default set]"),
+                          "NAME@ALPHA (smoothquant@0.7), several side by side. [default: the default set (`quantnorm "
+                          "recipes` marks it), or, when the FP32 probe finds massive activations, the recipes that "
+                          "survive them: pertoken-fused, wo-int8-b32-acc4, online-rotated-pertoken-fused-gptq]"),
         click.option("--sq-alpha", type=float, default=None,
                      help="SmoothQuant migration strength alpha in [0, 1] for the smoothquant recipe (not for "
                           "smoothquant@ALPHA names, which keep theirs). [default: 0.5]"),
@@ -122,15 +124,17 @@ def evaluate_options(func):
 
 
 def evaluate_config(flags: dict, progress: bool, *, with_model: bool = False,
-                    generation_default: bool = True) -> EvaluateConfig:
+                    generation_default: bool = True, probe_picks_recipes: bool = True) -> EvaluateConfig:
     """The EvaluateConfig of the ``evaluate_options`` flags, which it pops off ``flags`` (the
     command's keyword arguments): validated here, before anything runs. ``with_model``: evaluate
-    was given ``--model`` (a checkpoint: the latency cells get a time budget by default)."""
+    was given ``--model`` (a checkpoint: the latency cells get a time budget by default).
+    ``probe_picks_recipes``: without --recipes, the probe may swap the default set (not in a sweep,
+    whose cells compare the same recipes)."""
     f = {name: flags.pop(name) for name in EVALUATE_FLAGS}
     policy = resolve_policy(f["policy_file"], max_ppl_ratio=f["max_ppl_ratio"], min_top1=f["min_top1"],
                             max_kld=f["max_kld"])
     return EvaluateConfig(
-        recipes=tuple(_csv(f["recipes"])) if f["recipes"] else DEFAULT_RECIPES,
+        recipes=tuple(_csv(f["recipes"])) if f["recipes"] else DEFAULT_RECIPES, probe_picks_recipes=probe_picks_recipes and not f["recipes"],
         providers=tuple(_csv(f["providers"])) if f["providers"] else None,
         calib_samples=f["calib_samples"], opset=f["opset"], graph_optimization_level=f["opt_level"],
         threads=f["threads"], latency_batches=_int_csv(f["batches"], "--batches"), latency_iters=f["iters"],

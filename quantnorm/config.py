@@ -30,6 +30,9 @@ class EvaluateConfig:
     """What to deploy and measure; the CLI builds it from flags."""
 
     recipes: tuple[str, ...] = DEFAULT_RECIPES
+    # No --recipes named: when the FP32 probe finds massive activations, the recipes that survive
+    # them (MASSIVE_DEFAULT_RECIPES) replace the default set (quantnorm.evaluate.choose_recipes).
+    probe_picks_recipes: bool = False
     providers: tuple[str, ...] | None = None   # None: every provider this onnxruntime lists
     calib_samples: int = 64
     opset: int = 18

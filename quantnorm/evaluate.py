@@ -15,7 +15,7 @@ import shutil
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,7 @@ from .measure.placement import detect_placement
 from .measure.scoring import Scorer, search_scorer
 from .measure.sessions import CPU, ReopenableSession, ReplayedSession, SessionSpec, make_session
 from .measure.sqnr import sqnr_sections
-from .quantize import PreprocessCache, quantize
+from .quantize import MASSIVE_DEFAULT_RECIPES, PreprocessCache, quantize
 from .quantize.sanity import softmax_input_report
 from .report import write_report
 from .report.plots import plot_activation_heatmap
@@ -80,6 +80,7 @@ class _Run:
     fp32_sources: dict[str, Path] = field(default_factory=dict)  # recipe -> the FP32 model it quantized
     int8_paths: dict[str, Path] = field(default_factory=dict)
     recipes: dict[str, Any] = field(default_factory=dict)   # name -> the Recipe each ok model was made with
+    probe: tuple[dict, dict] | None = None   # graph_probe's (report, first window), when run before quantizing
 
     def measure(self, path: Path) -> dict:
         return self.accuracy(make_session(path, self.spec))
@@ -106,6 +107,8 @@ def evaluate(source: ModelSource | RunDir, cfg: EvaluateConfig, *, command: str)
     out = ResultsBuilder(command, cfg.threads)
     out.section("policy", cfg.accuracy_thresholds())   # what the report's verdict judges by
     run = open_run(source, cfg, out, stage, stage_seconds)
+    if cfg.probe_picks_recipes and source.probe_options().get("causal", True):
+        cfg = run.cfg = choose_recipes(run, out)
     quantize_recipes(run, out)
     run.fp32_session.close()   # the search opens its own; latency, the probe and the FP16 check read files
     if AUTO in cfg.recipes:
@@ -156,6 +159,23 @@ def open_run(source: ModelSource, cfg: EvaluateConfig, out: ResultsBuilder, stag
                 stage_seconds=stage_seconds, spec=spec, vnni=cpu_has_vnni(), fp32_session=fp32_session,
                 fp32_scores=fp32_scores, accuracy=Scorer(source.scoring(cfg), fp32_scores),
                 transforms=source.transforms(cfg), preprocessed=PreprocessCache())
+
+
+def choose_recipes(run: _Run, out: ResultsBuilder) -> EvaluateConfig:
+    """No --recipes named: probe the FP32 model before quantizing it. When the probe finds massive
+    activations, the recipes that survive them (MASSIVE_DEFAULT_RECIPES) replace the default set,
+    whose per-tensor scales the probe already says will spend their 8 bits on those values; the
+    ``recipe_choice`` section records why, and the report's verdict says so. The probe is kept for
+    the ``outliers`` section (it is not run twice)."""
+    cfg = run.cfg
+    with run.stage("probe"):
+        run.probe = graph_probe(run.fp32_path, run.source.data.eval_inputs[: cfg.probe_windows],
+                                **run.source.probe_options())
+    massive = int(run.probe[0]["massive_total"])
+    recipes = MASSIVE_DEFAULT_RECIPES if massive else cfg.recipes
+    out.section("recipe_choice", {"by": "probe", "massive_total": massive, "probe_windows": cfg.probe_windows,
+                                  "recipes": list(recipes), "default_recipes": list(cfg.recipes)})
+    return replace(cfg, recipes=recipes, probe_picks_recipes=False)
 
 
 def quantize_recipes(run: _Run, out: ResultsBuilder) -> None:
@@ -238,7 +258,7 @@ def measure_models(run: _Run, out: ResultsBuilder) -> None:
         with run.stage("outliers"):
             out.sections(probe_sections(run.run_dir, fp32_path, run.int8_paths,
                                         source.data.eval_inputs[: cfg.probe_windows], run.fp32_sources,
-                                        **source.probe_options()))
+                                        probed=run.probe, **source.probe_options()))
         out.sections(torch_sections(source, cfg, run.stage))
 
 
@@ -257,14 +277,15 @@ def torch_sections(source: ModelSource, cfg: EvaluateConfig, stage) -> dict:
 
 
 def probe_sections(run_dir: Path, fp32_path: Path, int8_paths: dict[str, Path], inputs, fp32_sources: dict[str, Path],
-                   *, n_blocks: int | None, causal: bool, token=None) -> dict:
+                   *, n_blocks: int | None, causal: bool, token=None, probed: tuple[dict, dict] | None = None) -> dict:
     """The ``outliers``, ``sqnr`` and ``sqnr_summary`` sections, read off the FP32 graph for every
     source (``measure.graph_probe``), and the heat map of the layer with the largest max/median.
 
     SQNR's correlation with outlier figures is taken over the inputs of weight MatMuls
     (attention probabilities are mostly exact zeros from the causal mask, so their max/median
-    ratios are meaningless and would swamp the correlation)."""
-    report, first_window = graph_probe(fp32_path, inputs, n_blocks=n_blocks, token=token, causal=causal)
+    ratios are meaningless and would swamp the correlation). ``probed``: graph_probe's answer on
+    these inputs, when it already ran (choose_recipes)."""
+    report, first_window = probed or graph_probe(fp32_path, inputs, n_blocks=n_blocks, token=token, causal=causal)
     matmul_inputs = {row["tensor"]: row["modules"] for row in report["matmul_inputs"]}  # the probe's own walk
     sqnr, summaries = sqnr_sections(fp32_path, int8_paths, inputs[:8], matmul_inputs, fp32_sources)
     layer = largest_ratio_layer(report["residual"]) if report["residual"] else None

@@ -12,7 +12,7 @@ exit 2). :func:`load_policy` reads the TOML file the gate and ``evaluate --polic
     max_ppl_ratio = 1.01        # accuracy.ppl_ratio      <= this
     max_kld = 0.01              # accuracy.kld_mean       <= this
     max_kld_p99 = 0.05          # accuracy.kld_p99        <= this   (optional)
-    min_top1 = 0.98             # accuracy.top1_agreement >= this
+    min_top1 = 0.95             # accuracy.top1_agreement >= this
     max_latency_ratio = 1.0     # INT8 p50 / FP32 p50     <= this   (optional)
     min_gen_speed_ratio = 1.0   # generation tokens/s, INT8 / FP32, same provider and batch >= this (optional)
     min_gen_tokens_per_s = 50   # generation tokens/s of the recipe >= this (optional)
@@ -223,7 +223,12 @@ class Policy:
     max_ppl_ratio: float | None = 1.01
     max_kld: float | None = 0.01
     max_kld_p99: float | None = None
-    min_top1: float | None = 0.98
+    # 0.95, not 0.98: on a pretrained vocabulary of 49k-262k tokens many next tokens are near ties,
+    # and what users deploy there flips more of them than a byte-level model's INT8 does: llama.cpp
+    # Q8_0 agrees on 95.6% (SmolLM2-135M) and 97.0% (Gemma 3 270M) of top-1 tokens at KL 0.0052 and
+    # 0.0032 (reports/real-models). A bar Q8_0 fails would reject every INT8 deployment of those
+    # checkpoints; the KL and PPL ratio bounds still hold each model to Q8_0's neighbourhood.
+    min_top1: float | None = 0.95
     max_latency_ratio: float | None = None
     min_gen_speed_ratio: float | None = None
     min_gen_tokens_per_s: float | None = None
@@ -419,6 +424,9 @@ def load_policy(path: str | Path) -> Policy:
 def _reason(exc: BaseException) -> str:
     return getattr(exc, "strerror", None) or str(exc).splitlines()[0]
 DEFAULT_POLICY = Policy()  # the one set of defaults: the search, `evaluate` and `quantnorm gate` start from it
+# The defaults before min_top1 went from 0.98 to 0.95: what a run that recorded no ``policy`` section
+# (written before runs recorded it) was held to, so its report reads as it did.
+UNRECORDED_POLICY = replace(DEFAULT_POLICY, min_top1=0.98)
 
 
 def resolve_policy(path: str | Path | None = None, **overrides: Any) -> Policy:

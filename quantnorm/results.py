@@ -31,6 +31,9 @@ Schema versions (:data:`READABLE_SCHEMAS`; :func:`load` refuses any other):
   The ``engines`` section (``--engines``): ``{"status", "engines": [{"engine", "version", "rows":
   [{"format", "status", "path", "size_bytes", "settings", "accuracy", "agreement", "speed"}]}]}``,
   other engines' models scored against the run's FP32 (read through :func:`engine_rows`).
+  The ``recipe_choice`` section (no ``--recipes`` named): ``{"by": "probe", "massive_total",
+  "probe_windows", "recipes", "default_recipes"}``: the recipes the FP32 probe chose (the ones that
+  survive massive activations when it found any); absent when recipes were named.
   A version-1 file is read as it is: every key added in 2 is optional to a reader.
 """
 

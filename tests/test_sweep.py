@@ -298,7 +298,7 @@ def test_resuming_with_other_settings_is_refused(tmp_path, small_corpus, capsys)
     err = capsys.readouterr().err.strip()
     assert "other settings" in err and "steps 99 -> 8" in err and len(err.splitlines()) == 1
     assert "evaluate.latency_iters 30 -> 2" in err
-    # the search's targets differ too (0.98 -> 0.5), but neither sweep searches: not a difference
+    # the search's targets differ too (0.95 -> 0.5), but neither sweep searches: not a difference
     assert "min_top1" not in err
 
 
@@ -312,7 +312,7 @@ def test_search_targets_count_only_where_a_sweep_searches(tmp_path):
                           evaluate=EvaluateConfig(recipes=recipes, min_top1=0.5))
         manifest = {"sweep_version": 2, "settings": old, "cells": {}}
         if counted:
-            with pytest.raises(sweep_mod.ConfigError, match=r"evaluate.min_top1 0.98 -> 0.5"):
+            with pytest.raises(sweep_mod.ConfigError, match=r"evaluate.min_top1 0.95 -> 0.5"):
                 sweep_mod.check_compatible(manifest, new, tmp_path)
         else:
             sweep_mod.check_compatible(manifest, new, tmp_path)

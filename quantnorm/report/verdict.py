@@ -3,7 +3,7 @@ why none passes and the command that would find one.
 
 The policy is the one the run was held to (``results["policy"]``: the accuracy thresholds of
 ``evaluate``'s flags; a run written before it was recorded falls back to its search's targets,
-then to the policy's defaults), judged by ``Policy.accuracy_failures``: the same test the search
+then to the defaults of that time, ``policy.UNRECORDED_POLICY``), judged by ``Policy.accuracy_failures``: the same test the search
 and ``quantnorm gate`` apply. Among the recipes that pass, the one to ship is the fastest on the
 CPU (p50 against FP32's at the largest batch measured), as the search's default pick is.
 """
@@ -15,7 +15,7 @@ from dataclasses import replace
 
 from .. import results as results_file
 from ..errors import QuantnormError
-from ..policy import DEFAULT_POLICY, Policy
+from ..policy import UNRECORDED_POLICY, Policy
 from ..results import STATUS_TRAINED, status_from_results
 from .markdown import pct
 
@@ -29,12 +29,12 @@ def run_policy(results: dict) -> tuple[Policy, str]:
     """The accuracy policy the run was held to, and where it was read from."""
     recorded = results_file.section(results, "policy")
     if isinstance(recorded, dict):
-        return replace(DEFAULT_POLICY, **{k: recorded.get(k) for k in _THRESHOLDS if k in recorded}), "the run's"
+        return replace(UNRECORDED_POLICY, **{k: recorded.get(k) for k in _THRESHOLDS if k in recorded}), "the run's"
     search = results_file.section(results, "search")
     if isinstance(search, dict) and any(t in search for t in _SEARCH_TARGETS.values()):
-        return replace(DEFAULT_POLICY, **{k: search.get(t) for k, t in _SEARCH_TARGETS.items() if t in search}), \
+        return replace(UNRECORDED_POLICY, **{k: search.get(t) for k, t in _SEARCH_TARGETS.items() if t in search}), \
             "the search's"
-    return DEFAULT_POLICY, "the default"
+    return UNRECORDED_POLICY, "the default"
 
 
 def _goals(policy: Policy) -> str:
@@ -87,6 +87,18 @@ def _no_pass(results: dict, scored: list, policy: Policy) -> list[str]:
     return lines
 
 
+def _recipe_choice(results: dict) -> list[str]:
+    """Why this run quantized with the recipes it did, when the probe chose them."""
+    choice = results_file.section(results, "recipe_choice")
+    if not choice or not choice.get("massive_total"):
+        return []
+    names = ", ".join(f"`{n}`" for n in choice.get("recipes") or ())
+    return [f"No `--recipes` named and the probe found {choice['massive_total']} massive activation(s) in the FP32 "
+            f"model ({choice.get('probe_windows')} windows), so this run quantized with the recipes that survive "
+            f"them ({names}) instead of the default set, whose per-tensor scales spend their 8 bits on those values.",
+            ""]
+
+
 def _encoder(results: dict, scored: list) -> list[str]:
     """An encoder is scored by embedding agreement, which the policy's language-model thresholds do
     not judge: the most faithful recipe, with its numbers, instead of a verdict."""
@@ -121,7 +133,7 @@ def verdict(results: dict) -> list[str]:
         return ["## Verdict", "", untrained, ""]
     policy, where = run_policy(results)
     scored = [r for r in results_file.recipes(results) if r.ok and r.accuracy]
-    L = ["## Verdict", "", f"Policy ({where}): {_goals(policy)}.", ""]
+    L = ["## Verdict", "", f"Policy ({where}): {_goals(policy)}.", ""] + _recipe_choice(results)
     if not scored:
         return L + ["**No INT8 model was scored in this run**: every recipe is broken or not applicable "
                     "(the recipe table says why).", ""]
