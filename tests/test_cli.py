@@ -45,14 +45,14 @@ def test_help_lists_commands(capsys):
 
 
 def test_recipes_lists_every_recipe_with_its_description(capsys):
-    from quantnorm.quantize import DEFAULT_RECIPES, RECIPES, with_exclusions
+    from quantnorm.quantize import DEFAULT_RECIPES, MASSIVE_DEFAULT_RECIPES, RECIPES, with_exclusions
 
     assert main(["recipes"]) == 0
     lines = capsys.readouterr().out.splitlines()
     by_name = {line[2:].split()[0]: line for line in lines[:-1]}
     assert list(by_name) == list(RECIPES)
     for name, line in by_name.items():
-        assert line.startswith("*" if name in DEFAULT_RECIPES else " ")
+        assert line.startswith("*" if name in DEFAULT_RECIPES else "m" if name in MASSIVE_DEFAULT_RECIPES else " ")
         description = line[2:].split(None, 1)[1]
         assert description == RECIPES[name].describe()
     # The description says what sets the recipes apart.

@@ -26,7 +26,7 @@ def evaluate_without_recipes(tmp_path: Path, massive) -> dict:
 
 
 def test_massive_activations_swap_in_the_recipes_that_survive_them(tmp_path):
-    results = evaluate_without_recipes(tmp_path, massive=(3, 3000.0))   # BOS carries 3000 in channel 3
+    results = evaluate_without_recipes(tmp_path, massive=(3, 300.0))   # BOS carries 300 in channel 3
     choice = results["recipe_choice"]
     assert choice["by"] == "probe" and choice["massive_total"] > 0
     assert choice["recipes"] == list(MASSIVE_DEFAULT_RECIPES) and choice["default_recipes"] == list(DEFAULT_RECIPES)
