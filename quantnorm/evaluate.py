@@ -107,7 +107,7 @@ def evaluate(source: ModelSource | RunDir, cfg: EvaluateConfig, *, command: str)
     out = ResultsBuilder(command, cfg.threads)
     out.section("policy", cfg.accuracy_thresholds())   # what the report's verdict judges by
     run = open_run(source, cfg, out, stage, stage_seconds)
-    if cfg.probe_picks_recipes and source.probe_options().get("causal", True):
+    if cfg.probe_picks_recipes:
         cfg = run.cfg = choose_recipes(run, out)
     quantize_recipes(run, out)
     run.fp32_session.close()   # the search opens its own; latency, the probe and the FP16 check read files
@@ -166,11 +166,12 @@ def choose_recipes(run: _Run, out: ResultsBuilder) -> EvaluateConfig:
     activations, the recipes that survive them (MASSIVE_DEFAULT_RECIPES) replace the default set,
     whose per-tensor scales the probe already says will spend their 8 bits on those values; the
     ``recipe_choice`` section records why, and the report's verdict says so. The probe is kept for
-    the ``outliers`` section (it is not run twice)."""
-    cfg = run.cfg
+    the ``outliers`` section (it is not run twice). An encoder keeps the default set."""
+    cfg, options = run.cfg, run.source.probe_options()
+    if not options.get("causal", True):
+        return cfg
     with run.stage("probe"):
-        run.probe = graph_probe(run.fp32_path, run.source.data.eval_inputs[: cfg.probe_windows],
-                                **run.source.probe_options())
+        run.probe = graph_probe(run.fp32_path, run.source.data.eval_inputs[: cfg.probe_windows], **options)
     massive = int(run.probe[0]["massive_total"])
     recipes = MASSIVE_DEFAULT_RECIPES if massive else cfg.recipes
     out.section("recipe_choice", {"by": "probe", "massive_total": massive, "probe_windows": cfg.probe_windows,
