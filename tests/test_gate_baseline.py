@@ -448,10 +448,23 @@ def twice(tmp_path_factory):
     return root / "main" / "results.json", root / "pr" / "results.json"
 
 
+# Two timings of a 0.1 ms model on a shared 2-core CI machine can differ by 50% beyond their own
+# p90 - p50 spread (seen in CI), so the default latency tolerance is a wall-clock assertion here.
+# These tests check that every latency row is judged; whether a slowdown fails is tested on
+# synthetic rows above, and here latency is allowed any slowdown.
+ANY_SLOWDOWN = ("latency=1e6",)
+
+
 def test_the_same_model_evaluated_twice_passes_latency_included(twice):
     base, cand = (json.loads(p.read_text()) for p in twice)
     assert base["created"] and base["latency"] != cand["latency"]   # measured twice, not copied
     verdict = compare_runs(base, cand, Policy(), str(twice[0]), str(twice[1]))
+    timed = ("latency", "decode")
+    assert not [c for c in verdict.changes if c.failed and not c.name.startswith(timed)], verdict.changes
+    lat = _latency(verdict)
+    assert {r for r, _ in lat} == {"fp32", *RECIPES} and all(c.verdict in (PASS, FAIL) for c in lat.values()), lat
+    tolerant = with_baseline_flags(Policy(), rel_tol=ANY_SLOWDOWN)
+    verdict = compare_runs(base, cand, tolerant, str(twice[0]), str(twice[1]))
     assert verdict.passed, [c for c in verdict.changes if c.failed]
     lat = _latency(verdict)
     assert {r for r, _ in lat} == {"fp32", *RECIPES} and all(c.verdict == PASS for c in lat.values()), lat
@@ -471,9 +484,10 @@ def test_the_same_model_evaluated_twice_passes_latency_included(twice):
 def test_the_cli_on_two_real_runs(twice, capsys):
     # the tiny model never leaves the unigram plateau: the policy's training check fails it, and the
     # first line says that and nothing else; without that check the candidate passes
-    code, out, _ = gate([twice[1], "--baseline", twice[0]], capsys)
+    code, out, _ = gate([twice[1], "--baseline", twice[0], "--rel-tol", *ANY_SLOWDOWN], capsys)
     assert code == 1 and out.splitlines()[0].startswith("## quantnorm gate: FAIL: train status: collapsed")
     assert f"### Against the baseline: `{twice[1]}` vs `{twice[0]}`: PASS" in out
-    report = run_baseline_gate(twice[1], twice[0], Policy(collapse_margin=None))
+    report = run_baseline_gate(twice[1], twice[0], with_baseline_flags(Policy(collapse_margin=None),
+                                                                      rel_tol=ANY_SLOWDOWN))
     assert report.passed and report.markdown().startswith("## quantnorm gate: PASS: 1 run(s) meet the policy; "
                                                           "no regression against the baseline")
