@@ -432,14 +432,33 @@ def _deepnorm_sweep(case: str) -> Sweep:
 
 
 @pytest.mark.parametrize("case, expected", [("holds", HOLDS), ("fails", DOES_NOT_HOLD), ("unclear", NOT_SIGNIFICANT),
-                                            ("untested", NOT_TESTED), ("collapsed", NOT_TESTED)])
+                                            ("untested", NOT_TESTED), ("collapsed", NOT_SIGNIFICANT)])
 def test_claim8_deepnorm(case, expected):
     f = verdict(_deepnorm_sweep(case), 8)
     assert f.verdict == expected
     if case == "untested":
         assert "deepnorm" in f.why
-    if case == "collapsed":   # two collapsed arms are not a comparison
-        assert "an arm did not train" in f.why and "deepnorm: 0 of 3 trained, 3 collapsed" in f.why
+    if case == "collapsed":   # both arms collapsed: as many seeds trained in each, a tested non-difference
+        assert "depth 8: deepnorm 0 of 3 trained, 3 collapsed" in f.lines[1]
+        assert f.tests[0].what == "seeds trained, deepnorm vs post" and f.tests[0].p == 1.0
+        assert "0 of 3 vs 0 of 3" in f.tests[0].line()
+
+
+@pytest.mark.parametrize("seeds, trained, expected, p", [
+    (3, ("deepnorm",), NOT_SIGNIFICANT, 0.1),      # 3 of 3 vs 0 of 3: Fisher's exact p = 0.1
+    (6, ("deepnorm",), HOLDS, 0.0022),              # 6 of 6 vs 0 of 6
+    (6, ("post",), DOES_NOT_HOLD, 0.0022),          # post trains, deepnorm collapses
+])
+def test_claim8_where_an_arm_collapsed_counts_the_seeds_that_trained(seeds, trained, expected, p):
+    cells = [cell(pl, "layer", seed=s, depth=d, bpb=3.0 + 0.01 * s,
+                  status=None if d == 4 or pl in trained else "collapsed")
+             for pl in ("post", "deepnorm") for s in range(seeds) for d in (4, 8)]
+    f = verdict(sweep(cells), 8)
+    assert f.verdict == expected, f.lines
+    (t,) = f.tests
+    assert t.what == "seeds trained, deepnorm vs post" and t.p == pytest.approx(p, abs=1e-4)
+    won, lost = (seeds, 0) if trained == ("deepnorm",) else (0, seeds)
+    assert f"{won} of {seeds} vs {lost} of {seeds}" in t.line() and "Fisher" in f.why
 
 
 # ----------------------------------------------------------------------------- claim 9: RMSNorm speed

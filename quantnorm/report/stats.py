@@ -361,6 +361,25 @@ def within_test(label: str, what: str, values: dict | Iterable, bound: float, *,
     return SubTest(label, what, est, _p_one_sided(est, bound if above else -bound, above), DOES_NOT_HOLD, "", fmt)
 
 
+def fraction_test(label: str, what: str, hits_a: int, n_a: int, hits_b: int, n_b: int, expected: int) -> SubTest:
+    """The claim says arm a's fraction of seeds with an outcome (e.g. trained) is above b's (expected
+    +1) or below (-1): Fisher's exact test, two-sided like the t-tests beside it (3 of 3 seeds
+    against 0 of 3: p = 0.1). The estimate is the difference of fractions, shown with the counts."""
+    counts = f"{hits_a} of {n_a} vs {hits_b} of {n_b}"
+    fmt = lambda e: f"{counts} ({e.mean * 100:+.0f} points)"  # noqa: E731
+    if n_a < 1 or n_b < 1:
+        return SubTest(label, what, Estimate(None, None, None, min(n_a, n_b)), None, None,
+                       "an arm has no cells", fmt)
+    diff = hits_a / n_a - hits_b / n_b
+    est = Estimate(diff, None, None, min(n_a, n_b))
+    if diff == 0:
+        return SubTest(label, what, est, 1.0, None, "", fmt)
+    table = [[hits_a, n_a - hits_a], [hits_b, n_b - hits_b]]
+    p = float(scipy_stats.fisher_exact(table, alternative="two-sided").pvalue)
+    direction = HOLDS if (diff > 0) == (expected > 0) else DOES_NOT_HOLD
+    return SubTest(label, what, est, p, direction, "", fmt)
+
+
 def variance_test(label: str, what: str, a: Iterable, b: Iterable, expected: int) -> SubTest:
     """The claim says a's seed-to-seed variance is below b's (expected -1) or above (+1): the F-test.
     The estimate is log(sd_a / sd_b) with its F-distribution interval."""
