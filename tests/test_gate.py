@@ -560,14 +560,13 @@ def test_diverged_or_unknown_status_fails(tmp_path, capsys):
     assert code == 1 and "missing:" in out
 
 
-def test_committed_plateau_cell_fails_from_its_data_ranges(capsys):
-    # written before training recorded its status: the baseline is derived from results.json's data
+def test_committed_plateau_cells_fail_on_their_training_status(capsys):
+    # a 400-step zoo cell at lr 3e-3 (Post-LN's collapse) and a 150-step reference cell
     from pathlib import Path
 
     reports = Path(__file__).resolve().parents[1] / "reports"
     code, out, _ = gate([reports / "zoo" / "cells" / "post-layer-L4-w30-seed0"], capsys)
     assert code == 1 and "collapsed: 4.694 bits/byte vs unigram 4.688" in out
-    # a reference cell records its status at training time: the gate reads the same verdict
     code, out, _ = gate([reports / "reference" / "cells" / "post-layer-L4-w30-lr0.003-seed0"], capsys)
     assert code == 1 and "collapsed: 4.691 bits/byte vs unigram 4.688" in out
 

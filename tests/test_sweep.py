@@ -495,15 +495,14 @@ def test_a_manifest_of_a_newer_version_is_refused(tmp_path, small_corpus, capsys
 
 @pytest.mark.parametrize("name", ["reference", "zoo"])
 def test_a_committed_sweep_is_compatible_with_its_recorded_commands(name, monkeypatch):
-    """reports/<name>/sweep.json (zoo: version 1, reference: version 2) would resume with each
-    command that grew it."""
+    """reports/<name>/sweep.json (version 2) would resume with each command that grew it."""
     import shlex
 
     from quantnorm import cli
 
     root = Path(__file__).resolve().parents[1] / "reports" / name
     manifest = json.loads((root / MANIFEST_FILE).read_text())
-    assert manifest["sweep_version"] == {"zoo": 1, "reference": 2}[name]
+    assert manifest["sweep_version"] == 2
     built = []
     monkeypatch.setattr(cli, "run_sweep", lambda cfg, out, **kw: built.append(cfg) or
                         sweep_mod.SweepOutcome(Path(out), [], None))
