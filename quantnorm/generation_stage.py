@@ -34,7 +34,7 @@ from .generation.agreement import agreement_prompts, fp32_continuation, generati
 from .generation.decode import DecodeSession, check_cache
 from .generation.speed import decode_lengths, decode_speed
 from .measure.sessions import TENSORRT, SessionSpec, normalize_provider
-from .quantize import PreprocessCache, quantize
+from .quantize import GPTQCodes, PreprocessCache, quantize
 from .runs import past_onnx_file
 
 CACHE_CHECK_WINDOWS = 4
@@ -44,10 +44,12 @@ TENSORRT_NOTE = ("not measured: the decode loop runs on the CPU and CUDA provide
 
 
 def generation_section(source, cfg, *, run_dir: Path, fp32_path: Path, recipes: dict, int8_paths: dict[str, Path],
-                       vnni: bool, stage: Callable) -> dict:
+                       vnni: bool, stage: Callable, gptq_codes: GPTQCodes | None = None) -> dict:
     """``results["generation"]``. ``recipes``: name -> the Recipe each ok recipe of the run was
     quantized with (the search's pick under its ``auto:`` name); ``int8_paths``: their
-    whole-window models (only their names are read: the with-past ones are quantized here)."""
+    whole-window models (only their names are read: the with-past ones are quantized here);
+    ``gptq_codes``: the GPTQ codes the whole-window recipes solved, read again here (same weights,
+    same calibration windows) instead of solving them a second time."""
     try:
         past = source.with_past(cfg)
     except ConfigError as exc:
@@ -75,7 +77,8 @@ def generation_section(source, cfg, *, run_dir: Path, fp32_path: Path, recipes: 
     # One pre-processing of each with-past FP32 model, and one calibration per method, shared by
     # the recipes (as the whole-window recipes share theirs): each is tens of seconds on Gemma 3.
     with stage("generation:quantize"), PreprocessCache() as preprocessed:
-        models += [_quantize_past(past.variants, name, recipe, fp32_past, data, cfg, run_dir, vnni, preprocessed)
+        models += [_quantize_past(past.variants, name, recipe, fp32_past, data, cfg, run_dir, vnni, preprocessed,
+                                  gptq_codes)
                    for name, recipe in recipes.items() if name in int8_paths]
     past.release()
     release_memory()
@@ -119,7 +122,7 @@ def _cache_check(path: Path, eval_inputs: np.ndarray, whole: Path | None, cfg) -
 
 
 def _quantize_past(variants, name: str, recipe, fp32_past: Path, data, cfg, run_dir: Path, vnni: bool,
-                   preprocessed: PreprocessCache) -> dict:
+                   preprocessed: PreprocessCache, gptq_codes: GPTQCodes | None) -> dict:
     """One recipe on the with-past graph: ``generation.models`` entry (without speed and agreement)."""
     started = time.perf_counter()
     try:
@@ -130,10 +133,14 @@ def _quantize_past(variants, name: str, recipe, fp32_past: Path, data, cfg, run_
         return {"name": name, "status": f"broken: {' '.join(str(exc).split())[:300]}"}
     # diagnostics off: the entry records no settings
     q = quantize(source_past, recipe, data.calib_inputs, run_dir / past_onnx_file(name), vnni=vnni,
-                 probe_inputs=data.eval_inputs[:2], diagnostics=False, preprocessed=preprocessed)
+                 probe_inputs=data.eval_inputs[:2], diagnostics=False, preprocessed=preprocessed,
+                 gptq_codes=gptq_codes)
     release_memory()
     entry: dict = {"name": name, "status": q.status, "quantized_from": source_past.name,
                    "seconds": round(time.perf_counter() - started, 2)}
+    if "gptq" in q.settings:
+        entry["gptq"] = {"matmuls": q.settings["gptq"]["matmuls"],
+                         "codes_reused": q.settings["gptq"].get("codes_reused", 0)}
     if q.status != "ok" or q.path is None:
         return {**entry, "problems": q.problems}
     # the same graph scored whole: the cache's exactness, apart from what the recipe itself changes

@@ -23,6 +23,7 @@ import os
 import shutil
 import tempfile
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,7 +40,16 @@ from ..measure.graph_probe import graph_probe
 from ..measure.placement import find_norms
 from ..measure.sessions import CPU
 from ..onnx_wire import model_with_weights_by_reference
-from ..transforms.gptq import ABS_HISTOGRAM_BINS, collect_activation_stats, matmul_inputs, mse_clip
+from ..transforms.gptq import (
+    ABS_HISTOGRAM_BINS,
+    GPTQCodes,
+    LazyHessians,
+    collect_activation_stats,
+    collect_hessians,
+    matmul_inputs,
+    mse_clip,
+    windows_digest,
+)
 from ..transforms.rotation import ONLINE_ROTATION_MARKER
 from .fp16 import convert_fp16
 from .ort_weights import ort_quantizes_weights_fast
@@ -122,7 +132,7 @@ class PreprocessCache:
 def quantize(fp32_path: Path, recipe: Recipe, calib_inputs: np.ndarray | None, out_path: Path, *,
              vnni: bool, probe_inputs: np.ndarray, calib_batch_size: int = DEFAULT_CALIB_BATCH,
              progress: bool = False, preprocessed: PreprocessCache | None = None,
-             diagnostics: bool = True) -> QuantizeResult:
+             diagnostics: bool = True, gptq_codes: GPTQCodes | None = None) -> QuantizeResult:
     """Quantize the FP32 model at ``fp32_path`` with ``recipe`` into ``out_path``.
 
     ``calib_inputs``: int64 windows [n, seq] from the calibration split (static recipes only;
@@ -130,7 +140,8 @@ def quantize(fp32_path: Path, recipe: Recipe, calib_inputs: np.ndarray | None, o
     ``probe_inputs``: windows the sanity check runs (any split; only finiteness is checked).
     ``preprocessed``: a cache shared by the recipes of one run (None: pre-process for this call).
     ``diagnostics``: False skips what a recipe measures beside its model (accuracy_level 4's
-    per-block inputs), for a caller that records none of it.
+    per-block inputs), for a caller that records none of it. ``gptq_codes``: the run's GPTQ codes,
+    read where this recipe's weights were already solved on the same windows, kept otherwise.
     """
     fp32_path, out_path = Path(fp32_path), Path(out_path)
     if not fp32_path.is_file():
@@ -161,11 +172,18 @@ def quantize(fp32_path: Path, recipe: Recipe, calib_inputs: np.ndarray | None, o
                 settings["activation_blocks"] = blocks
             problems = sanity_check(q_path, probe_inputs)
         elif recipe.mode == "pertoken":
-            hessians, scales = _pertoken_calibration(pre_path, recipe, to_quantize, normed, calib_inputs, settings)
+            hessians, scales = _pertoken_calibration(pre_path, recipe, to_quantize, normed, calib_inputs, settings,
+                                                     gptq_codes)
+            digest = hessians.digest if isinstance(hessians, LazyHessians) else None
             try:
                 settings.update(quantize_per_token(pre_path, q_path, to_quantize, reduce_range=settings["reduce_range"],
                                                    fused=recipe.pertoken_kernel == "ort-fused",
-                                                   hessians=hessians, calibrated_scales=scales))
+                                                   hessians=hessians, calibrated_scales=scales,
+                                                   gptq_codes=gptq_codes, calib_digest=digest))
+                if digest is not None:
+                    if hessians.rows is not None:
+                        gptq_codes.rows[digest] = hessians.rows
+                    settings["gptq_calibration_positions"] = gptq_codes.rows.get(digest)
                 del hessians
             except ValueError as exc:  # a graph the rewrite cannot take (too old an opset)
                 raise QuantizeError(f"recipe {recipe.name} cannot quantize {fp32_path.name}: {exc}") from exc
@@ -259,10 +277,13 @@ def _move(src: Path, dst: Path) -> None:
 
 
 def _pertoken_calibration(pre_path: Path, recipe: Recipe, to_quantize: list[str], normed: dict[str, tuple[str, int]],
-                          calib_inputs, settings: dict) -> tuple[dict | None, dict[str, float] | None]:
+                          calib_inputs, settings: dict, gptq_codes: GPTQCodes | None = None
+                          ) -> tuple[Mapping | None, dict[str, float] | None]:
     """What a per-token recipe reads from the calibration windows, in one pass of the FP32 graph:
     GPTQ's ``X^T X`` per MatMul input, and for the norm outputs in ``normed`` (calibrated recipes)
-    one scale each. Returns (hessians or None, scales or None); records both in ``settings``."""
+    one scale each. Returns (hessians or None, scales or None); records both in ``settings``.
+    With ``gptq_codes`` and no norm scales to calibrate, the hessians are :class:`LazyHessians`:
+    the pass runs only if a weight's codes are not already in ``gptq_codes``."""
     gptq = recipe.weight_rounding == "gptq"
     if recipe.norm_inputs == "calibrated" and not normed:
         settings["norm_input_scales"] = {"rule": "no quantized MatMul reads a norm output here: every "
@@ -273,6 +294,9 @@ def _pertoken_calibration(pre_path: Path, recipe: Recipe, to_quantize: list[str]
         raise ConfigError(f"recipe {recipe.name}: {'GPTQ rounding' if gptq else 'calibrated norm-input scales'}"
                           " needs calibration windows (got none)")
     tensors = sorted(set(matmul_inputs(pre_path, to_quantize).values())) if gptq else []
+    if gptq and not normed and gptq_codes is not None:
+        return LazyHessians(tensors, lambda: collect_hessians(pre_path, tensors, calib_inputs),
+                            windows_digest(calib_inputs)), None
     # A row of RMS 1 has no entry above sqrt(width): the histograms' range.
     bound = {x: float(np.sqrt(width)) for x, (_, width) in normed.items()}
     hessians, abs_stats, rows = collect_activation_stats(pre_path, calib_inputs, hessians_of=tensors,
