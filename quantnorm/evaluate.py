@@ -39,7 +39,7 @@ from .measure.placement import detect_placement
 from .measure.scoring import Scorer, search_scorer
 from .measure.sessions import CPU, ReopenableSession, ReplayedSession, SessionSpec, make_session
 from .measure.sqnr import sqnr_sections
-from .quantize import MASSIVE_DEFAULT_RECIPES, GPTQCodes, PreprocessCache, quantize
+from .quantize import MASSIVE_DEFAULT_RECIPES, PreprocessCache, quantize
 from .quantize.sanity import softmax_input_report
 from .report import write_report
 from .report.plots import plot_activation_heatmap
@@ -79,7 +79,6 @@ class _Run:
     accuracy: Callable
     transforms: Any
     preprocessed: PreprocessCache
-    gptq_codes: GPTQCodes = field(default_factory=GPTQCodes)   # solved once, read again by the with-past graphs
     fp32_sources: dict[str, Path] = field(default_factory=dict)  # recipe -> the FP32 model it quantized
     int8_paths: dict[str, Path] = field(default_factory=dict)
     recipes: dict[str, Any] = field(default_factory=dict)   # name -> the Recipe each ok model was made with
@@ -128,7 +127,7 @@ def evaluate(source: ModelSource | RunDir, cfg: EvaluateConfig, *, command: str)
     if cfg.generation:   # its own stages (generation:export, :quantize, :agreement, :decode) time it
         generation = generation_section(source, cfg, run_dir=run.run_dir, fp32_path=run.fp32_path,
                                         recipes=run.recipes, int8_paths=run.int8_paths, vnni=run.vnni, stage=stage,
-                                        gptq_codes=run.gptq_codes)
+                                        gptq_codes=run.preprocessed.gptq_codes)
         out.section("generation", generation)
     if cfg.engines:   # after generation: agreement continues its FP32 with-past graph
         out.section("engines", engines_section(source, cfg, run_dir=run.run_dir, fp32_path=run.fp32_path,
@@ -213,7 +212,7 @@ def quantize_recipe(run: _Run, recipe) -> dict:
     run.fp32_session.close()
     with run.stage(f"quantize:{name}"):
         q = quantize(quantized_from, recipe, data.calib_inputs, run.run_dir / int8_onnx_file(name), vnni=run.vnni,
-                     probe_inputs=data.eval_inputs[:2], preprocessed=run.preprocessed, gptq_codes=run.gptq_codes)
+                     probe_inputs=data.eval_inputs[:2], preprocessed=run.preprocessed)
     release_memory()  # the quantizer's model copies and calibration buffers
     entry: dict = {"name": name, "status": q.status, "settings": q.settings, "session": run.spec.to_dict()}
     softmax = softmax_input_report(q.path) if q.path is not None and q.path.is_file() else None

@@ -76,9 +76,9 @@ def generation_section(source, cfg, *, run_dir: Path, fp32_path: Path, recipes: 
                           f"{models[0]['cache_check']['nll_whole']:.6g} (relative tolerance {CACHE_TOLERANCE:g})")
     # One pre-processing of each with-past FP32 model, and one calibration per method, shared by
     # the recipes (as the whole-window recipes share theirs): each is tens of seconds on Gemma 3.
-    with stage("generation:quantize"), PreprocessCache() as preprocessed:
-        models += [_quantize_past(past.variants, name, recipe, fp32_past, data, cfg, run_dir, vnni, preprocessed,
-                                  gptq_codes)
+    # GPTQ codes come from the whole-window solve (the same weights on the same windows).
+    with stage("generation:quantize"), PreprocessCache(gptq_codes) as preprocessed:
+        models += [_quantize_past(past.variants, name, recipe, fp32_past, data, cfg, run_dir, vnni, preprocessed)
                    for name, recipe in recipes.items() if name in int8_paths]
     past.release()
     release_memory()
@@ -122,7 +122,7 @@ def _cache_check(path: Path, eval_inputs: np.ndarray, whole: Path | None, cfg) -
 
 
 def _quantize_past(variants, name: str, recipe, fp32_past: Path, data, cfg, run_dir: Path, vnni: bool,
-                   preprocessed: PreprocessCache, gptq_codes: GPTQCodes | None) -> dict:
+                   preprocessed: PreprocessCache) -> dict:
     """One recipe on the with-past graph: ``generation.models`` entry (without speed and agreement)."""
     started = time.perf_counter()
     try:
@@ -133,12 +133,11 @@ def _quantize_past(variants, name: str, recipe, fp32_past: Path, data, cfg, run_
         return {"name": name, "status": f"broken: {' '.join(str(exc).split())[:300]}"}
     # diagnostics off: the entry records no settings
     q = quantize(source_past, recipe, data.calib_inputs, run_dir / past_onnx_file(name), vnni=vnni,
-                 probe_inputs=data.eval_inputs[:2], diagnostics=False, preprocessed=preprocessed,
-                 gptq_codes=gptq_codes)
+                 probe_inputs=data.eval_inputs[:2], diagnostics=False, preprocessed=preprocessed)
     release_memory()
     entry: dict = {"name": name, "status": q.status, "quantized_from": source_past.name,
                    "seconds": round(time.perf_counter() - started, 2)}
-    if "gptq" in q.settings:
+    if "matmuls" in q.settings.get("gptq", {}):   # per-token GPTQ (weight-only GPTQ is solved on this graph)
         entry["gptq"] = {"matmuls": q.settings["gptq"]["matmuls"],
                          "codes_reused": q.settings["gptq"].get("codes_reused", 0)}
     if q.status != "ok" or q.path is None:
