@@ -172,6 +172,9 @@ def test_hugging_face_checkpoint_and_encoder(hf_run, hf_tiny, tmp_path):
     assert models["rotated-pertoken-fused"].entry["quantized_from"] == "model.fp32.rotated.past.onnx"
     # the search's pick, on the with-past graph under the file name of its whole-window model
     assert models["auto:rotated-pertoken-fused-gptq"].path == "model.int8.auto.past.onnx"
+    # its GPTQ codes were solved once, by the search's trial: the rotated with-past weights are the same bits
+    gptq = models["auto:rotated-pertoken-fused-gptq"].entry["gptq"]
+    assert gptq["codes_reused"] == gptq["matmuls"] > 0
     export = _results(out)["generation"]["export"]
     assert export["inputs"][:3] == ["input_ids", "attention_mask", "position_ids"]
     assert export["outputs"][1:3] == ["present.0.key", "present.0.value"]
