@@ -11,6 +11,8 @@ produces a broken model is recorded as broken, not skipped.
 
 from __future__ import annotations
 
+import math
+import numbers
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -124,7 +126,8 @@ def evaluate(source: ModelSource | RunDir, cfg: EvaluateConfig, *, command: str)
     generation = None
     if cfg.generation:   # its own stages (generation:export, :quantize, :agreement, :decode) time it
         generation = generation_section(source, cfg, run_dir=run.run_dir, fp32_path=run.fp32_path,
-                                        recipes=run.recipes, int8_paths=run.int8_paths, vnni=run.vnni, stage=stage)
+                                        recipes=run.recipes, int8_paths=run.int8_paths, vnni=run.vnni, stage=stage,
+                                        gptq_codes=run.preprocessed.gptq_codes)
         out.section("generation", generation)
     if cfg.engines:   # after generation: agreement continues its FP32 with-past graph
         out.section("engines", engines_section(source, cfg, run_dir=run.run_dir, fp32_path=run.fp32_path,
@@ -221,6 +224,13 @@ def quantize_recipe(run: _Run, recipe) -> dict:
         entry["size_bytes"] = q.path.stat().st_size
         with run.stage(f"accuracy:{name}"):
             acc = run.measure(q.path)
+        if any(isinstance(v, numbers.Real) and not math.isfinite(v) for v in acc.values()):
+            # NaN scores, or a perplexity past float64's range: no accuracy block can hold them
+            shown = {k: f"{float(acc[k]):.4g}" if isinstance(acc.get(k), numbers.Real) else "-"
+                     for k in ("ppl_int8", "ppl_fp32", "kld_mean")}
+            why = (f"broken: its scores are not finite (perplexity INT8 {shown['ppl_int8']}, FP32 {shown['ppl_fp32']}; "
+                   f"KL mean {shown['kld_mean']})")
+            return {**entry, "status": why, "problems": [*q.problems, why.removeprefix("broken: ")]}
         if q.status != "ok":  # broken although it runs: the damage, never a deployable accuracy
             entry["problems"] = q.problems
             entry["damage"] = acc

@@ -34,7 +34,7 @@ from .generation.agreement import agreement_prompts, fp32_continuation, generati
 from .generation.decode import DecodeSession, check_cache
 from .generation.speed import decode_lengths, decode_speed
 from .measure.sessions import TENSORRT, SessionSpec, normalize_provider
-from .quantize import PreprocessCache, quantize
+from .quantize import GPTQCodes, PreprocessCache, quantize
 from .runs import past_onnx_file
 
 CACHE_CHECK_WINDOWS = 4
@@ -44,10 +44,12 @@ TENSORRT_NOTE = ("not measured: the decode loop runs on the CPU and CUDA provide
 
 
 def generation_section(source, cfg, *, run_dir: Path, fp32_path: Path, recipes: dict, int8_paths: dict[str, Path],
-                       vnni: bool, stage: Callable) -> dict:
+                       vnni: bool, stage: Callable, gptq_codes: GPTQCodes | None = None) -> dict:
     """``results["generation"]``. ``recipes``: name -> the Recipe each ok recipe of the run was
     quantized with (the search's pick under its ``auto:`` name); ``int8_paths``: their
-    whole-window models (only their names are read: the with-past ones are quantized here)."""
+    whole-window models (only their names are read: the with-past ones are quantized here);
+    ``gptq_codes``: the GPTQ codes the whole-window recipes solved, read again here (same weights,
+    same calibration windows) instead of solving them a second time."""
     try:
         past = source.with_past(cfg)
     except ConfigError as exc:
@@ -74,7 +76,8 @@ def generation_section(source, cfg, *, run_dir: Path, fp32_path: Path, recipes: 
                           f"{models[0]['cache_check']['nll_whole']:.6g} (relative tolerance {CACHE_TOLERANCE:g})")
     # One pre-processing of each with-past FP32 model, and one calibration per method, shared by
     # the recipes (as the whole-window recipes share theirs): each is tens of seconds on Gemma 3.
-    with stage("generation:quantize"), PreprocessCache() as preprocessed:
+    # GPTQ codes come from the whole-window solve (the same weights on the same windows).
+    with stage("generation:quantize"), PreprocessCache(gptq_codes) as preprocessed:
         models += [_quantize_past(past.variants, name, recipe, fp32_past, data, cfg, run_dir, vnni, preprocessed)
                    for name, recipe in recipes.items() if name in int8_paths]
     past.release()
@@ -134,6 +137,9 @@ def _quantize_past(variants, name: str, recipe, fp32_past: Path, data, cfg, run_
     release_memory()
     entry: dict = {"name": name, "status": q.status, "quantized_from": source_past.name,
                    "seconds": round(time.perf_counter() - started, 2)}
+    if "matmuls" in q.settings.get("gptq", {}):   # per-token GPTQ (weight-only GPTQ is solved on this graph)
+        entry["gptq"] = {"matmuls": q.settings["gptq"]["matmuls"],
+                         "codes_reused": q.settings["gptq"].get("codes_reused", 0)}
     if q.status != "ok" or q.path is None:
         return {**entry, "problems": q.problems}
     # the same graph scored whole: the cache's exactness, apart from what the recipe itself changes

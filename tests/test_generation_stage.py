@@ -9,8 +9,10 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
+from onnx import numpy_helper
 
 from quantnorm.cli import main
 from quantnorm.export import write_onnx_dir
@@ -101,6 +103,21 @@ def test_zoo_every_recipe_generates_through_its_cache(zoo_run):
     assert "| `pertoken-fused-gptq` | 1 |" in report and (zoo_run / "plots" / "token_latency.png").is_file()
 
 
+def test_the_with_past_graph_reads_the_whole_window_gptq_codes(zoo_run):
+    """GPTQ is solved once: the with-past graph holds the same weights and is calibrated on the
+    same windows, so it reads the whole-window model's codes; the INT8 weights are the same bits."""
+    results = _results(zoo_run)
+    whole = next(r for r in results["recipes"] if r["name"] == "pertoken-fused-gptq")["settings"]["gptq"]
+    past = _check_models(results, ())["pertoken-fused-gptq"].entry["gptq"]
+    assert "codes_reused" not in whole and whole["matmuls"] == past["matmuls"] == past["codes_reused"] > 0
+
+    def codes(path):
+        return sorted(numpy_helper.to_array(i).tobytes() for i in onnx.load(str(path)).graph.initializer
+                      if i.name.endswith("W_quantized"))
+    assert codes(zoo_run / "model.int8.pertoken-fused-gptq.onnx") == \
+        codes(zoo_run / "model.int8.pertoken-fused-gptq.past.onnx")
+
+
 def test_a_whole_window_scored_through_an_empty_cache_is_the_whole_window(zoo_run):
     fp32, past = ort.InferenceSession(str(zoo_run / "model.fp32.onnx")), ort.InferenceSession(
         str(zoo_run / "model.fp32.past.onnx"))
@@ -155,6 +172,9 @@ def test_hugging_face_checkpoint_and_encoder(hf_run, hf_tiny, tmp_path):
     assert models["rotated-pertoken-fused"].entry["quantized_from"] == "model.fp32.rotated.past.onnx"
     # the search's pick, on the with-past graph under the file name of its whole-window model
     assert models["auto:rotated-pertoken-fused-gptq"].path == "model.int8.auto.past.onnx"
+    # its GPTQ codes were solved once, by the search's trial: the rotated with-past weights are the same bits
+    gptq = models["auto:rotated-pertoken-fused-gptq"].entry["gptq"]
+    assert gptq["codes_reused"] == gptq["matmuls"] > 0
     export = _results(out)["generation"]["export"]
     assert export["inputs"][:3] == ["input_ids", "attention_mask", "position_ids"]
     assert export["outputs"][1:3] == ["present.0.key", "present.0.value"]

@@ -67,3 +67,13 @@ def test_the_massive_set_is_in_the_registry():
     for name in MASSIVE_DEFAULT_RECIPES:
         get_recipe(name)
     assert not set(MASSIVE_DEFAULT_RECIPES) & set(DEFAULT_RECIPES)
+
+
+def test_scores_past_float64_are_a_broken_recipe_not_a_crash(tmp_path):
+    # 3000 on BOS drives the tiny model's NLL past exp's range (PPL inf) and its INT8 scores to NaN
+    gguf = write_tiny_llama_gguf(tmp_path / "Tiny-Llama.F32.gguf", massive=(3, 3000.0))
+    out = tmp_path / "run"
+    assert main(["evaluate", "--model", str(gguf), "--out", str(out), "--recipes", "dynamic,pertoken", *SMALL]) == 0
+    recipes = json.loads((out / "results.json").read_text())["recipes"]   # validated when read back
+    assert recipes and all(r["status"].startswith("broken: its scores are not finite") and "accuracy" not in r
+                           and "FP32 inf;" in r["status"] and r["problems"] for r in recipes), recipes

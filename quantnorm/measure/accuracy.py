@@ -187,8 +187,11 @@ def target_nll(logp: np.ndarray, targets: np.ndarray) -> np.ndarray:
 
 
 def ppl_result(nll_sum: float, count: int) -> PerplexityResult:
+    """PPL = exp(mean NLL): inf past float64's range (a mean NLL above 709 nats, a broken model's),
+    which the pipeline records as broken rather than failing on."""
     mean = nll_sum / count
-    return PerplexityResult(ppl=math.exp(mean), bits_per_byte=mean / math.log(2), mean_nll=mean, n_scored=count)
+    ppl = math.exp(mean) if mean < math.log(np.finfo(np.float64).max) else math.inf
+    return PerplexityResult(ppl=ppl, bits_per_byte=mean / math.log(2), mean_nll=mean, n_scored=count)
 
 
 # --- ONNX Runtime ---------------------------------------------------------------------------

@@ -9,12 +9,14 @@ See ``recipes.py`` for the table of recipes and the default set.
 
 from __future__ import annotations
 
+from ..transforms.gptq import GPTQCodes
 from .ort_backend import PreprocessCache, QuantizeResult, quantize, resolve_exclusions, weight_matmuls
 from .recipes import DEFAULT_RECIPES, MASSIVE_DEFAULT_RECIPES, OP_SCOPES, RECIPES, Recipe, get_recipe, with_exclusions
 from .sanity import sanity_check
 
 __all__ = [
     "DEFAULT_RECIPES",
+    "GPTQCodes",
     "MASSIVE_DEFAULT_RECIPES",
     "OP_SCOPES",
     "PreprocessCache",

@@ -23,6 +23,7 @@ import os
 import shutil
 import tempfile
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,7 +40,16 @@ from ..measure.graph_probe import graph_probe
 from ..measure.placement import find_norms
 from ..measure.sessions import CPU
 from ..onnx_wire import model_with_weights_by_reference
-from ..transforms.gptq import ABS_HISTOGRAM_BINS, collect_activation_stats, matmul_inputs, mse_clip
+from ..transforms.gptq import (
+    ABS_HISTOGRAM_BINS,
+    GPTQCodes,
+    LazyHessians,
+    collect_activation_stats,
+    collect_hessians,
+    matmul_inputs,
+    mse_clip,
+    windows_digest,
+)
 from ..transforms.rotation import ONLINE_ROTATION_MARKER
 from .fp16 import convert_fp16
 from .ort_weights import ort_quantizes_weights_fast
@@ -79,9 +89,12 @@ class PreprocessCache:
     """The pre-processed copy of each FP32 model, made once and shared by every recipe that
     quantizes it (the pre-processing of a 1 GB graph costs tens of seconds and a few GB of memory
     each time). The copies live in a temporary directory removed by ``close()`` (or the ``with``
-    block). A model file changed since its copy was made (size or mtime) is pre-processed again."""
+    block). A model file changed since its copy was made (size or mtime) is pre-processed again.
+    ``gptq_codes``: the GPTQ codes its recipes solve, shared the same way (pass another cache's
+    to share them across caches: the with-past graphs read the whole-window graphs' codes)."""
 
-    def __init__(self):
+    def __init__(self, gptq_codes: GPTQCodes | None = None):
+        self.gptq_codes = gptq_codes if gptq_codes is not None else GPTQCodes()
         self._tmp = tempfile.TemporaryDirectory(prefix="quantnorm-pre-")
         self._made: dict[tuple, Path] = {}
         self._ranges: dict[tuple, object] = {}
@@ -130,7 +143,8 @@ def quantize(fp32_path: Path, recipe: Recipe, calib_inputs: np.ndarray | None, o
     ``probe_inputs``: windows the sanity check runs (any split; only finiteness is checked).
     ``preprocessed``: a cache shared by the recipes of one run (None: pre-process for this call).
     ``diagnostics``: False skips what a recipe measures beside its model (accuracy_level 4's
-    per-block inputs), for a caller that records none of it.
+    per-block inputs), for a caller that records none of it. GPTQ codes already solved for the
+    same weights on the same windows are read from ``preprocessed.gptq_codes``, new ones kept there.
     """
     fp32_path, out_path = Path(fp32_path), Path(out_path)
     if not fp32_path.is_file():
@@ -161,14 +175,8 @@ def quantize(fp32_path: Path, recipe: Recipe, calib_inputs: np.ndarray | None, o
                 settings["activation_blocks"] = blocks
             problems = sanity_check(q_path, probe_inputs)
         elif recipe.mode == "pertoken":
-            hessians, scales = _pertoken_calibration(pre_path, recipe, to_quantize, normed, calib_inputs, settings)
-            try:
-                settings.update(quantize_per_token(pre_path, q_path, to_quantize, reduce_range=settings["reduce_range"],
-                                                   fused=recipe.pertoken_kernel == "ort-fused",
-                                                   hessians=hessians, calibrated_scales=scales))
-                del hessians
-            except ValueError as exc:  # a graph the rewrite cannot take (too old an opset)
-                raise QuantizeError(f"recipe {recipe.name} cannot quantize {fp32_path.name}: {exc}") from exc
+            settings.update(_quantize_pertoken(pre_path, q_path, recipe, to_quantize, normed, calib_inputs, settings,
+                                               cache.gptq_codes, fp32_path.name))
             problems = sanity_check(q_path, probe_inputs)
         else:
             problems, made = _static_quantize(pre_path, q_path, recipe, settings, calib_inputs, to_quantize,
@@ -258,11 +266,34 @@ def _move(src: Path, dst: Path) -> None:
         shutil.copyfile(src, dst)
 
 
+def _quantize_pertoken(pre_path: Path, q_path: Path, recipe: Recipe, to_quantize: list[str],
+                       normed: dict[str, tuple[str, int]], calib_inputs, settings: dict, gptq_codes: GPTQCodes,
+                       model_name: str) -> dict:
+    """The per-token rewrite of ``to_quantize`` into ``q_path``, calibrated as the recipe asks;
+    GPTQ codes already in ``gptq_codes`` (same weight, same windows) are read, not solved."""
+    hessians, scales = _pertoken_calibration(pre_path, recipe, to_quantize, normed, calib_inputs, settings, gptq_codes)
+    digest = windows_digest(calib_inputs) if hessians is not None else None
+    try:
+        done = quantize_per_token(pre_path, q_path, to_quantize, reduce_range=settings["reduce_range"],
+                                  fused=recipe.pertoken_kernel == "ort-fused", hessians=hessians,
+                                  calibrated_scales=scales, gptq_codes=gptq_codes, calib_digest=digest)
+    except ValueError as exc:  # a graph the rewrite cannot take (too old an opset)
+        raise QuantizeError(f"recipe {recipe.name} cannot quantize {model_name}: {exc}") from exc
+    if isinstance(hessians, LazyHessians):   # the pass ran only if a weight was solved here
+        if hessians.rows is not None:
+            gptq_codes.rows[digest] = hessians.rows
+        done["gptq_calibration_positions"] = gptq_codes.rows.get(digest)
+    return done
+
+
 def _pertoken_calibration(pre_path: Path, recipe: Recipe, to_quantize: list[str], normed: dict[str, tuple[str, int]],
-                          calib_inputs, settings: dict) -> tuple[dict | None, dict[str, float] | None]:
+                          calib_inputs, settings: dict, gptq_codes: GPTQCodes
+                          ) -> tuple[Mapping | None, dict[str, float] | None]:
     """What a per-token recipe reads from the calibration windows, in one pass of the FP32 graph:
     GPTQ's ``X^T X`` per MatMul input, and for the norm outputs in ``normed`` (calibrated recipes)
-    one scale each. Returns (hessians or None, scales or None); records both in ``settings``."""
+    one scale each. Returns (hessians or None, scales or None); records both in ``settings``.
+    With no norm scales to calibrate, the hessians are :class:`LazyHessians`: the pass runs only
+    if a weight's codes are not already in ``gptq_codes``."""
     gptq = recipe.weight_rounding == "gptq"
     if recipe.norm_inputs == "calibrated" and not normed:
         settings["norm_input_scales"] = {"rule": "no quantized MatMul reads a norm output here: every "
@@ -273,12 +304,15 @@ def _pertoken_calibration(pre_path: Path, recipe: Recipe, to_quantize: list[str]
         raise ConfigError(f"recipe {recipe.name}: {'GPTQ rounding' if gptq else 'calibrated norm-input scales'}"
                           " needs calibration windows (got none)")
     tensors = sorted(set(matmul_inputs(pre_path, to_quantize).values())) if gptq else []
+    if gptq and not normed:
+        return LazyHessians(tensors, lambda: collect_hessians(pre_path, tensors, calib_inputs),
+                            windows_digest(calib_inputs)), None
     # A row of RMS 1 has no entry above sqrt(width): the histograms' range.
     bound = {x: float(np.sqrt(width)) for x, (_, width) in normed.items()}
     hessians, abs_stats, rows = collect_activation_stats(pre_path, calib_inputs, hessians_of=tensors,
                                                          abs_max_of=sorted(normed), histogram_range=bound)
     if gptq:
-        settings["gptq_calibration_positions"] = rows
+        settings["gptq_calibration_positions"] = gptq_codes.rows[windows_digest(calib_inputs)] = rows
     if not normed:
         return hessians, None
     clips = {x: min(mse_clip(st["histogram"], bound[x], ACT_QMAX), st["max_abs"]) for x, st in abs_stats.items()}

@@ -22,6 +22,7 @@ int16 saturate otherwise (PITFALLS.md 2).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,7 +31,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from ..measure.fake_quant import ACT_QMAX, ACT_ZERO_POINT, EPS, fake_quantize_rows
-from ..transforms.gptq import BLOCK, DAMP, gptq_quantize, output_error
+from ..transforms.gptq import BLOCK, DAMP, GPTQCodes, gptq_quantize, output_error
 
 __all__ = ["ACT_QMAX", "ACT_ZERO_POINT", "EPS", "fake_quantize_rows", "quantize_per_token", "weight_scales"]
 
@@ -45,8 +46,9 @@ def weight_scales(weight: np.ndarray, qmax: int) -> tuple[np.ndarray, np.ndarray
 
 
 def quantize_per_token(src: Path, dst: Path, nodes: list[str], *, reduce_range: bool, fused: bool = False,
-                       hessians: dict[str, np.ndarray] | None = None,
-                       calibrated_scales: dict[str, float] | None = None) -> dict:
+                       hessians: Mapping[str, np.ndarray] | None = None,
+                       calibrated_scales: dict[str, float] | None = None,
+                       gptq_codes: GPTQCodes | None = None, calib_digest: str | None = None) -> dict:
     """Rewrite the MatMuls named in ``nodes`` of the model at ``src`` into per-token INT8; save to
     ``dst``. Returns what was done (for ``recipes[].settings``). ``fused``: ONNX Runtime's
     ``com.microsoft.MatMulIntegerToFloat`` instead of ``MatMulInteger`` + Cast + two Muls (same
@@ -54,11 +56,14 @@ def quantize_per_token(src: Path, dst: Path, nodes: list[str], *, reduce_range: 
     calibration windows; the weights that read one get GPTQ codes (``quantize.gptq``) instead of
     round-to-nearest, on the same grid. ``calibrated_scales``: activation tensor -> one scale for
     the whole tensor (calibrated offline); those inputs are quantized with it, same zero point
-    and code range, instead of per row, so the integer GEMM rescales by scalars inside the kernel."""
+    and code range, instead of per row, so the integer GEMM rescales by scalars inside the kernel.
+    ``gptq_codes`` with ``calib_digest`` (the calibration windows'): GPTQ codes this run already
+    solved for the same weight on the same windows are read there, new ones kept there."""
     model = onnx.load(str(src))
     rewrite = _Rewrite(opset=_default_opset(model), qmax=63 if reduce_range else 127, fused=fused,
                        hessians=hessians, calibrated=calibrated_scales or {},
-                       new_inits=list(_shared_constants(model.graph).values()))
+                       new_inits=list(_shared_constants(model.graph).values()),
+                       codes=gptq_codes if calib_digest is not None else None, calib_digest=calib_digest)
     initializers = {init.name: init for init in model.graph.initializer}
     wanted = set(nodes)
     for node in model.graph.node:
@@ -84,9 +89,12 @@ class _Rewrite:
     opset: int
     qmax: int
     fused: bool
-    hessians: dict[str, np.ndarray] | None
+    hessians: Mapping[str, np.ndarray] | None
     calibrated: dict[str, float]
     new_inits: list[onnx.TensorProto]
+    codes: GPTQCodes | None = None
+    calib_digest: str | None = None
+    reused: int = 0   # GPTQ codes read from ``codes`` instead of solved
     new_nodes: list[onnx.NodeProto] = field(default_factory=list)
     replaced: list[str] = field(default_factory=list)
     error_ratios: list[float] = field(default_factory=list)   # GPTQ: its X-weighted weight error / nearest's
@@ -113,10 +121,19 @@ class _Rewrite:
     def _weight_codes(self, x: str, weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         if self.hessians is None or x not in self.hessians:
             return weight_scales(weight, self.qmax)
-        w_q, s_w = gptq_quantize(weight, self.hessians[x], self.qmax)
-        nearest = weight_scales(weight, self.qmax)
-        self.error_ratios.append(output_error(weight, w_q, s_w, self.hessians[x]) /
-                                 max(output_error(weight, *nearest, self.hessians[x]), 1e-30))
+        key = GPTQCodes.key(weight, self.qmax, self.calib_digest) if self.codes is not None else None
+        known = self.codes.get(key) if key is not None else None
+        if known is not None:
+            w_q, s_w, ratio = known
+            self.reused += 1
+        else:
+            w_q, s_w = gptq_quantize(weight, self.hessians[x], self.qmax)
+            nearest = weight_scales(weight, self.qmax)
+            ratio = output_error(weight, w_q, s_w, self.hessians[x]) / \
+                max(output_error(weight, *nearest, self.hessians[x]), 1e-30)
+            if key is not None:
+                self.codes.put(key, w_q, s_w, ratio)
+        self.error_ratios.append(ratio)
         return w_q, s_w
 
     def _quantize_calibrated(self, x: str, t: str) -> None:
@@ -201,6 +218,9 @@ class _Rewrite:
             "matmuls": len(self.error_ratios), "damp": DAMP, "block": BLOCK,
             "output_error_vs_nearest_median": float(np.median(self.error_ratios)),
             "output_error_vs_nearest_max": float(np.max(self.error_ratios)),
+            **({"codes_reused": self.reused, "codes_reused_rule": "the codes this run solved for the same weight "
+                "on the same calibration windows (its whole-window graph): the same X^T X, not solved again"}
+               if self.reused else {}),
             "rule": "trace(dW^T H dW) with H = X^T X of the calibration activations, GPTQ over round-to-nearest"}}
         calibrated_inputs = sorted(x for x in self.calibrated if x in self.quantized_inputs)
         per_tensor = {} if not calibrated_inputs else {"calibrated_scale_inputs": calibrated_inputs}

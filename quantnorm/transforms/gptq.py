@@ -18,6 +18,8 @@ accumulators (GPTQ's own choice): 0.4-0.8 GB for SmolLM2 or Gemma 3 270M.
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -87,6 +89,63 @@ def collect_activation_stats(model_path: Path, windows: np.ndarray, *, hessians_
         rows += batch.shape[0] * batch.shape[1]
     del session
     return hessians, abs_stats, rows
+
+
+class LazyHessians(Mapping):
+    """``X^T X`` per input tensor, computed by one pass of the graph (``compute()`` -> (hessians,
+    rows)) only when a weight first asks for one: where every weight's codes are already known
+    (:class:`GPTQCodes`), the pass never runs. ``digest``: the calibration windows'."""
+
+    def __init__(self, tensors: list[str], compute: Callable[[], tuple[dict[str, np.ndarray], int]], digest: str):
+        self.tensors, self.digest, self._compute = list(tensors), digest, compute
+        self._hessians: dict[str, np.ndarray] | None = None
+        self.rows: int | None = None
+
+    def __getitem__(self, tensor: str) -> np.ndarray:
+        if self._hessians is None:
+            self._hessians, self.rows = self._compute()
+        return self._hessians[tensor]
+
+    def __iter__(self):
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def __contains__(self, tensor: object) -> bool:
+        return tensor in self.tensors
+
+
+def windows_digest(windows: np.ndarray) -> str:
+    windows = np.ascontiguousarray(windows, dtype=np.int64)
+    return hashlib.sha1(repr(windows.shape).encode() + windows.tobytes()).hexdigest()
+
+
+class GPTQCodes:
+    """GPTQ's codes of one run, by weight and calibration windows. A recipe's with-past graph holds
+    the same weights as its whole-window graph and is calibrated on the same windows (the cache
+    proof shows it computes the same activations), so it would solve the same ``X^T X`` again:
+    on SmolLM2 one pass of the graph over the calibration windows and 211 solves, 3 minutes. It
+    reads the codes here instead. The key is the weight's bytes and shape, the code range and the
+    windows' digest: a weight that differs in one bit, or other windows, is solved anew."""
+
+    def __init__(self):
+        self._codes: dict[tuple, tuple[np.ndarray, np.ndarray, float]] = {}
+        self.rows: dict[str, int] = {}   # windows digest -> the calibration positions summed
+        self.reused = 0
+
+    @staticmethod
+    def key(weight: np.ndarray, qmax: int, digest: str) -> tuple:
+        weight = np.ascontiguousarray(weight)
+        return hashlib.sha1(weight.tobytes()).hexdigest(), weight.shape, str(weight.dtype), int(qmax), digest
+
+    def get(self, key: tuple) -> tuple[np.ndarray, np.ndarray, float] | None:
+        found = self._codes.get(key)
+        self.reused += found is not None
+        return found
+
+    def put(self, key: tuple, codes: np.ndarray, scales: np.ndarray, error_ratio: float) -> None:
+        self._codes[key] = (codes, scales, error_ratio)
 
 
 def mse_clip(counts: np.ndarray, top: float, levels: int) -> float:
