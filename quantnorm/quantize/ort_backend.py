@@ -53,7 +53,7 @@ from ..transforms.gptq import (
 from ..transforms.rotation import ONLINE_ROTATION_MARKER
 from .fp16 import convert_fp16
 from .ort_weights import ort_quantizes_weights_fast
-from .pertoken import ACT_QMAX, ACT_ZERO_POINT, EPS, quantize_per_token
+from .pertoken import ACT_QMAX, ACT_ZERO_POINT, EPS, quantize_per_token, weight_qmax
 from .recipes import Recipe
 from .sanity import sanity_check
 from .weight_only import activation_blocks, quantize_weight_only
@@ -279,7 +279,7 @@ def _quantize_pertoken(pre_path: Path, q_path: Path, recipe: Recipe, to_quantize
                                   calibrated_scales=scales, gptq_codes=gptq_codes, calib_digest=digest)
     except ValueError as exc:  # a graph the rewrite cannot take (too old an opset)
         raise QuantizeError(f"recipe {recipe.name} cannot quantize {model_name}: {exc}") from exc
-    if isinstance(hessians, LazyHessians):   # the pass ran only if a weight was solved here
+    if isinstance(hessians, LazyHessians):   # the pass ran only if a weight's codes were not known
         if hessians.rows is not None:
             gptq_codes.rows[digest] = hessians.rows
         done["gptq_calibration_positions"] = gptq_codes.rows.get(digest)
@@ -305,8 +305,11 @@ def _pertoken_calibration(pre_path: Path, recipe: Recipe, to_quantize: list[str]
                           " needs calibration windows (got none)")
     tensors = sorted(set(matmul_inputs(pre_path, to_quantize).values())) if gptq else []
     if gptq and not normed:
-        return LazyHessians(tensors, lambda: collect_hessians(pre_path, tensors, calib_inputs),
-                            windows_digest(calib_inputs)), None
+        hessians = LazyHessians(tensors, lambda: collect_hessians(pre_path, tensors, calib_inputs))
+        if not gptq_codes.knows(pre_path, to_quantize, weight_qmax(settings["reduce_range"]),
+                                windows_digest(calib_inputs)):
+            hessians.load()   # now, before the rewrite loads the model: the graph pass and the model never share memory
+        return hessians, None
     # A row of RMS 1 has no entry above sqrt(width): the histograms' range.
     bound = {x: float(np.sqrt(width)) for x, (_, width) in normed.items()}
     hessians, abs_stats, rows = collect_activation_stats(pre_path, calib_inputs, hessians_of=tensors,

@@ -33,7 +33,8 @@ from onnx import TensorProto, helper, numpy_helper
 from ..measure.fake_quant import ACT_QMAX, ACT_ZERO_POINT, EPS, fake_quantize_rows
 from ..transforms.gptq import BLOCK, DAMP, GPTQCodes, gptq_quantize, output_error
 
-__all__ = ["ACT_QMAX", "ACT_ZERO_POINT", "EPS", "fake_quantize_rows", "quantize_per_token", "weight_scales"]
+__all__ = ["ACT_QMAX", "ACT_ZERO_POINT", "EPS", "fake_quantize_rows", "quantize_per_token", "weight_qmax",
+           "weight_scales"]
 
 
 def weight_scales(weight: np.ndarray, qmax: int) -> tuple[np.ndarray, np.ndarray]:
@@ -43,6 +44,11 @@ def weight_scales(weight: np.ndarray, qmax: int) -> tuple[np.ndarray, np.ndarray
     scale = np.where(amax > 0, amax / qmax, 1.0).astype(np.float32)
     q = np.clip(np.rint(weight / scale), -qmax, qmax).astype(np.int8)
     return q, scale
+
+
+def weight_qmax(reduce_range: bool) -> int:
+    """The weights' code range: 7 bits where u8 x s8 pairs summed in int16 would saturate (no VNNI)."""
+    return 63 if reduce_range else 127
 
 
 def quantize_per_token(src: Path, dst: Path, nodes: list[str], *, reduce_range: bool, fused: bool = False,
@@ -60,7 +66,7 @@ def quantize_per_token(src: Path, dst: Path, nodes: list[str], *, reduce_range: 
     ``gptq_codes`` with ``calib_digest`` (the calibration windows'): GPTQ codes this run already
     solved for the same weight on the same windows are read there, new ones kept there."""
     model = onnx.load(str(src))
-    rewrite = _Rewrite(opset=_default_opset(model), qmax=63 if reduce_range else 127, fused=fused,
+    rewrite = _Rewrite(opset=_default_opset(model), qmax=weight_qmax(reduce_range), fused=fused,
                        hessians=hessians, calibrated=calibrated_scales or {},
                        new_inits=list(_shared_constants(model.graph).values()),
                        codes=gptq_codes if calib_digest is not None else None, calib_digest=calib_digest)
