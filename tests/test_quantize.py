@@ -345,6 +345,29 @@ def test_a_shared_preprocess_cache_prepares_each_fp32_model_once_and_changes_not
         assert (tmp_path / f"a.{n}.onnx").read_bytes() == (tmp_path / f"s.{n}.onnx").read_bytes(), n
 
 
+def test_gptq_taken_a_slice_of_columns_at_a_time_gives_the_codes_and_error_of_the_whole(monkeypatch):
+    """A wide weight (Gemma 3's 262k-column head) is rounded and measured a slice of output columns
+    at a time, to bound memory: each column is rounded on its own, so the codes, the block codes
+    and the error are those of the whole weight taken at once (a slice that does not divide N too)."""
+    from quantnorm.transforms import gptq
+
+    rng = np.random.default_rng(7)
+    w = (rng.standard_normal((40, 50)) * 0.1).astype(np.float32)
+    x = rng.standard_normal((300, 40)).astype(np.float32) @ (np.eye(40) + 0.3 * rng.standard_normal((40, 40)))
+    h = (x.T @ x).astype(np.float32)
+    h[3, :] = h[:, 3] = 0.0   # an input that never fires: dropped in every slice
+    whole, scale = gptq.gptq_quantize(w, h, 127, block=16)
+    whole_blocks = gptq.gptq_block_codes(w, h, 4, 16)
+    whole_error = gptq.output_error(w, whole, scale, h)
+    monkeypatch.setattr(gptq, "COLUMN_SLICE", 7)
+    sliced, sliced_scale = gptq.gptq_quantize(w, h, 127, block=16)
+    assert np.array_equal(sliced, whole) and np.array_equal(sliced_scale, scale)
+    assert not np.array_equal(whole, gptq.gptq_quantize(w, np.eye(40, dtype=np.float32), 127, block=16)[0])
+    sliced_blocks = gptq.gptq_block_codes(w, h, 4, 16)
+    assert all(np.array_equal(a, b) for a, b in zip(sliced_blocks, whole_blocks, strict=True))
+    assert gptq.output_error(w, sliced, scale, h) == pytest.approx(whole_error, rel=1e-12)
+
+
 def test_gptq_rounding_lowers_the_weight_error_the_calibration_activations_see(tmp_path_factory, tmp_path):
     """pertoken-fused-gptq: the same grid and kernel as pertoken-fused, other codes; its X-weighted
     weight error is below round-to-nearest's for every MatMul, and so is its logit error."""

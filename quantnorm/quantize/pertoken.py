@@ -82,8 +82,12 @@ def quantize_per_token(src: Path, dst: Path, nodes: list[str], *, reduce_range: 
             continue
         rewrite.matmul(node, weight)
     rewrite.install(model)
-    onnx.checker.check_model(model)
+    initializers = weight = None   # the last FP32 weight read, let go before the save
+    rewrite.new_nodes.clear()   # the graph holds its own copies now
+    rewrite.new_inits.clear()
     onnx.save(model, str(dst))
+    del model   # checked from the file: an in-memory check would serialize one more copy of the model
+    onnx.checker.check_model(str(dst))
     return rewrite.settings()
 
 
