@@ -198,22 +198,43 @@ def _short(exc: BaseException) -> str:
     return (text[:300] + "...") if len(text) > 300 else text or type(exc).__name__
 
 
+class OutputGap:
+    """max |reference - other| per output, gathered a batch at a time (``add``), with each
+    output's max |reference|: a gate over many windows of a 262k vocabulary's logits never holds
+    them all. NaN (a broken model) propagates: it fails every gate."""
+
+    def __init__(self):
+        self.gaps: list[float] = []
+        self.scales: list[float] = []
+
+    def add(self, reference: list[np.ndarray], other: list[np.ndarray]) -> OutputGap:
+        if not self.gaps:
+            self.gaps, self.scales = [0.0] * len(reference), [0.0] * len(reference)
+        for i, (ref, got) in enumerate(zip(reference, other, strict=True)):
+            # float64 one leading slice at a time (a window's logits, not the batch); np.max over
+            # the list keeps a NaN
+            d = float(np.max([np.max(np.abs(r.astype(np.float64) - g.astype(np.float64)))
+                              for r, g in zip(np.atleast_1d(ref), np.atleast_1d(got), strict=True)]))
+            self.gaps[i] = d if not d <= self.gaps[i] else self.gaps[i]
+            self.scales[i] = max(self.scales[i], float(np.max(np.abs(ref))))
+        return self
+
+    def value(self, *, relative: bool = False) -> float:
+        """The largest gap over outputs; with ``relative`` each divided by ``max(1, max |reference|)``."""
+        worst = 0.0
+        for gap, scale in zip(self.gaps, self.scales, strict=True):
+            d = gap / max(1.0, scale) if relative else gap
+            if not d <= worst:
+                worst = d
+            if np.isnan(worst):
+                break
+        return worst
+
+
 def max_output_diff(reference: list[np.ndarray], other: list[np.ndarray], *, relative: bool = False) -> float:
     """max |reference - other| over matching outputs; with ``relative`` each output's is divided by
     ``max(1, max |reference|)``. NaN (a broken model) propagates: it fails every gate."""
-    worst = 0.0
-    for ref, got in zip(reference, other, strict=True):
-        # float64 one leading slice at a time (a window of a 262k vocabulary's logits, not the batch);
-        # np.max over the list keeps a NaN
-        d = float(np.max([np.max(np.abs(r.astype(np.float64) - g.astype(np.float64)))
-                          for r, g in zip(np.atleast_1d(ref), np.atleast_1d(got), strict=True)]))
-        if relative:
-            d /= max(1.0, float(np.max(np.abs(ref))))
-        if not d <= worst:
-            worst = d
-        if np.isnan(worst):
-            break
-    return worst
+    return OutputGap().add(reference, other).value(relative=relative)
 
 
 def export_matching_original(transformed, original, out_path: Path, parity_inputs: np.ndarray, *, what: str,
@@ -227,15 +248,20 @@ def export_matching_original(transformed, original, out_path: Path, parity_input
 
 
 def check_matches_original(original, out_path: Path, parity_inputs: np.ndarray, *, what: str, tolerance: float,
-                           relative: bool = True, batch_size: int = 8) -> float:
+                           relative: bool = True, batch_size: int = 2) -> float:
     """The second gate of every transformed export (smoothed, rotated; zoo model or checkpoint):
     the ONNX file's outputs against the *original* module's on ``parity_inputs`` (the INT8 model
     is judged against the original FP32 one). Returns the difference; a mismatch removes the file
     and raises ``ExportError``."""
     out_path = Path(out_path)
     parity_inputs = np.asarray(parity_inputs)
-    diff = max_output_diff(torch_outputs(original, parity_inputs),
-                           onnx_outputs(out_path, parity_inputs, batch_size=batch_size), relative=relative)
+    session = make_session(out_path, SessionSpec(threads=1))
+    gap = OutputGap()
+    for lo in range(0, len(parity_inputs), batch_size):   # both models' outputs a batch at a time
+        batch = parity_inputs[lo:lo + batch_size]
+        gap.add(torch_outputs(original, batch), onnx_outputs(out_path, batch, session=session))
+    del session
+    diff = gap.value(relative=relative)
     if not diff <= tolerance:
         out_path.unlink(missing_ok=True)
         rel = "relative " if relative else ""
