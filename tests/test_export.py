@@ -85,6 +85,21 @@ def test_parity_failure_raises_and_leaves_no_file(tmp_path):
     assert model.training, "export_onnx must restore the model's training mode"
 
 
+def test_an_exported_module_is_not_kept_alive_by_the_exporter(tmp_path):
+    """After the export returns and the caller lets the module go, its parameters are freed: the
+    dynamo exporter's rewrite rules kept the last graph they matched, whose initializers are the
+    module's own tensors (a whole checkpoint resident for the rest of a run)."""
+    import gc
+    import weakref
+
+    model = tiny_model("pre", "rms", 2)
+    weight = weakref.ref(model.lm_head.weight if hasattr(model, "lm_head") else next(model.parameters()))
+    export_onnx(model, tmp_path / "m.onnx", parity_ids())   # dynamo: its rewrite pass held the graph
+    del model
+    gc.collect()
+    assert weight() is None
+
+
 def test_bad_arguments():
     model = tiny_model("pre", "rms", 1)
     with pytest.raises(ConfigError, match="opset 16"):
