@@ -142,7 +142,8 @@ class HFSource:
         exported = export_hf_onnx(self.wrapper, fp32_path, self.data.eval_inputs[: cfg.parity_windows],
                                   outputs=self.outputs, max_positions=self.max_positions, opset=cfg.opset)
         # The recipes, the probe and the measurements read the ONNX graph: the torch weights (1 GB
-        # for Gemma 3 270M) are let go until a transform or the FP16 check needs them again.
+        # for Gemma 3 270M) are let go until a transform or the FP16 check needs them again (each
+        # lets them go again).
         self.release_weights()
         return exported.to_dict(self.run_dir)
 
@@ -151,6 +152,12 @@ class HFSource:
         if self.wrapper is not None:
             self.loaded.model.to("meta")
             self.wrapper = None
+
+    def reloaded_wrapper(self):
+        """The export wrapper with the checkpoint's own weights, reloaded (the ones held are let go:
+        a transform may have changed them in place)."""
+        self.release_weights()
+        return self.weights()[1]
 
     def weights(self):
         """(LoadedCheckpoint, export wrapper) with real weights: reloaded from the checkpoint
@@ -166,15 +173,23 @@ class HFSource:
         parity = self.data.eval_inputs[: cfg.parity_windows]
         shape = {"outputs": self.outputs, "max_positions": self.max_positions, "opset": cfg.opset}
 
+        # Each export lets the weights go again: the quantizer and the scoring that follow read the
+        # file, and reloading them for the next transform costs seconds.
         def smooth(alpha: float, path: Path):
             loaded, wrapper = self.weights()
-            return smooth_and_export(wrapper, fold_rules(loaded.spec), self.data.calib_inputs, parity, path,
-                                     alpha=alpha, **shape)
+            try:
+                return smooth_and_export(wrapper, fold_rules(loaded.spec), self.data.calib_inputs, parity, path,
+                                         alpha=alpha, **shape)
+            finally:
+                self.release_weights()
 
-        def rotate(recipe):
+        def rotate(recipe):   # in place: the original weights are reloaded for the second gate
             loaded, wrapper = self.weights()
-            return rotate_and_export(loaded, wrapper, parity, self.run_dir / rotated_onnx_file(recipe.rotation),
-                                     form=recipe.rotation, **shape)
+            try:
+                return rotate_and_export(loaded, wrapper, parity, self.run_dir / rotated_onnx_file(recipe.rotation),
+                                         form=recipe.rotation, reload_original=self.reloaded_wrapper, **shape)
+            finally:
+                self.release_weights()
         spec = self.loaded.spec   # the table row: a recipe without a fold rule is refused before any reload
         return FP32Variants(self.run_dir, smooth=smooth, rotate=rotate,
                             refuse=lambda recipe: missing_fold_rule(spec, recipe))
@@ -195,10 +210,13 @@ class HFSource:
             loaded, wrapper = self.weights()
             return export(smooth_by_rules(wrapper, fold_rules(loaded.spec), self.data.calib_inputs, alpha)[0], path)
 
-        def rotate(recipe):
+        def rotate(recipe):   # in place, then let go: the next use reloads the original weights
             loaded, wrapper = self.weights()
-            rotated, _ = rotated_copy(loaded, wrapper, recipe.rotation)
-            return export(rotated, self.run_dir / past_file(rotated_onnx_file(recipe.rotation)))
+            try:
+                rotated, _ = rotated_copy(loaded, wrapper, recipe.rotation, in_place=True)
+                return export(rotated, self.run_dir / past_file(rotated_onnx_file(recipe.rotation)))
+            finally:
+                self.release_weights()
         spec = self.loaded.spec
         return WithPastSource(export=lambda path: export(self.weights()[1], path),
                               variants=FP32Variants(self.run_dir, smooth=smooth, rotate=rotate, suffix=PAST_SUFFIX,

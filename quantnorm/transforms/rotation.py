@@ -159,12 +159,13 @@ class RotationPlan:
                 "layers": self.layers, "untied_head": self.untied_head, "folded_norms": len(self.folded_norms)}
 
 
-def rotate_wrapper(wrapper, spec, seed: int = 0):
-    """A rotated deep copy of ``wrapper`` (the CausalLMWrapper around a LLaMA-family model) and its plan."""
+def rotate_wrapper(wrapper, spec, seed: int = 0, *, in_place: bool = False):
+    """A rotated deep copy of ``wrapper`` (the CausalLMWrapper around a LLaMA-family model) and its
+    plan; ``in_place``: ``wrapper`` itself rotated (a caller that reloads the original)."""
     why = rotation_support(spec)
     if why is not None:
         raise ConfigError(f"rotation: {why}")
-    rotated = copy.deepcopy(wrapper)
+    rotated = wrapper if in_place else copy.deepcopy(wrapper)
     lm = rotated.model
     base = lm.base_model
     embed = base.embed_tokens
@@ -278,12 +279,13 @@ def online_plan(d_model: int, count: int, widths: set[str], layers: int, untied:
                         layers, untied)
 
 
-def rotate_linear_inputs(wrapper, spec=None):
+def rotate_linear_inputs(wrapper, spec=None, *, in_place: bool = False):
     """Form (b): every Linear's input rotated online, ``y = (x M)(W M)^T``, exact for any
     placement (nothing is folded, the residual stream is untouched). Each Linear of the model gets
     a two-step Hadamard ``M`` of its input width before it; a head tied to the embedding is untied
-    (only the head's copy is rotated). Costs ``a + b`` MACs per input element per Linear."""
-    rotated = copy.deepcopy(wrapper)
+    (only the head's copy is rotated). Costs ``a + b`` MACs per input element per Linear. A deep
+    copy, or with ``in_place`` ``wrapper`` itself."""
+    rotated = wrapper if in_place else copy.deepcopy(wrapper)
     lm = rotated.model
     # The output embedding wherever the model keeps it (``lm_head``, BERT's MLM decoder): rotating a
     # head that shares its weight with the token embedding would rotate the embedding too.
@@ -317,17 +319,27 @@ class RotatedExport:
                 "parity_rule": "max |delta| / max(1, max |original|) per output, max over outputs"}
 
 
-def rotated_copy(loaded, wrapper, form: str = "hadamard"):
-    """(rotated deep copy of a checkpoint's ``wrapper``, plan): form (a) "hadamard" or (b) "online"."""
-    return rotate_wrapper(wrapper, loaded.spec) if form == "hadamard" else rotate_linear_inputs(wrapper, loaded.spec)
+def rotated_copy(loaded, wrapper, form: str = "hadamard", *, in_place: bool = False):
+    """(rotated deep copy of a checkpoint's ``wrapper``, plan): form (a) "hadamard" or (b) "online";
+    ``in_place``: ``wrapper`` itself rotated, for a caller that reloads the original weights."""
+    if form == "hadamard":
+        return rotate_wrapper(wrapper, loaded.spec, in_place=in_place)
+    return rotate_linear_inputs(wrapper, loaded.spec, in_place=in_place)
 
 
 def rotate_and_export(loaded, wrapper, parity_inputs: np.ndarray, out_path: Path, *, outputs, max_positions,
-                      opset: int, tolerance: float = DEFAULT_PARITY_TOLERANCE, form: str = "hadamard") -> RotatedExport:
-    rotated, plan = rotated_copy(loaded, wrapper, form)
+                      opset: int, tolerance: float = DEFAULT_PARITY_TOLERANCE, form: str = "hadamard",
+                      reload_original=None) -> RotatedExport:
+    """The rotated export of a checkpoint's ``wrapper``, checked against its own module, then against
+    the original's outputs. ``reload_original``: a callable giving the original wrapper again (the
+    checkpoint reloaded); with it ``wrapper`` is rotated in place, so the export never holds the
+    original and its rotated copy at once (Gemma 3: 1.1 GB and 1.7 GB with its untied head)."""
+    rotated, plan = rotated_copy(loaded, wrapper, form, in_place=reload_original is not None)
     exported = export_module_onnx(rotated, out_path, parity_inputs, outputs=outputs, max_positions=max_positions,
                                   opset=opset)
-    del rotated   # the rotated copy (Gemma 3: 1.7 GB with its untied head) is not read by the second gate
+    del rotated   # the rotated module is not read by the second gate
+    if reload_original is not None:
+        wrapper = reload_original()
     release_memory()
     diff = check_matches_original(wrapper, out_path, parity_inputs, what="rotated", tolerance=tolerance)
     return RotatedExport(Path(out_path), plan, exported, diff)
