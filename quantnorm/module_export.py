@@ -159,6 +159,9 @@ def name_nodes_by_module(model: onnx.ModelProto, prefix: str) -> None:
                 node.name = new
 
 
+PARITY_BATCH = 2   # windows per run of both models in the parity gates: a 262k vocabulary's logits are 134 MB a window
+
+
 def _parity(wrapper, path: Path, inputs: np.ndarray, outputs, tolerance: float,
             opset: int) -> tuple[dict[str, float], list[list[int]]]:
     session = make_session(path, SessionSpec(threads=1))
@@ -169,26 +172,28 @@ def _parity(wrapper, path: Path, inputs: np.ndarray, outputs, tolerance: float,
     short = inputs[: max(1, min(3, len(inputs) - 1)), : max(3, seq // 2 + 1)]
     diffs = {name: 0.0 for name in outputs}
     shapes = []
-    for batch in (inputs, short):
-        shapes.append(list(batch.shape))
-        expected = torch_outputs(wrapper, batch)
-        try:
-            got = onnx_outputs(path, batch, session=session)
-        except Exception as exc:  # noqa: BLE001
-            raise ExportError(f"ONNX Runtime cannot run the exported model on input {list(batch.shape)} "
-                              f"(opset {opset}): {_short(exc)}") from exc
-        for name, e, g in zip(outputs, expected, got):
-            if e.shape != g.shape:
-                raise ExportError(f"ONNX output {name} has shape {g.shape}, PyTorch {e.shape}")
-            # float64 one window at a time: three float64 copies of a whole batch of a 262k vocabulary's
-            # logits are gigabytes (np.max of the list keeps a NaN: a broken export fails below)
-            diff = float(np.max([np.max(np.abs(gi.astype(np.float64) - ei.astype(np.float64)))
-                                 for gi, ei in zip(g, e)]))
-            limit = tolerance * max(1.0, float(np.max(np.abs(e))))
+    for windows in (inputs, short):
+        shapes.append(list(windows.shape))
+        gap = OutputGap()
+        for lo in range(0, len(windows), PARITY_BATCH):
+            batch = windows[lo:lo + PARITY_BATCH]
+            expected = torch_outputs(wrapper, batch)
+            try:
+                got = onnx_outputs(path, batch, session=session)
+            except Exception as exc:  # noqa: BLE001
+                raise ExportError(f"ONNX Runtime cannot run the exported model on input {list(batch.shape)} "
+                                  f"(opset {opset}): {_short(exc)}") from exc
+            for name, e, g in zip(outputs, expected, got):
+                if e.shape != g.shape:
+                    raise ExportError(f"ONNX output {name} has shape {g.shape}, PyTorch {e.shape}")
+            gap.add(expected, got)
+            del expected, got
+        for name, diff, scale in zip(outputs, gap.gaps, gap.scales):
+            limit = tolerance * max(1.0, scale)
             if not diff <= limit:  # also catches NaN
                 raise ExportError(f"ONNX export does not match PyTorch: output {name} max |delta| = {diff:.3g} > "
                                   f"{limit:.3g} (tolerance {tolerance:g} x max(1, max|ref|)) on input "
-                                  f"{list(batch.shape)}, opset {opset}; no file written")
+                                  f"{list(windows.shape)}, opset {opset}; no file written")
             diffs[name] = max(diffs[name], diff)
     return diffs, shapes
 
@@ -248,7 +253,7 @@ def export_matching_original(transformed, original, out_path: Path, parity_input
 
 
 def check_matches_original(original, out_path: Path, parity_inputs: np.ndarray, *, what: str, tolerance: float,
-                           relative: bool = True, batch_size: int = 2) -> float:
+                           relative: bool = True, batch_size: int = PARITY_BATCH) -> float:
     """The second gate of every transformed export (smoothed, rotated; zoo model or checkpoint):
     the ONNX file's outputs against the *original* module's on ``parity_inputs`` (the INT8 model
     is judged against the original FP32 one). Returns the difference; a mismatch removes the file
