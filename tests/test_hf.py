@@ -571,6 +571,46 @@ def test_search_on_an_mlm_encoder_scores_the_masked_positions(tiny, tmp_path, mo
     assert entry["accuracy"]["mlm"] and "cosine_mean" in entry["accuracy"]
 
 
+@pytest.mark.parametrize("recipe", ["rotated-pertoken-fused", "online-rotated-pertoken-fused"])
+def test_a_rotated_export_rotates_the_reloaded_weights_in_place_and_gates_on_the_original(tiny, tmp_path, monkeypatch,
+                                                                                          recipe):
+    """Rotation runs in place on the checkpoint's reloaded weights (no second copy of the model
+    during the export), so the second gate must be handed the original, reloaded: its weights are
+    the checkpoint's, not the rotated ones. After the transform the weights are let go, and the next
+    use reloads the checkpoint's own."""
+    import torch
+
+    import quantnorm.transforms.rotation as rotation
+    from quantnorm.quantize import get_recipe
+
+    source = HFSource(HFOptions(path=tiny["llama"], out_dir=tmp_path / "run"))
+    cfg = _cfg([recipe])
+    source.prepare(cfg)
+    original = {k: v.detach().clone() for k, v in source.loaded.model.state_dict().items()}
+    source.export(tmp_path / "run" / "model.fp32.onnx", cfg)
+    gated, exported = [], []
+    real_gate, real_export = rotation.check_matches_original, rotation.export_module_onnx
+
+    def gate(wrapper, *args, **kwargs):
+        gated.append({k: v.detach().clone() for k, v in wrapper.model.state_dict().items()})
+        return real_gate(wrapper, *args, **kwargs)
+
+    def export(wrapper, *args, **kwargs):
+        exported.append({k: v.detach().clone() for k, v in wrapper.model.state_dict().items()})
+        return real_export(wrapper, *args, **kwargs)
+
+    monkeypatch.setattr(rotation, "check_matches_original", gate)
+    monkeypatch.setattr(rotation, "export_module_onnx", export)
+    path = source.transforms(cfg).fp32_for(get_recipe(recipe), tmp_path / "run" / "model.fp32.onnx")
+    assert path.is_file() and len(gated) == len(exported) == 1
+    # the export saw rotated weights (the online form also renames the Linears it wraps)
+    assert any(k not in exported[0] or not torch.equal(exported[0][k], original[k]) for k in original)
+    assert all(torch.equal(gated[0][k], original[k]) for k in original)   # the gate saw the checkpoint's
+    assert source.wrapper is None and all(p.is_meta for p in source.loaded.model.parameters())
+    reloaded = source.weights()[0].model.state_dict()
+    assert all(torch.equal(reloaded[k], original[k]) for k in original)
+
+
 def test_the_source_lets_go_of_the_torch_weights_after_the_export_and_reloads_them(tiny, tmp_path):
     """The recipes read the ONNX graph: after the export the torch weights are on the meta device
     (their memory is freed) until a transform or the FP16 check asks for them again."""
