@@ -12,6 +12,7 @@ for MLM encoders; an encoder without an MLM head has no perplexity to target and
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -153,6 +154,15 @@ class HFSource:
             self.loaded.model.to("meta")
             self.wrapper = None
 
+    @contextmanager
+    def weights_for_one_export(self):
+        """``weights()`` for one transformed export, let go after it: the quantizer and the scoring
+        that follow read the file, and reloading for the next transform costs seconds."""
+        try:
+            yield self.weights()
+        finally:
+            self.release_weights()
+
     def reloaded_wrapper(self):
         """The export wrapper with the checkpoint's own weights, reloaded (the ones held are let go:
         a transform may have changed them in place)."""
@@ -173,23 +183,15 @@ class HFSource:
         parity = self.data.eval_inputs[: cfg.parity_windows]
         shape = {"outputs": self.outputs, "max_positions": self.max_positions, "opset": cfg.opset}
 
-        # Each export lets the weights go again: the quantizer and the scoring that follow read the
-        # file, and reloading them for the next transform costs seconds.
         def smooth(alpha: float, path: Path):
-            loaded, wrapper = self.weights()
-            try:
+            with self.weights_for_one_export() as (loaded, wrapper):
                 return smooth_and_export(wrapper, fold_rules(loaded.spec), self.data.calib_inputs, parity, path,
                                          alpha=alpha, **shape)
-            finally:
-                self.release_weights()
 
         def rotate(recipe):   # in place: the original weights are reloaded for the second gate
-            loaded, wrapper = self.weights()
-            try:
+            with self.weights_for_one_export() as (loaded, wrapper):
                 return rotate_and_export(loaded, wrapper, parity, self.run_dir / rotated_onnx_file(recipe.rotation),
                                          form=recipe.rotation, reload_original=self.reloaded_wrapper, **shape)
-            finally:
-                self.release_weights()
         spec = self.loaded.spec   # the table row: a recipe without a fold rule is refused before any reload
         return FP32Variants(self.run_dir, smooth=smooth, rotate=rotate,
                             refuse=lambda recipe: missing_fold_rule(spec, recipe))
@@ -210,13 +212,10 @@ class HFSource:
             loaded, wrapper = self.weights()
             return export(smooth_by_rules(wrapper, fold_rules(loaded.spec), self.data.calib_inputs, alpha)[0], path)
 
-        def rotate(recipe):   # in place, then let go: the next use reloads the original weights
-            loaded, wrapper = self.weights()
-            try:
+        def rotate(recipe):   # in place: the weights are let go after, so the next use reloads the original
+            with self.weights_for_one_export() as (loaded, wrapper):
                 rotated, _ = rotated_copy(loaded, wrapper, recipe.rotation, in_place=True)
                 return export(rotated, self.run_dir / past_file(rotated_onnx_file(recipe.rotation)))
-            finally:
-                self.release_weights()
         spec = self.loaded.spec
         return WithPastSource(export=lambda path: export(self.weights()[1], path),
                               variants=FP32Variants(self.run_dir, smooth=smooth, rotate=rotate, suffix=PAST_SUFFIX,

@@ -136,7 +136,6 @@ class GPTQCodes:
     def __init__(self):
         self._codes: dict[tuple, tuple[np.ndarray, np.ndarray, float]] = {}
         self.rows: dict[str, int] = {}   # windows digest -> the calibration positions summed
-        self.reused = 0
 
     @staticmethod
     def key(weight: np.ndarray, qmax: int, digest: str) -> tuple:
@@ -158,9 +157,7 @@ class GPTQCodes:
         return True
 
     def get(self, key: tuple) -> tuple[np.ndarray, np.ndarray, float] | None:
-        found = self._codes.get(key)
-        self.reused += found is not None
-        return found
+        return self._codes.get(key)
 
     def put(self, key: tuple, codes: np.ndarray, scales: np.ndarray, error_ratio: float) -> None:
         self._codes[key] = (codes, scales, error_ratio)
