@@ -86,10 +86,12 @@ def exported(tmp_path_factory):
 @pytest.mark.parametrize("placement", list(PLACEMENTS))
 def test_zoo_cache_proof_and_greedy_tokens(exported, placement):
     path, result, model = exported(placement)
-    assert set(result.max_abs_diff) == {"prompt", "decode 1", "decode 2"}
+    assert set(result.max_abs_diff) == {"prompt", "prompt, last position", "decode 1", "decode 2"}
     assert max(result.max_abs_diff.values()) <= 1e-4
     graph = onnx.load(str(path))
-    assert [i.name for i in graph.graph.input] == ["input_ids", "attention_mask", "position_ids", *past_names(2)]
+    assert [i.name for i in graph.graph.input] == ["input_ids", "attention_mask", "position_ids", *past_names(2),
+                                                    "logits_to_keep"]
+    assert result.keeps_logits and result.to_dict()["optional_inputs"] == ["logits_to_keep"]
     assert [o.name for o in graph.graph.output] == ["logits", *present_names(2)]
 
     check = check_cache(path, windows(3, 20, 257, seed=1), prefill=7)
@@ -116,6 +118,35 @@ def test_llama_through_transformers_cache(exported):
     with torch.no_grad():
         generated = model.generate(torch.from_numpy(prompts), generation_config=generation)
     np.testing.assert_array_equal(tokens, generated[:, 6:].numpy())
+
+
+@pytest.mark.parametrize("name", ["pre", "llama", "gemma2"])
+def test_a_prompt_step_can_run_the_head_on_its_last_position_only(exported, name):
+    """``logits_to_keep``: the head runs on the kept rows (a Slice in front of it), their logits
+    are the whole step's, the cache is the same, and a graph fed nothing keeps every position."""
+    path, result, _ = exported(name)
+    graph = onnx.load(str(path), load_external_data=False).graph
+    sliced = next(n for n in graph.node if n.name.endswith("/keep_logits/Slice"))
+    head = next(n for n in graph.node if sliced.output[0] in n.input)
+    assert head.op_type == "MatMul" and result.keeps_logits   # gemma2: its logit softcap comes after the head
+    vocab = 257 if name == "pre" else 300   # the zoo's byte vocabulary; test_hf's tiny configs
+    prompts = windows(2, 7, vocab, seed=3)
+    runner = DecodeSession(path)
+    runner.reset(2)
+    every = runner.step(prompts)
+    every_cache = runner.cache()
+    runner.reset(2)
+    last = runner.step(prompts, last_only=True)
+    assert every.shape[1] == 7 and last.shape == (2, 1, every.shape[2])
+    np.testing.assert_allclose(last, every[:, -1:], rtol=0, atol=1e-5)
+    for a, b in zip(runner.cache(), every_cache):
+        np.testing.assert_array_equal(a, b)
+    # fed 1 explicitly, the session computes one row: the graph's own output has one position
+    raw = runner.session.run(["logits"], {"input_ids": prompts, "attention_mask": np.ones((2, 7), np.int64),
+                                          "position_ids": np.tile(np.arange(7), (2, 1)),
+                                          "logits_to_keep": np.array([3]),
+                                          **dict(zip(past_names(result.n_layers), runner.layout.empty(2)))})[0]
+    np.testing.assert_allclose(raw, every[:, -3:], rtol=0, atol=1e-5)
 
 
 def test_the_check_scores_whole_windows_with_the_whole_window_graph_too(exported, tmp_path):

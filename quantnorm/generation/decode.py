@@ -6,7 +6,9 @@ The graph's interface is the one Optimum and ONNX Runtime GenAI use: inputs ``in
 last two optional: a graph without them is fed without them) and ``past_key_values.{i}.key`` /
 ``.value`` [batch, kv_heads, past, head_dim]; outputs ``logits`` [batch, seq, vocab] and
 ``present.{i}.key`` / ``.value`` [batch, kv_heads, past + seq, head_dim]. A prompt is a step
-after an empty past (length 0).
+after an empty past (length 0). Graphs quantnorm exports also take ``logits_to_keep`` ([1] int64,
+optional, default 0: every position): ``step(..., last_only=True)`` feeds 1 where the graph has it
+and slices the logits where it does not.
 
 The cache stays in ONNX Runtime between steps: ``DecodeSession`` binds each step's ``present``
 outputs as ORT-allocated values (I/O binding, which the CPU provider supports) and binds those
@@ -35,6 +37,11 @@ INPUT_IDS = "input_ids"
 ATTENTION_MASK = "attention_mask"
 POSITION_IDS = "position_ids"
 LOGITS = "logits"
+# An optional input (an initializer a feed may override): how many of the last positions get
+# logits; its default, 0, keeps every position. A prompt step that only needs the next token's
+# logits feeds 1, so the head runs on one row instead of the whole prompt (what llama.cpp and
+# transformers' ``logits_to_keep`` do): on a 262k-token vocabulary the head is most of a prefill.
+LOGITS_TO_KEEP = "logits_to_keep"
 MAX_LENGTH_KEY = "quantnorm.max_length"   # model metadata: the longest past + seq the graph is exact for
 _PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
 _ORT_FLOAT = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
@@ -122,6 +129,8 @@ class DecodeSession:
         # the cache stays where the provider computes it: host memory for the CPU, the GPU's for CUDA
         self.device = "cuda" if self.session.get_providers()[0] == CUDA else "cpu"
         self.feeds = {i.name for i in self.session.get_inputs()}
+        self.keeps_logits = LOGITS_TO_KEEP in self.feeds | {i.name for i in self.session.get_overridable_initializers()}
+        self._keep_one = ort.OrtValue.ortvalue_from_numpy(np.ones(1, np.int64))
         self.outputs = [LOGITS, *present_names(self.layout.n_layers)]
         vocab = next(o.shape[-1] for o in self.session.get_outputs() if o.name == LOGITS)
         self.vocab = vocab if isinstance(vocab, int) and vocab > 0 else 1
@@ -133,9 +142,9 @@ class DecodeSession:
         self.length = 0
         self.past = [ort.OrtValue.ortvalue_from_numpy(a) for a in self.layout.empty(batch)]
 
-    def step(self, input_ids: np.ndarray) -> np.ndarray:
+    def step(self, input_ids: np.ndarray, *, last_only: bool = False) -> np.ndarray:
         """Feed ``input_ids`` [batch, seq] after the cache, keep the present as the new cache;
-        return the logits [batch, seq, vocab] as numpy."""
+        return the logits [batch, seq, vocab] as numpy ([batch, 1, vocab] with ``last_only``)."""
         ids = np.ascontiguousarray(input_ids, dtype=np.int64)
         if ids.ndim != 2 or ids.shape[0] != self.batch or ids.shape[1] < 1:
             raise ConfigError(f"a step takes input_ids [{self.batch}, seq >= 1], got {list(ids.shape)}")
@@ -151,6 +160,8 @@ class DecodeSession:
         for name, array in host.items():
             if name in self.feeds:
                 binding.bind_cpu_input(name, array)
+        if last_only and self.keeps_logits:   # an overridable initializer: bind_cpu_input does not see it
+            binding.bind_ortvalue_input(LOGITS_TO_KEEP, self._keep_one)
         for name, value in zip(past_names(self.layout.n_layers), self.past):
             binding.bind_ortvalue_input(name, value)
         for name in self.outputs:
@@ -158,7 +169,8 @@ class DecodeSession:
         self.session.run_with_iobinding(binding)
         logits, *present = binding.get_outputs()
         self.past, self.length = present, total
-        return logits.numpy()
+        logits = logits.numpy()
+        return logits[:, -1:] if last_only and logits.shape[1] != 1 else logits
 
     def cache(self) -> list[np.ndarray]:
         """The cache as numpy arrays (a copy), in ``past_names`` order."""
@@ -186,7 +198,7 @@ def greedy_decode(model, prompts: np.ndarray, max_new_tokens: int, *, threads: i
         raise ConfigError(f"a {prompts.shape[1]}-token prompt and {max_new_tokens} new tokens exceed the model's "
                           f"{max_length} positions: use a shorter prompt or fewer new tokens")
     runner.reset(len(prompts))
-    logits = runner.step(prompts)
+    logits = runner.step(prompts, last_only=True)
     tokens = []
     while True:
         tokens.append(logits[:, -1].argmax(-1).astype(np.int64))

@@ -6,7 +6,8 @@ time with the cache kept in ONNX Runtime between steps (``DecodeSession``: I/O b
 is timed is the model, not copies of the cache. It is repeated ``rounds`` times after one
 warm-up generation; the row keeps the median over rounds:
 
-- ``prompt_tokens_per_s``: batch x prompt tokens / the prefill's wall time;
+- ``prompt_tokens_per_s``: batch x prompt tokens / the prefill's wall time (the prefill computes
+  the last position's logits only, where the graph takes ``logits_to_keep``, as llama.cpp does);
 - ``gen_tokens_per_s``: batch x timed steps / their summed wall time (llama-bench's "tg");
 - ``token_ms_p50`` / ``token_ms_p90``: percentiles of the per-step times (every step of every round);
 - ``per_position_ms``: the median time of the step at each position (the plot's line: the cache
@@ -76,7 +77,7 @@ def decode_lengths(max_length: int | None, prompt_tokens: int = DEFAULT_PROMPT_T
 def _one_generation(runner: DecodeSession, prompts: np.ndarray, new_tokens: int) -> tuple[float, list[float]]:
     runner.reset(len(prompts))
     start = time.perf_counter()
-    logits = runner.step(prompts)
+    logits = runner.step(prompts, last_only=True)   # the next token's logits only, as llama.cpp's prompt
     prompt_s = time.perf_counter() - start
     steps = []
     for _ in range(new_tokens - 1):   # the first new token comes from the prompt's logits

@@ -16,7 +16,8 @@ runs a prompt after a past of length 0 and one token after a past).
 Parity (an ``ExportError``, and no file left, when it fails): the graph on ONNX Runtime's CPU
 provider against the wrapper in PyTorch, each carrying its own cache: the prompt after an empty
 past, then ``decode_steps`` single tokens (the greedy tokens of PyTorch's logits, fed to both).
-Every step's logits and present keys/values must agree within ``tolerance * max(1, max |ref|)``.
+Every step's logits and present keys/values must agree within ``tolerance * max(1, max |ref|)``,
+and so must the prompt's last position run alone (``logits_to_keep`` = 1: ``add_logits_to_keep``).
 
 The graph records in its metadata the longest past + sequence it is exact for
 (``quantnorm.max_length``): the model's positions, and for a model with sliding-window layers
@@ -44,6 +45,7 @@ from .decode import (
     ATTENTION_MASK,
     INPUT_IDS,
     LOGITS,
+    LOGITS_TO_KEEP,
     MAX_LENGTH_KEY,
     POSITION_IDS,
     DecodeSession,
@@ -155,6 +157,7 @@ class WithPastExportResult:
     tolerance: float                     # relative: max|delta| <= tolerance * max(1, max|ref|)
     max_abs_diff: dict[str, float]       # per step ("prompt", "decode 1", ...): the worst output
     prompt_shape: list[int] = field(default_factory=list)
+    keeps_logits: bool = False           # the graph takes ``logits_to_keep`` (add_logits_to_keep)
 
     def to_dict(self, run_dir: Path | None = None) -> dict:
         path = Path(self.path)
@@ -166,6 +169,7 @@ class WithPastExportResult:
                 "tolerance_rule": "max |delta| <= tolerance * max(1, max |reference|) per output and step",
                 "max_abs_diff": dict(self.max_abs_diff), "prompt_shape": list(self.prompt_shape),
                 "inputs": [INPUT_IDS, ATTENTION_MASK, POSITION_IDS, *past_names(self.n_layers)],
+                "optional_inputs": [LOGITS_TO_KEEP] if self.keeps_logits else [],
                 "outputs": [LOGITS, *present_names(self.n_layers)]}
 
 
@@ -186,12 +190,13 @@ def export_with_past(wrapper, out_path: Path, prompts: np.ndarray, *, opset: int
     try:
         with atomic_path(out_path, suffix=".onnx") as tmp:
             _export_once(wrapper, tmp, prompts, opset)
-            finish_onnx_file(tmp, lambda m: _finish_graph(m, wrapper), out_path)
+            keeps_logits = []
+            finish_onnx_file(tmp, lambda m: keeps_logits.append(_finish_graph(m, wrapper)), out_path)
             diffs = _parity(wrapper, tmp, prompts, decode_steps, tolerance, opset)
     finally:
         wrapper.train(was_training)
     return WithPastExportResult(out_path, opset, wrapper.n_layers, wrapper.kv_heads, wrapper.head_dim,
-                                wrapper.max_length, tolerance, diffs, list(prompts.shape))
+                                wrapper.max_length, tolerance, diffs, list(prompts.shape), keeps_logits[0])
 
 
 def _check_prompts(prompts: np.ndarray, wrapper, decode_steps: int) -> np.ndarray:
@@ -251,10 +256,12 @@ def _export_once(wrapper, tmp: Path, prompts: np.ndarray, opset: int) -> None:
                               + (f" (exporter said: {' | '.join(tail)})" if tail else "")) from exc
 
 
-def _finish_graph(model: onnx.ModelProto, wrapper) -> None:
+def _finish_graph(model: onnx.ModelProto, wrapper) -> bool:
     """Nodes named after their modules, the cache's length axes named ``past + seq`` (the exporter
-    writes its own expressions), and the stated maximum length in the metadata."""
+    writes its own expressions), the ``logits_to_keep`` input, and the stated maximum length in
+    the metadata."""
     name_nodes_by_module(model, wrapper.node_prefix)
+    keeps_logits = add_logits_to_keep(model)
     for value in model.graph.input:
         if value.name == ATTENTION_MASK:
             value.type.tensor_type.shape.dim[1].dim_param = "past + seq"
@@ -263,6 +270,61 @@ def _finish_graph(model: onnx.ModelProto, wrapper) -> None:
             value.type.tensor_type.shape.dim[2].dim_param = "past + seq"
     if wrapper.max_length is not None:
         onnx.helper.set_model_props(model, {MAX_LENGTH_KEY: str(wrapper.max_length)})
+    return keeps_logits
+
+
+_HEAD_OPS = {"MatMul", "Gemm"}
+_INT64_MAX = np.iinfo(np.int64).max
+
+
+def _constant_inputs(graph: onnx.GraphProto) -> set[str]:
+    """Names of tensors that hold the same value on every run: initializers, and the outputs of
+    nodes that read only those (a tied head's ``Transpose`` of the embedding)."""
+    constant = {t.name for t in graph.initializer} - {i.name for i in graph.input}
+    for node in graph.node:   # topological order: a node's inputs come before it
+        if node.op_type == "Constant" or (node.input and all(not i or i in constant for i in node.input)):
+            constant.update(node.output)
+    return constant
+
+
+def add_logits_to_keep(model: onnx.ModelProto) -> bool:
+    """Give the graph the optional ``logits_to_keep`` input (decode.py): a ``Slice`` of the last
+    ``logits_to_keep`` positions of the head's input, so a prompt step that needs one position's
+    logits runs the head on one row. The head is the first MatMul (or Gemm) with a constant weight
+    met walking back from ``logits`` through nodes with one varying input. Positions are
+    independent from there on, so the kept rows' logits are the whole step's. A graph where no
+    such head is found (or that has the input already) is left as it is: False."""
+    graph = model.graph
+    if any(i.name == LOGITS_TO_KEEP for i in graph.input):
+        return False
+    producer = {out: node for node in graph.node for out in node.output}
+    constant = _constant_inputs(graph)
+    node = producer.get(LOGITS)
+    while node is not None and node.op_type not in _HEAD_OPS:
+        varying = [i for i in node.input if i and i not in constant]
+        node = producer.get(varying[0]) if len(varying) == 1 else None
+    if node is None or len(node.input) < 2 or node.input[0] in constant or node.input[1] not in constant:
+        return False
+    hidden = node.input[0]
+    kept = f"{hidden}/last_positions"
+    prefix = f"{node.name or 'head'}/keep_logits"
+    graph.initializer.extend([
+        onnx.numpy_helper.from_array(np.zeros(1, np.int64), LOGITS_TO_KEEP),
+        onnx.numpy_helper.from_array(np.array([_INT64_MAX], np.int64), f"{prefix}/ends"),
+        onnx.numpy_helper.from_array(np.ones(1, np.int64), f"{prefix}/axes")])
+    graph.input.append(onnx.helper.make_tensor_value_info(LOGITS_TO_KEEP, onnx.TensorProto.INT64, [1]))
+    slice_nodes = [
+        onnx.helper.make_node("Neg", [LOGITS_TO_KEEP], [f"{prefix}/starts"], name=f"{prefix}/Neg"),
+        onnx.helper.make_node("Slice", [hidden, f"{prefix}/starts", f"{prefix}/ends", f"{prefix}/axes"], [kept],
+                              name=f"{prefix}/Slice")]
+    node.input[0] = kept
+    at = list(graph.node).index(node)
+    for offset, new in enumerate(slice_nodes):
+        graph.node.insert(at + offset, new)
+    for value in graph.output:
+        if value.name == LOGITS:
+            value.type.tensor_type.shape.dim[1].dim_param = "kept positions"
+    return True
 
 
 def torch_step(wrapper, ids: np.ndarray, past: list | None) -> tuple[np.ndarray, list]:
@@ -292,11 +354,17 @@ def _parity(wrapper, path: Path, prompts: np.ndarray, decode_steps: int, toleran
         expected, past = torch_step(wrapper, ids, past)
         try:
             got = [runner.step(ids), *runner.cache()]
+            if step == 0:   # the prompt again as generation runs it: the last position's logits only
+                runner.reset(len(prompts))
+                last = runner.step(ids, last_only=True)
         except Exception as exc:  # noqa: BLE001
             raise ExportError(f"ONNX Runtime cannot run the with-past export at the {name} step (opset {opset}): "
                               f"{' '.join(str(exc).split())[:300]}") from exc
         reference = [expected, *[t.float().cpu().numpy() for t in past]]
         diffs[name] = _worst_diff(reference, got, name, tolerance, opset, wrapper.n_layers)
+        if step == 0:
+            diffs["prompt, last position"] = _worst_diff([expected[:, -1:]], [last], "prompt (last position only)",
+                                                         tolerance, opset, 0)
         ids = np.ascontiguousarray(expected[:, -1].argmax(-1)[:, None], dtype=np.int64)
     return diffs
 
