@@ -149,6 +149,30 @@ def test_a_prompt_step_can_run_the_head_on_its_last_position_only(exported, name
     np.testing.assert_allclose(raw, every[:, -3:], rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["llama", "gemma2"])
+def test_grouped_query_attention_reads_the_cache_without_repeating_it(exported, name):
+    """4 query heads on 2 key/value heads: the exported repeat_kv copies (Unsqueeze, Expand,
+    Reshape) are gone, each layer's two attention matmuls read the cache as it is, and the
+    export's parity gate (step by step against PyTorch) held; gemma2 has sliding layers too."""
+    path, result, _ = exported(name)
+    graph = onnx.load(str(path)).graph
+    assert not [n.name for n in graph.node if n.op_type == "Expand" and "self_attn" in n.name]
+    assert len([n for n in graph.node if n.name.endswith("/Grouped")]) == 2 * result.n_layers
+    assert max(result.max_abs_diff.values()) <= 1e-4
+
+
+def test_a_wrong_head_grouping_fails_the_export(monkeypatch, tmp_path):
+    """The parity gate catches a pass that groups the heads wrongly (here: as one key head)."""
+    from quantnorm.generation import with_past
+
+    real = with_past.attend_without_repeating_kv
+    monkeypatch.setattr(with_past, "attend_without_repeating_kv",
+                        lambda model, heads, kv_heads, head_dim: real(model, heads, 1, head_dim))
+    with pytest.raises(ExportError):
+        export_with_past(HFWithPast(hf_model("llama")), tmp_path / "wrong.onnx", windows(2, 6, 300))
+    assert not list(tmp_path.iterdir())
+
+
 def test_the_check_scores_whole_windows_with_the_whole_window_graph_too(exported, tmp_path):
     path, _, model = exported("pre")
     ids = windows(3, 20, 257, seed=1)

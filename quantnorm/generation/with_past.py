@@ -52,6 +52,7 @@ from .decode import (
     past_names,
     present_names,
 )
+from .graph_passes import add_logits_to_keep, attend_without_repeating_kv
 
 DEFAULT_OPSET = 18
 DEFAULT_TOLERANCE = 1e-4
@@ -72,6 +73,7 @@ class ZooWithPast(nn.Module):
         cfg = model.cfg
         self.model = model
         self.n_layers, self.kv_heads, self.head_dim = cfg.n_layers, cfg.n_heads, cfg.d_model // cfg.n_heads
+        self.heads = cfg.n_heads
         self.max_length = cfg.context
         self.vocab_size = cfg.vocab_size
 
@@ -114,6 +116,7 @@ class HFWithPast(nn.Module):
                               f"takes plain and sliding-window attention caches only")
         keys = probe.layers[0].keys
         self.n_layers, self.kv_heads, self.head_dim = len(probe.layers), keys.shape[1], keys.shape[3]
+        self.heads = getattr(config, "num_attention_heads", None) or self.kv_heads   # query heads
         windows = [layer.sliding_window for layer in probe.layers if getattr(layer, "is_sliding", False)]
         positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
         limits = [n for n in [positions, *(w - 1 for w in windows)] if n]
@@ -258,10 +261,12 @@ def _export_once(wrapper, tmp: Path, prompts: np.ndarray, opset: int) -> None:
 
 def _finish_graph(model: onnx.ModelProto, wrapper) -> bool:
     """Nodes named after their modules, the cache's length axes named ``past + seq`` (the exporter
-    writes its own expressions), the ``logits_to_keep`` input, and the stated maximum length in
-    the metadata."""
+    writes its own expressions), the graph passes (graph_passes.py: the ``logits_to_keep`` input,
+    attention that reads the cache without repeating it), and the stated maximum length in the
+    metadata. True when the graph takes ``logits_to_keep``."""
     name_nodes_by_module(model, wrapper.node_prefix)
     keeps_logits = add_logits_to_keep(model)
+    attend_without_repeating_kv(model, wrapper.heads, wrapper.kv_heads, wrapper.head_dim)
     for value in model.graph.input:
         if value.name == ATTENTION_MASK:
             value.type.tensor_type.shape.dim[1].dim_param = "past + seq"
@@ -271,60 +276,6 @@ def _finish_graph(model: onnx.ModelProto, wrapper) -> bool:
     if wrapper.max_length is not None:
         onnx.helper.set_model_props(model, {MAX_LENGTH_KEY: str(wrapper.max_length)})
     return keeps_logits
-
-
-_HEAD_OPS = {"MatMul", "Gemm"}
-_INT64_MAX = np.iinfo(np.int64).max
-
-
-def _constant_inputs(graph: onnx.GraphProto) -> set[str]:
-    """Names of tensors that hold the same value on every run: initializers, and the outputs of
-    nodes that read only those (a tied head's ``Transpose`` of the embedding)."""
-    constant = {t.name for t in graph.initializer} - {i.name for i in graph.input}
-    for node in graph.node:   # topological order: a node's inputs come before it
-        if node.op_type == "Constant" or (node.input and all(not i or i in constant for i in node.input)):
-            constant.update(node.output)
-    return constant
-
-
-def add_logits_to_keep(model: onnx.ModelProto) -> bool:
-    """Give the graph the optional ``logits_to_keep`` input (decode.py): a ``Slice`` of the last
-    ``logits_to_keep`` positions of the head's input, so a prompt step that needs one position's
-    logits runs the head on one row. The head is the first MatMul (or Gemm) with a constant weight
-    met walking back from ``logits`` through nodes with one varying input. Positions are
-    independent from there on, so the kept rows' logits are the whole step's. A graph where no
-    such head is found (or that has the input already) is left as it is: False."""
-    graph = model.graph
-    if any(i.name == LOGITS_TO_KEEP for i in graph.input):
-        return False
-    producer = {out: node for node in graph.node for out in node.output}
-    constant = _constant_inputs(graph)
-    node = producer.get(LOGITS)
-    while node is not None and node.op_type not in _HEAD_OPS:
-        varying = [i for i in node.input if i and i not in constant]
-        node = producer.get(varying[0]) if len(varying) == 1 else None
-    if node is None or len(node.input) < 2 or node.input[0] in constant or node.input[1] not in constant:
-        return False
-    hidden = node.input[0]
-    kept = f"{hidden}/last_positions"
-    prefix = f"{node.name or 'head'}/keep_logits"
-    graph.initializer.extend([
-        onnx.numpy_helper.from_array(np.zeros(1, np.int64), LOGITS_TO_KEEP),
-        onnx.numpy_helper.from_array(np.array([_INT64_MAX], np.int64), f"{prefix}/ends"),
-        onnx.numpy_helper.from_array(np.ones(1, np.int64), f"{prefix}/axes")])
-    graph.input.append(onnx.helper.make_tensor_value_info(LOGITS_TO_KEEP, onnx.TensorProto.INT64, [1]))
-    slice_nodes = [
-        onnx.helper.make_node("Neg", [LOGITS_TO_KEEP], [f"{prefix}/starts"], name=f"{prefix}/Neg"),
-        onnx.helper.make_node("Slice", [hidden, f"{prefix}/starts", f"{prefix}/ends", f"{prefix}/axes"], [kept],
-                              name=f"{prefix}/Slice")]
-    node.input[0] = kept
-    at = list(graph.node).index(node)
-    for offset, new in enumerate(slice_nodes):
-        graph.node.insert(at + offset, new)
-    for value in graph.output:
-        if value.name == LOGITS:
-            value.type.tensor_type.shape.dim[1].dim_param = "kept positions"
-    return True
 
 
 def torch_step(wrapper, ids: np.ndarray, past: list | None) -> tuple[np.ndarray, list]:
