@@ -103,6 +103,7 @@ def _sessions_without_memory_pattern() -> Iterator[None]:
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         options.enable_mem_pattern = False
+        options.log_severity_level = 3   # errors only, as every session of ours
         self.infer_session = ort.InferenceSession(self.augmented_model_path, sess_options=options,
                                                   providers=self.execution_providers)
 
@@ -300,6 +301,7 @@ def collect_ranges_without_positions(model_path: str | Path, inputs: np.ndarray,
                                       onnx.helper.make_empty_tensor_value_info(name))
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # keep every tensor
+    options.log_severity_level = 3
     session = ort.InferenceSession(model.SerializeToString(), options, providers=[CPU])
     windows = np.ascontiguousarray(inputs, dtype=np.int64)
     seq = windows.shape[1]

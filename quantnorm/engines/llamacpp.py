@@ -156,6 +156,7 @@ class LlamaCppModel:
 
     def __init__(self, path: Path, fmt: str, *, threads: int, max_length: int):
         ll = _import()
+        _quiet_logs(ll)   # loaded outside the engine's own loop too (benchmarks/vs_llamacpp.py --retime)
         self.format, self.path, self.threads = fmt, Path(path), threads
         self.size_bytes = self.path.stat().st_size
         self.version = ll.__version__

@@ -166,8 +166,10 @@ def pick_model(results: dict, recipe: str, run_dir: Path) -> GenerationModel:
 def _check_graph(path: Path, name: str) -> tuple[PastLayout, set[str]]:
     """The graph's cache layout and input names, read by loading it in ONNX Runtime (what the
     bundle's runtime will do)."""
+    options = ort.SessionOptions()
+    options.log_severity_level = 3   # errors only (the optional logits_to_keep input draws a warning)
     try:
-        session = ort.InferenceSession(str(path), providers=[CPU])
+        session = ort.InferenceSession(str(path), options, providers=[CPU])
     except Exception as exc:  # noqa: BLE001 - ORT raises several types; the user needs its words
         raise ConfigError(f"the with-past graph of {name} ({path}) does not load in ONNX Runtime: "
                           f"{' '.join(str(exc).split())[:240]}") from None

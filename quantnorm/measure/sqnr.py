@@ -143,6 +143,7 @@ def open_beside(model_path: Path, model: onnx.ModelProto, options: ort.SessionOp
         options = ort.SessionOptions()
         # No fusion: every tapped tensor exists as the graph writes it.
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.log_severity_level = 3   # errors only, as every session of ours
     try:
         fd, graph_path = tempfile.mkstemp(prefix=f".{model_path.stem}.tap-", suffix=".onnx", dir=model_path.parent)
     except OSError:

@@ -408,6 +408,7 @@ def _preprocess(src: Path, dst: Path) -> Path:
             options = ort.SessionOptions()
             options.optimized_model_filepath = str(optimized)
             options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+            options.log_severity_level = 3   # errors only, as every session of ours
             if onnx_needs_external_data(src):
                 options.add_session_config_entry("session.optimized_model_external_initializers_file_name",
                                                  "optimized.onnx.data")
