@@ -49,5 +49,7 @@ def window_feeder(session) -> Callable[[np.ndarray], dict[str, np.ndarray]]:
             elif PAST_INPUT.match(arg.name):
                 _, heads, _, head_dim = arg.shape
                 out[arg.name] = np.zeros((batch, heads, 0, head_dim), dtype)
+            elif arg.name == "logits_to_keep":   # required where a tapped copy dropped its default: 0, every position
+                out[arg.name] = np.zeros(1, np.int64)
         return out
     return feed
