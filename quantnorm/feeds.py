@@ -17,6 +17,7 @@ import numpy as np
 
 PAST_INPUT = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
 ATTENTION_MASK = "attention_mask"
+LOGITS_TO_KEEP = "logits_to_keep"   # a with-past graph's optional input (generation/decode.py)
 POSITION_IDS = "position_ids"
 _DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
            "tensor(int32)": np.int32}
@@ -49,7 +50,7 @@ def window_feeder(session) -> Callable[[np.ndarray], dict[str, np.ndarray]]:
             elif PAST_INPUT.match(arg.name):
                 _, heads, _, head_dim = arg.shape
                 out[arg.name] = np.zeros((batch, heads, 0, head_dim), dtype)
-            elif arg.name == "logits_to_keep":   # required where a tapped copy dropped its default: 0, every position
+            elif arg.name == LOGITS_TO_KEEP:   # required where a tapped copy dropped its default: 0, every position
                 out[arg.name] = np.zeros(1, np.int64)
         return out
     return feed
