@@ -40,6 +40,7 @@ from .errors import ConfigError, ExportError
 from .fileio import atomic_path, external_data_file, needs_external_data, save_onnx
 from .measure.accuracy import run_logits
 from .measure.sessions import SessionSpec, make_session
+from .onnx_simplify import simplify
 
 MIN_OPSET = 17  # LayerNormalization first appears in opset 17
 DEFAULT_OPSET = 18
@@ -198,11 +199,14 @@ def forget_exporter_graphs() -> None:
 
 
 def finish_onnx_file(path: Path, name_nodes, final: Path) -> onnx.ModelProto:
-    """Load a freshly exported file, name its nodes (``name_nodes(model)``), check it with
-    ``onnx.checker`` (an ``ExportError`` if it fails) and save it back (``path`` is the temporary
-    that becomes ``final``: external data, past 2 GB, is named after ``final``); return the model."""
+    """Load a freshly exported file, name its nodes (``name_nodes(model)``), simplify it
+    (``onnx_simplify``: shared initializers, common subexpressions, RMSNorm in the form ONNX Runtime
+    fuses; the caller's parity check runs on the result), check it with ``onnx.checker`` (an
+    ``ExportError`` if it fails) and save it back (``path`` is the temporary that becomes ``final``:
+    external data, past 2 GB, is named after ``final``); return the model."""
     model = onnx.load(str(path))
     name_nodes(model)
+    simplify(model)
     try:
         # The checker takes a path for models past 2 GB (it cannot serialize them in memory).
         onnx.checker.check_model(str(path) if needs_external_data(model.ByteSize()) else model)

@@ -194,8 +194,13 @@ def test_zoo_online_rotation_is_exact_for_every_placement_and_keeps_the_hadamard
     graph = onnx.load(str(q.path)).graph
     quantized = [n for n in graph.node if n.op_type == "MatMulIntegerToFloat"]
     online = [n for n in graph.node if n.op_type == "MatMul" and "online_hadamard" in n.name]
-    # every Linear is INT8; the Hadamards (shared where q, k, v read one tensor) stay FP32 MatMuls
+    # every Linear is INT8; the Hadamards stay FP32 MatMuls
     assert len(quantized) == linears and online and not any("online_hadamard" in n.name for n in quantized)
+    # q, k and v read one tensor: the export computes its rotation once (onnx_simplify) and the
+    # per-token rewrite quantizes it once, so each block quantizes 4 inputs for its 6 Linears
+    blocks = 2
+    assert len(online) == 2 * (4 * blocks + 1)   # two MatMuls per rotation: q/k/v, proj, up, down; the head
+    assert sum(n.op_type == "QuantizeLinear" for n in graph.node) == 4 * blocks + 1
 
 
 def test_zoo_online_rotation_shrinks_per_token_error_of_a_planted_outlier_channel():
