@@ -47,26 +47,34 @@ def rel(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-# 8-bit weights are exact only with VNNI: ORT's AVX2 u8 x s8 kernel (vpmaddubsw) saturates the int16
-# sum of each pair of products, 255 * 127 * 2 > 32767 (PITFALLS.md 2; measured: all-255 x all-127 over
-# K=64 gave 1,048,544 for 2,072,640). The recipes resolve reduce_range="auto" to 7-bit weights there,
-# so an AVX2 machine tests the grid it deploys and not the one it never uses (not a skip: CI refuses
-# skips that are not about a GPU, tests/conftest.py).
-WEIGHT_GRIDS = [pytest.param(True, id="7-bit")] + ([pytest.param(False, id="8-bit")] if cpu_has_vnni() else [])
+# 8-bit signed weights are exact only with VNNI: ORT's AVX2 u8 x s8 kernel (vpmaddubsw) saturates the
+# int16 sum of each pair of products, 255 * 127 * 2 > 32767 (PITFALLS.md 2; measured: all-255 x all-127
+# over K=64 gave 1,048,544 for 2,072,640). The same 8-bit codes stored unsigned (code + 128, zero point
+# 128) run the u8 x u8 kernel, exact on every CPU; 7-bit codes are exact everywhere too. So every
+# machine tests the grids it can deploy, and the signed 8-bit grid where this CPU has VNNI (not a skip:
+# CI refuses skips that are not about a GPU, tests/conftest.py). A grid: (reduce_range, unsigned).
+WEIGHT_GRIDS = ([pytest.param((True, False), id="7-bit"), pytest.param((False, True), id="8-bit-unsigned")]
+                + ([pytest.param((False, False), id="8-bit")] if cpu_has_vnni() else []))
 
 
 def test_the_grids_tested_include_the_one_this_cpu_deploys():
-    deployed = get_recipe("pertoken-fused").settings(vnni=cpu_has_vnni())["reduce_range"]
-    assert deployed is (not cpu_has_vnni()) and deployed in [p.values[0] for p in WEIGHT_GRIDS]
+    settings = get_recipe("pertoken-fused").settings(vnni=cpu_has_vnni())
+    deployed = (settings["reduce_range"], settings["unsigned_pertoken_weights"])
+    # per-token INT8 keeps all 8 bits on every CPU: signed with VNNI, unsigned without
+    assert deployed == (False, not cpu_has_vnni()) and deployed in [p.values[0] for p in WEIGHT_GRIDS]
+    assert get_recipe("pertoken-fused").settings(vnni=False)["unsigned_pertoken_weights"] is True
+    assert get_recipe("static-minmax-matmul").settings(vnni=False)["reduce_range"] is True   # ORT's quantizer
 
 
-@pytest.mark.parametrize("reduce_range", WEIGHT_GRIDS)
-def test_graph_matches_the_numpy_reference(tmp_path, planted, reduce_range):
+@pytest.mark.parametrize("grid", WEIGHT_GRIDS)
+def test_graph_matches_the_numpy_reference(tmp_path, planted, grid):
+    reduce_range, unsigned = grid
     weight, x = planted
     src = matmul_model(tmp_path / "mm.onnx", weight)
-    info = quantize_per_token(src, tmp_path / "pt.onnx", ["mm"], reduce_range=reduce_range)
+    info = quantize_per_token(src, tmp_path / "pt.onnx", ["mm"], reduce_range=reduce_range, unsigned_weights=unsigned)
     qmax = 63 if reduce_range else 127
     assert info["pertoken_matmuls"] == ["mm"] and info["weight_qmax"] == qmax
+    assert info["weight_codes"].startswith("uint8" if unsigned else "int8")
     w_q, s_w = weight_scales(weight, qmax)
     expected = fake_quantize_rows(x) @ (w_q.astype(np.float32) * s_w)
     got = run(tmp_path / "pt.onnx", x)[0]
@@ -79,9 +87,11 @@ def test_graph_matches_the_numpy_reference(tmp_path, planted, reduce_range):
     assert [a.i for a in ql.attribute if a.name == "axis"] == [0] and ql.input[1].endswith("x_scale_rows")
 
 
-@pytest.mark.parametrize("reduce_range", WEIGHT_GRIDS)
-def test_a_massive_token_breaks_per_tensor_scales_not_per_token(tmp_path, planted, reduce_range):
+@pytest.mark.parametrize("grid", WEIGHT_GRIDS)
+def test_a_massive_token_breaks_per_tensor_scales_not_per_token(tmp_path, planted, grid):
     from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    reduce_range, unsigned = grid
 
     weight, x = planted
     src = matmul_model(tmp_path / "mm.onnx", weight)
@@ -89,7 +99,7 @@ def test_a_massive_token_breaks_per_tensor_scales_not_per_token(tmp_path, plante
     quantize_dynamic(str(src), str(tmp_path / "dyn.onnx"), weight_type=QuantType.QInt8, per_channel=True,
                      reduce_range=reduce_range)
     # measured on VNNI: per-token 0.0086 (8-bit) and 0.0134 (7-bit) on the other tokens
-    quantize_per_token(src, tmp_path / "pt.onnx", ["mm"], reduce_range=reduce_range)
+    quantize_per_token(src, tmp_path / "pt.onnx", ["mm"], reduce_range=reduce_range, unsigned_weights=unsigned)
     others = (slice(None), slice(1, None))
     per_tensor_err = rel(run(tmp_path / "dyn.onnx", x)[0][others], reference[others])
     per_token_err = rel(run(tmp_path / "pt.onnx", x)[0][others], reference[others])
@@ -192,9 +202,10 @@ def norm_and_raw_model(path, weight, vocab=50):
     return path, table, table_normed
 
 
-# CPU-dependent: 8-bit weights (vnni=True) are exact only on a CPU with VNNI; without it ORT's
-# u8s8 kernel saturates (PITFALLS.md 2), which is why reduce_range gives 7-bit weights there. So
-# the 7-bit path runs on every CPU and the 8-bit path where this CPU really has VNNI.
+# CPU-dependent: signed 8-bit weights (vnni=True) are exact only on a CPU with VNNI; without it ORT's
+# u8s8 kernel saturates (PITFALLS.md 2), which is why a per-token recipe stores its codes unsigned
+# there (the u8u8 kernel, exact everywhere). So the unsigned path runs on every CPU and the signed
+# one where this CPU really has VNNI; both compute the same 8-bit codes.
 @pytest.mark.parametrize("vnni", sorted({False, cpu_has_vnni()}))
 def test_calibrated_norm_inputs_get_one_scale_and_the_rest_stay_per_token(tmp_path, planted, vnni):
     """The calnorm recipes: a MatMul reading a norm output is quantized with one scale from the
@@ -208,7 +219,7 @@ def test_calibrated_norm_inputs_get_one_scale_and_the_rest_stay_per_token(tmp_pa
     recipe = get_recipe("rotated-pertoken-fused-calnorm")
     result = quantize(src, recipe, calib, tmp_path / "q.onnx", vnni=vnni, probe_inputs=ids)
     assert result.ok, result.problems
-    assert result.settings["reduce_range"] is (not vnni)
+    assert result.settings["reduce_range"] is False and result.settings["unsigned_pertoken_weights"] is (not vnni)
     found = result.settings["norm_input_scales"]["tensors"]
     assert list(found) == ["normed"] and found["normed"]["norm"] == "rms"
     assert np.isclose(found["normed"]["max_abs"], np.abs(table_normed[calib]).max(), rtol=1e-5)
@@ -221,7 +232,7 @@ def test_calibrated_norm_inputs_get_one_scale_and_the_rest_stay_per_token(tmp_pa
     # The numpy reference: one step for every row of the norm output, saturating codes.
     scale = np.float32(found["normed"]["clip"] / 127)
     codes = np.clip(np.rint(table_normed[ids] / scale) + 128, 0, 255) - 128
-    w_q, s_w = weight_scales(weight, 127 if vnni else 63)
+    w_q, s_w = weight_scales(weight, 127)
     expected = (codes * scale) @ (w_q.astype(np.float32) * s_w)
     got = ort.InferenceSession(str(tmp_path / "q.onnx"), providers=["CPUExecutionProvider"]).run(None, {"ids": ids})
     assert np.allclose(got[0], expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())

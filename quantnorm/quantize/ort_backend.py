@@ -231,8 +231,10 @@ def _static_quantize(pre_path: Path, q_path: Path, recipe: Recipe, settings: dic
         if per_token_carriers and carriers:
             # the carriers are still FP32 MatMuls with their weights in the QDQ graph: per token now
             per_token = q_path.parent / "carriers-pertoken.onnx"
-            settings["carriers_pertoken"] = quantize_per_token(q_path, per_token, carriers,
-                                                               reduce_range=settings["reduce_range"], fused=True)
+            unsigned = settings["unsigned_pertoken_weights"]
+            settings["carriers_pertoken"] = quantize_per_token(q_path, per_token, carriers, fused=True,
+                                                               reduce_range=settings["reduce_range"] and not unsigned,
+                                                               unsigned_weights=unsigned)
             per_token.replace(q_path)
         return problems, True
     except ValueError as exc:
@@ -275,6 +277,7 @@ def _quantize_pertoken(pre_path: Path, q_path: Path, recipe: Recipe, to_quantize
     digest = windows_digest(calib_inputs) if hessians is not None else None
     try:
         done = quantize_per_token(pre_path, q_path, to_quantize, reduce_range=settings["reduce_range"],
+                                  unsigned_weights=settings["unsigned_pertoken_weights"],
                                   fused=recipe.pertoken_kernel == "ort-fused", hessians=hessians,
                                   calibrated_scales=scales, gptq_codes=gptq_codes, calib_digest=digest)
     except ValueError as exc:  # a graph the rewrite cannot take (too old an opset)

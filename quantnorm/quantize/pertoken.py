@@ -16,8 +16,15 @@ Each MatMul ``Y = X @ W`` whose ``W`` is a weight initializer ([K, N]) becomes
 The activation zero point is one scalar (128), so the u8 x s8 ``MatMulInteger`` kernel runs:
 ORT's CPU ``MatMulInteger`` refuses a per-row zero point, and s8 x s8 is 3.3x slower than FP32
 there, while u8 x s8 runs at about 0.35x (PITFALLS.md 14). Symmetric rows around 128 use 255 of
-the 256 codes. ``q_max`` is 63 (7-bit weights) where the CPU lacks VNNI: u8 x s8 pairs summed in
-int16 saturate otherwise (PITFALLS.md 2).
+the 256 codes.
+
+Without VNNI, ORT's u8 x s8 kernel sums pairs of products in int16 and saturates (PITFALLS.md 2;
+measured under a Haswell emulation: a worst-case row gives 8,160 for 1,032,256). Two ways out:
+``q_max`` 63 (7-bit weights, ``reduce_range``: what ONNX Runtime's own quantizer does, and it
+costs accuracy), or ``unsigned_weights``: the same 8-bit codes stored as ``code + 128`` (uint8)
+with a zero point of 128 per column, which selects the u8 x u8 kernel; that one widens to 16 bits
+before it multiplies and is exact on every CPU (same emulation: 1,032,256), so the model computes
+the same integers as the u8 x s8 model does on a VNNI CPU.
 """
 
 from __future__ import annotations
@@ -52,21 +59,26 @@ def weight_qmax(reduce_range: bool) -> int:
 
 
 def quantize_per_token(src: Path, dst: Path, nodes: list[str], *, reduce_range: bool, fused: bool = False,
-                       hessians: Mapping[str, np.ndarray] | None = None,
+                       unsigned_weights: bool = False, hessians: Mapping[str, np.ndarray] | None = None,
                        calibrated_scales: dict[str, float] | None = None,
                        gptq_codes: GPTQCodes | None = None, calib_digest: str | None = None) -> dict:
     """Rewrite the MatMuls named in ``nodes`` of the model at ``src`` into per-token INT8; save to
     ``dst``. Returns what was done (for ``recipes[].settings``). ``fused``: ONNX Runtime's
     ``com.microsoft.MatMulIntegerToFloat`` instead of ``MatMulInteger`` + Cast + two Muls (same
-    arithmetic; runs on ONNX Runtime only). ``hessians``: activation tensor -> ``X^T X`` of the
+    arithmetic; runs on ONNX Runtime only). ``unsigned_weights``: the 8-bit weight codes stored as
+    ``code + 128`` with a zero point of 128 (the u8 x u8 kernel: exact without VNNI; see the module
+    doc; not with ``reduce_range``). ``hessians``: activation tensor -> ``X^T X`` of the
     calibration windows; the weights that read one get GPTQ codes (``quantize.gptq``) instead of
     round-to-nearest, on the same grid. ``calibrated_scales``: activation tensor -> one scale for
     the whole tensor (calibrated offline); those inputs are quantized with it, same zero point
     and code range, instead of per row, so the integer GEMM rescales by scalars inside the kernel.
     ``gptq_codes`` with ``calib_digest`` (the calibration windows'): GPTQ codes this run already
     solved for the same weight on the same windows are read there, new ones kept there."""
+    if unsigned_weights and reduce_range:
+        raise ValueError("unsigned weights keep all 8 bits: reduce_range does not apply to them")
     model = onnx.load(str(src))
     rewrite = _Rewrite(opset=_default_opset(model), qmax=weight_qmax(reduce_range), fused=fused,
+                       unsigned=unsigned_weights,
                        hessians=hessians, calibrated=calibrated_scales or {},
                        new_inits=list(_shared_constants(model.graph).values()),
                        codes=gptq_codes if calib_digest is not None else None, calib_digest=calib_digest)
@@ -99,6 +111,7 @@ class _Rewrite:
     opset: int
     qmax: int
     fused: bool
+    unsigned: bool
     hessians: Mapping[str, np.ndarray] | None
     calibrated: dict[str, float]
     new_inits: list[onnx.TensorProto]
@@ -109,6 +122,7 @@ class _Rewrite:
     replaced: list[str] = field(default_factory=list)
     error_ratios: list[float] = field(default_factory=list)   # GPTQ: its X-weighted weight error / nearest's
     row_shapes: dict[str, onnx.TensorProto] = field(default_factory=dict)   # [-1, K] per input width K
+    weight_zero_points: dict[str, onnx.TensorProto] = field(default_factory=dict)   # [N] of 128 per width N
     quantized_inputs: dict[str, tuple[str, str]] = field(default_factory=dict)  # x -> (uint8, row scales)
 
     def matmul(self, node: onnx.NodeProto, weight: np.ndarray) -> None:
@@ -118,6 +132,12 @@ class _Rewrite:
         p = node.name or f"matmul_{len(self.replaced)}"
         t = f"{p}/pertoken/"
         w_q, s_w = self._weight_codes(x, weight)
+        if self.unsigned:
+            w_q = (w_q.astype(np.int16) + ACT_ZERO_POINT).astype(np.uint8)
+            zero_points = f"pertoken_weight_zp_{w_q.shape[1]}"
+            if zero_points not in self.weight_zero_points:
+                self.weight_zero_points[zero_points] = numpy_helper.from_array(
+                    np.full(w_q.shape[1], ACT_ZERO_POINT, dtype=np.uint8), zero_points)
         self.new_inits += [numpy_helper.from_array(w_q, t + "W_quantized"),
                            numpy_helper.from_array(s_w, t + "W_scale")]
         if x not in self.quantized_inputs and x in self.calibrated:
@@ -125,7 +145,7 @@ class _Rewrite:
         if x not in self.quantized_inputs:
             # One quantization per activation: q/k/v (and gate/up) read the same normed tensor.
             self._quantize_rows(x, t, weight.shape[0])
-        self.new_nodes += self._gemm(t, *self.quantized_inputs[x], node.output[0])
+        self.new_nodes += self._gemm(t, *self.quantized_inputs[x], node.output[0], weight.shape[1])
         self.replaced.append(node.name)
 
     def _weight_codes(self, x: str, weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -190,15 +210,17 @@ class _Rewrite:
                              name=t + "Unrows"),
         ]
 
-    def _gemm(self, t: str, x_q: str, x_scale: str, output: str) -> list[onnx.NodeProto]:
+    def _gemm(self, t: str, x_q: str, x_scale: str, output: str, width: int) -> list[onnx.NodeProto]:
+        weight_zp = [f"pertoken_weight_zp_{width}"] if self.unsigned else []
         if self.fused:
             # ORT's contrib op rescales inside the GEMM (a_scale [..., M, 1] broadcasts per row):
             # one pass over the output instead of three (measured 1.45x faster on a 262k-wide head).
             return [helper.make_node(
-                "MatMulIntegerToFloat", [x_q, t + "W_quantized", x_scale, t + "W_scale", "pertoken_zp_u8"],
+                "MatMulIntegerToFloat",
+                [x_q, t + "W_quantized", x_scale, t + "W_scale", "pertoken_zp_u8", *weight_zp],
                 [output], name=t + "MatMulIntegerToFloat", domain="com.microsoft")]
         return [
-            helper.make_node("MatMulInteger", [x_q, t + "W_quantized", "pertoken_zp_u8"],
+            helper.make_node("MatMulInteger", [x_q, t + "W_quantized", "pertoken_zp_u8", *weight_zp],
                              [t + "y_int32"], name=t + "MatMulInteger"),
             helper.make_node("Cast", [t + "y_int32"], [t + "y_float"], name=t + "CastFloat", to=TensorProto.FLOAT),
             helper.make_node("Mul", [t + "y_float", x_scale], [t + "y_rows"], name=t + "MulRows"),
@@ -214,7 +236,8 @@ class _Rewrite:
         del graph.node[:]
         graph.node.extend(self.new_nodes)
         del graph.initializer[:]
-        graph.initializer.extend(kept + self.new_inits + list(self.row_shapes.values()))
+        graph.initializer.extend(kept + self.new_inits + list(self.row_shapes.values())
+                                 + list(self.weight_zero_points.values()))
         if self.opset < 18:  # the axes initializer is read by no node
             kept_inits = [i for i in graph.initializer if i.name != "pertoken_axes"]
             del graph.initializer[:]
@@ -232,13 +255,16 @@ class _Rewrite:
                 "on the same calibration windows (its whole-window graph): the same X^T X, not solved again"}
                if self.reused else {}),
             "rule": "trace(dW^T H dW) with H = X^T X of the calibration activations, GPTQ over round-to-nearest"}}
+        pair = "u8" if self.unsigned else "s8"
         calibrated_inputs = sorted(x for x in self.calibrated if x in self.quantized_inputs)
         per_tensor = {} if not calibrated_inputs else {"calibrated_scale_inputs": calibrated_inputs}
         return {**gptq, **per_tensor, "pertoken_matmuls": self.replaced, "weight_qmax": self.qmax,
+                "weight_codes": ("uint8: the int8 code + 128, zero point 128 per column (the u8 x u8 kernel: "
+                                 "exact without VNNI)" if self.unsigned else "int8, symmetric (the u8 x s8 kernel)"),
                 "activation_zero_point": ACT_ZERO_POINT,
                 "activation_scale": "per row: max|x| / 127 (computed at run time)",
-                "kernel": ("com.microsoft.MatMulIntegerToFloat (u8 x s8, rescaled in the kernel; ONNX Runtime only)"
-                           if self.fused else "MatMulInteger (u8 activations x s8 weights, int32 accumulate) + "
+                "kernel": (f"com.microsoft.MatMulIntegerToFloat (u8 x {pair}, rescaled in the kernel; ONNX Runtime only)"
+                           if self.fused else f"MatMulInteger (u8 activations x {pair} weights, int32 accumulate) + "
                                               "float rescale (standard ONNX ops: any runtime)")}
 
 

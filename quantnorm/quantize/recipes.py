@@ -181,8 +181,17 @@ class Recipe:
             raise ConfigError(f"recipe {self.name}: a weight-only recipe takes no per-token kernel or SmoothQuant")
 
     def resolved_reduce_range(self, vnni: bool) -> bool:
-        """7-bit weights unless the CPU has VNNI (u8s8 kernels without VNNI can saturate)."""
-        return (not vnni) if self.reduce_range == "auto" else bool(self.reduce_range)
+        """7-bit weights in ONNX Runtime's quantizer unless the CPU has VNNI (u8s8 kernels without
+        VNNI can saturate). Per-token INT8 avoids the saturation with all 8 bits instead
+        (``unsigned_pertoken_weights``), so a per-token recipe never reduces the range on "auto"."""
+        if self.reduce_range == "auto":
+            return not vnni and self.mode != "pertoken"
+        return bool(self.reduce_range)
+
+    def unsigned_pertoken_weights(self, vnni: bool) -> bool:
+        """Per-token weights stored as uint8 (code + 128, zero point 128): the u8 x u8 kernel, exact
+        on a CPU without VNNI, with the same 8-bit codes a VNNI CPU runs (quantize.pertoken)."""
+        return self.reduce_range == "auto" and not vnni and (self.mode == "pertoken" or self.carriers == "pertoken")
 
     def op_types(self) -> list[str]:
         """The op types handed to ONNX Runtime: MatMul, or its whole default list for this mode."""
@@ -219,6 +228,7 @@ class Recipe:
             "activation_type": ("QInt8" if self.symmetric_activations else "QUInt8") if static else
                                ("QUInt8 (dynamic)" if self.mode == "dynamic" else "QUInt8 per token, zero point 128"),
             "weight_type": "QInt8",
+            "unsigned_pertoken_weights": self.unsigned_pertoken_weights(vnni),
             "symmetric_activations": self.symmetric_activations,
             "symmetric_weights": True,
             "excluded_nodes": list(self.excluded),
