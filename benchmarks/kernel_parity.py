@@ -1,0 +1,114 @@
+"""Does a per-token INT8 model score the same on a CPU without VNNI? KL of its logits against FP32's.
+
+    python benchmarks/kernel_parity.py runs/vs-smollm2 --recipe online-rotated-pertoken-fused-gptq
+    # the same on a CPU without AVX512/VNNI, or emulated here (qemu-user, a Haswell: AVX2 only):
+    qemu-x86_64 -cpu Haswell "$(command -v python3)" benchmarks/kernel_parity.py runs/vs-smollm2 ...
+
+Reads a finished run (its checkpoint directory, ``model.fp32[.<transform>].onnx`` and the recipe's
+``model.int8.<recipe>.onnx``), scores the first ``--windows`` evaluation windows of the built-in
+corpus and prints, for the recipe's weights stored two ways, the mean KL(FP32 || INT8) per
+position on this CPU:
+
+- ``signed``: int8 codes (the u8 x s8 kernel: what the quantize stage writes on a VNNI CPU);
+- ``unsigned``: the same codes + 128 with a zero point of 128 (the u8 x u8 kernel: what it writes
+  on a CPU without VNNI; made here from the signed file, code for code).
+
+On a VNNI CPU both rows match; without VNNI the signed row saturates (ORT's AVX2 u8 x s8 kernel
+sums pairs of products in int16) and the unsigned row should still match the VNNI figure. The goal
+(issue 33): a recipe's KL without VNNI within 1.25x of its KL with VNNI. Prints the CPU and its
+flags (from /proc/cpuinfo: an emulator shows the CPU it emulates there only if told to).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from quantnorm.hardware import cpu_flags, cpu_has_vnni, cpu_model
+from quantnorm.measure.accuracy import pair_stats, run_logits
+from quantnorm.measure.sessions import SessionSpec, make_session
+from quantnorm.sources.hf_loader import load_tokenizer
+from quantnorm.sources.tokenized import prepare_hf_data
+
+ZERO_POINT = 128
+
+
+def unsigned_copy(signed: Path, out: Path) -> int:
+    """``signed``'s per-token weights (int8 inputs of MatMulIntegerToFloat / MatMulInteger) as
+    uint8 codes + 128 with a per-column zero point of 128; returns how many were converted."""
+    model = onnx.load(str(signed))
+    weights = {init.name: init for init in model.graph.initializer}
+    added, converted = [], 0
+    for node in model.graph.node:
+        if node.op_type not in ("MatMulIntegerToFloat", "MatMulInteger"):
+            continue
+        b = node.input[1]
+        codes = numpy_helper.to_array(weights[b])
+        if codes.dtype != np.int8:
+            continue
+        weights[b].CopyFrom(numpy_helper.from_array((codes.astype(np.int16) + ZERO_POINT).astype(np.uint8), b))
+        zp_name = f"{b}/zero_point"
+        added.append(numpy_helper.from_array(np.full(codes.shape[-1], ZERO_POINT, np.uint8), zp_name))
+        slot = 5 if node.op_type == "MatMulIntegerToFloat" else 3   # b_zero_point
+        while len(node.input) <= slot:
+            node.input.append("")
+        node.input[slot] = zp_name
+        converted += 1
+    model.graph.initializer.extend(added)
+    onnx.save(model, str(out), save_as_external_data=True, location=out.name + ".data")
+    return converted
+
+
+def kl_against(fp32_logits: list[np.ndarray], path: Path, windows: np.ndarray, targets: np.ndarray,
+               threads: int) -> float:
+    session = make_session(path, SessionSpec(threads=threads))
+    kls = [pair_stats(reference, got, targets[i:i + 1])[2]
+           for i, (reference, got) in enumerate(zip(fp32_logits, run_logits(session, windows, batch_size=1)))]
+    return float(np.mean(np.concatenate([np.ravel(k) for k in kls])))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run", type=Path, help="a finished `quantnorm evaluate --model ...` run directory")
+    parser.add_argument("--recipe", required=True, help="a recipe of that run (per-token: both weight forms)")
+    parser.add_argument("--windows", type=int, default=8, help="evaluation windows scored (default 8)")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    results = json.loads((args.run / "results.json").read_text())
+    recipe = next((r for r in results["recipes"] if r["name"] == args.recipe), None)
+    if recipe is None:
+        parser.error(f"{args.run}: no recipe {args.recipe!r} in results.json")
+    signed = args.run / recipe["path"]
+    fp32 = args.run / "model.fp32.onnx"   # the run's reference: its KL column is against this model
+    from transformers import AutoConfig
+
+    checkpoint = args.run / "checkpoint"
+    data = prepare_hf_data(load_tokenizer(checkpoint), AutoConfig.from_pretrained(checkpoint), "causal",
+                           max_eval_windows=args.windows)
+    windows, targets = data.eval_inputs[: args.windows], data.eval_targets[: args.windows]
+    print(f"CPU: {cpu_model()}; VNNI: {cpu_has_vnni()}; flags: "
+          f"{' '.join(f for f in cpu_flags() if f.startswith(('avx', 'amx')))}; threads {args.threads}")
+    reference = list(run_logits(make_session(fp32, SessionSpec(threads=args.threads)), windows, batch_size=1))
+    with tempfile.TemporaryDirectory() as tmp:
+        unsigned = Path(tmp) / "unsigned.onnx"
+        count = unsigned_copy(signed, unsigned)
+        if count == 0:   # not per-token with int8 codes (a weight-only recipe: MatMulNBits): the file as written
+            rows = [("as written", kl_against(reference, signed, windows, targets, args.threads))]
+        else:
+            rows = [("signed (u8 x s8)", kl_against(reference, signed, windows, targets, args.threads)),
+                    (f"unsigned (u8 x u8, {count} GEMMs)",
+                     kl_against(reference, unsigned, windows, targets, args.threads))]
+    print(f"{args.recipe}, {len(windows)} windows of {windows.shape[1]} tokens, KL(FP32 || INT8) mean per position:")
+    for name, kl in rows:
+        print(f"  {name:34s} {kl:.6f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
