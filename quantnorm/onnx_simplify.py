@@ -14,9 +14,6 @@ baseline and every INT8 recipe get the same graph:
   inputs is dropped and its outputs read from the earlier one. After the first pass the q/k/v
   (and gate/up) rotations collapse into one, and so does the per-token quantization of the
   tensor they all read (``quantize.pertoken`` quantizes each input tensor once);
-- ``rotate_half_as_matmul``: rotary embedding's ``rotate_half(x) = Concat(-x[..., h:], x[..., :h])``
-  (two Slices, a Neg and a Concat, twice per layer) becomes one MatMul by a constant signed
-  permutation ``[D, D]``: exact (each output is one input times +-1 plus zeros);
 - ``rmsnorm_as_division``: the exporter writes RMSNorm as ``x * Reciprocal(Sqrt(mean(x^2) + eps))``;
   ONNX Runtime fuses ``Pow -> ReduceMean -> Add -> Sqrt -> Div -> Mul(weight)`` into one
   ``SimplifiedLayerNormalization`` (and a residual ``Add`` before it into
@@ -32,22 +29,18 @@ from __future__ import annotations
 import hashlib
 from collections import defaultdict
 
-import numpy as np
 import onnx
-from onnx import numpy_helper
 
 _RANDOM_OPS = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike",
                          "Multinomial", "Bernoulli", "Dropout"})
 
 
 def simplify(model: onnx.ModelProto) -> dict[str, int]:
-    """All four passes on ``model`` in place; returns what each did (counts)."""
+    """All three passes on ``model`` in place; returns what each did (counts)."""
     shared = share_identical_initializers(model)
     merged = merge_common_subexpressions(model)
     divided = rmsnorm_as_division(model)
-    rotated = rotate_half_as_matmul(model)
-    return {"initializers_shared": shared, "nodes_merged": merged, "rmsnorms_as_division": divided,
-            "rotate_half_as_matmul": rotated}
+    return {"initializers_shared": shared, "nodes_merged": merged, "rmsnorms_as_division": divided}
 
 
 def _tensor_bytes(init: onnx.TensorProto) -> bytes:
@@ -164,111 +157,3 @@ def rmsnorm_as_division(model: onnx.ModelProto) -> int:
         del graph.node[:]
         graph.node.extend(kept)
     return len(dropped)
-
-
-def _constant_ints(graph: onnx.GraphProto) -> dict[str, list[int]]:
-    """Integer initializers and Constant outputs of at most a few values (Slice's starts, ends, axes)."""
-    out: dict[str, list[int]] = {}
-    for init in graph.initializer:
-        if init.data_type in (onnx.TensorProto.INT64, onnx.TensorProto.INT32) and np.prod(init.dims) <= 8:
-            out[init.name] = [int(v) for v in numpy_helper.to_array(init).reshape(-1)]
-    for node in graph.node:
-        if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
-            value = numpy_helper.to_array(node.attribute[0].t)
-            if value.dtype.kind == "i" and value.size <= 8:
-                out[node.output[0]] = [int(v) for v in value.reshape(-1)]
-    return out
-
-
-def _last_dims(model: onnx.ModelProto) -> dict[str, int]:
-    """The static size of the last axis of every float tensor the graph states a shape for."""
-    dims = {}
-    for value in [*model.graph.value_info, *model.graph.input, *model.graph.output]:
-        t = value.type.tensor_type
-        if t.elem_type == onnx.TensorProto.FLOAT and t.HasField("shape") and t.shape.dim:
-            last = t.shape.dim[-1]
-            if last.HasField("dim_value"):
-                dims[value.name] = int(last.dim_value)
-    return dims
-
-
-def _half_slice(node: onnx.NodeProto | None, ints: dict[str, list[int]], rank_last: set[int]) -> tuple | None:
-    """(source, start, end) of a Slice of the last axis with step 1, or None."""
-    if node is None or node.op_type != "Slice" or len(node.input) < 4:
-        return None
-    starts, ends, axes = (ints.get(name) for name in node.input[1:4])
-    steps = ints.get(node.input[4]) if len(node.input) > 4 and node.input[4] else [1]
-    if None in (starts, ends, axes, steps) or len(starts) != 1 or axes[0] not in rank_last or steps != [1]:
-        return None
-    return node.input[0], starts[0], ends[0]
-
-
-def rotate_half_as_matmul(model: onnx.ModelProto) -> int:
-    """``Concat(Neg(Slice(x, h, end)), Slice(x, 0, h))`` on the last axis of a tensor whose last
-    axis ``D`` the graph states -> ``MatMul(x, R)`` with ``R`` the signed permutation that
-    computes the same (one ``R`` per ``(D, h)``); returns how many were rewritten. The Slices and
-    the Neg go where nothing else reads them."""
-    graph = model.graph
-    producer = {out: node for node in graph.node for out in node.output}
-    readers: dict[str, int] = defaultdict(int)
-    for node in graph.node:
-        for name in node.input:
-            readers[name] += 1
-    ints, last = _constant_ints(graph), _last_dims(model)
-    permutations: dict[tuple[int, int], str] = {}
-    rewritten = 0
-    for cat in graph.node:
-        if cat.op_type != "Concat" or len(cat.input) != 2:
-            continue
-        neg = producer.get(cat.input[0])
-        if neg is None or neg.op_type != "Neg":
-            continue
-        x = producer.get(neg.input[0]) and producer[neg.input[0]].input[0]
-        width = last.get(x) if x else None
-        if width is None:
-            continue
-        last_axes = {-1, _rank(model, x) - 1}
-        axis = next((a.i for a in cat.attribute if a.name == "axis"), None)
-        high = _half_slice(producer.get(neg.input[0]), ints, last_axes)
-        low = _half_slice(producer.get(cat.input[1]), ints, last_axes)
-        if axis not in last_axes or high is None or low is None or high[0] != x or low[0] != x:
-            continue
-        h = high[1]
-        if not (0 < h < width and low[1] == 0 and low[2] == h and high[2] >= width):
-            continue
-        key = (width, h)
-        if key not in permutations:
-            r = np.zeros((width, width), dtype=np.float32)
-            for j in range(width - h):     # out[j] = -x[h + j]
-                r[h + j, j] = -1.0
-            for j in range(width - h, width):   # out[j] = x[j - (width - h)]
-                r[j - (width - h), j] = 1.0
-            permutations[key] = f"rotate_half_{width}_{h}"
-            graph.initializer.append(numpy_helper.from_array(r, permutations[key]))
-        cat.op_type = "MatMul"
-        del cat.attribute[:]
-        del cat.input[:]
-        cat.input.extend([x, permutations[key]])
-        rewritten += 1
-    if rewritten:
-        _drop_unread(graph)
-    return rewritten
-
-
-def _rank(model: onnx.ModelProto, name: str) -> int:
-    for value in [*model.graph.value_info, *model.graph.input, *model.graph.output]:
-        if value.name == name:
-            return len(value.type.tensor_type.shape.dim)
-    return -1
-
-
-def _drop_unread(graph: onnx.GraphProto) -> None:
-    """Remove nodes whose outputs nothing reads (repeatedly: a chain goes with its last reader)."""
-    outputs = {value.name for value in graph.output}
-    while True:
-        read = {name for node in graph.node for name in node.input} | outputs
-        kept = [node for node in graph.node if any(o in read for o in node.output if o)]
-        if len(kept) == len(graph.node):
-            return
-        del graph.node[:]
-        graph.node.extend(kept)

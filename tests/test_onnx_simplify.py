@@ -7,8 +7,8 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from quantnorm.onnx_simplify import (merge_common_subexpressions, rmsnorm_as_division, rotate_half_as_matmul,
-                                     share_identical_initializers, simplify)
+from quantnorm.onnx_simplify import (merge_common_subexpressions, rmsnorm_as_division, share_identical_initializers,
+                                     simplify)
 
 D = 8
 
@@ -125,38 +125,3 @@ def test_a_reciprocal_that_is_not_a_norms_scale_is_left_alone(reader):
         nodes.append(helper.make_node("Mul", ["inv", "inv"], ["inv2"], name="other"))
         model.graph.output.append(helper.make_tensor_value_info("inv2", TensorProto.FLOAT, None))
     assert rmsnorm_as_division(model) == 0
-
-
-def _rotary_graph(axis: int = -1) -> onnx.ModelProto:
-    """transformers' apply_rotary_pos_emb on x [2, 3, 4, D]: x * cos + rotate_half(x) * sin, with
-    rotate_half(x) = Concat(-x[..., D/2:], x[..., :D/2]) written as the exporter does (Slice, Neg)."""
-    rng = np.random.default_rng(3)
-    inits = [numpy_helper.from_array(np.asarray([v], np.int64), n) for n, v in
-             [("zero", 0), ("half", D // 2), ("big", 2**63 - 1), ("last", -1), ("one", 1)]]
-    inits += [numpy_helper.from_array(rng.standard_normal((3, D)).astype(np.float32), n) for n in ("cos", "sin")]
-    nodes = [helper.make_node("Slice", ["x", "half", "big", "last", "one"], ["x2"]),
-             helper.make_node("Neg", ["x2"], ["neg"]),
-             helper.make_node("Slice", ["x", "zero", "half", "last", "one"], ["x1"]),
-             helper.make_node("Concat", ["neg", "x1"], ["rotated"], axis=axis),
-             helper.make_node("Mul", ["x", "cos"], ["a"]), helper.make_node("Mul", ["rotated", "sin"], ["b"]),
-             helper.make_node("Add", ["a", "b"], ["y"])]
-    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4, 3, D])
-    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4, 3, D])
-    return helper.make_model(helper.make_graph(nodes, "g", [x], [y], inits),
-                             opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
-
-
-def test_rotate_half_becomes_one_exact_matmul():
-    model = _rotary_graph()
-    x = np.random.default_rng(4).standard_normal((2, 4, 3, D)).astype(np.float32)
-    (before,) = _run(model, {"x": x})
-    assert rotate_half_as_matmul(model) == 1
-    onnx.checker.check_model(model)
-    assert [n.op_type for n in model.graph.node] == ["MatMul", "Mul", "Mul", "Add"]
-    (after,) = _run(model, {"x": x})
-    np.testing.assert_array_equal(after, before)   # a signed permutation: no rounding
-
-
-def test_a_concat_on_another_axis_is_not_rotate_half():
-    model = _rotary_graph(axis=1)
-    assert rotate_half_as_matmul(model) == 0 and len(model.graph.node) == 7

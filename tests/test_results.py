@@ -90,9 +90,9 @@ def test_committed_results_load_with_the_kind_their_source_says():
     for path in sorted(REPORTS.rglob("results.json")):
         kinds.setdefault(results_file.source_kind(results_file.load(path)), []).append(path)
     assert set(kinds) == {"trained", "hf", "gguf"}
-    # the real-models runs of the two GGUF checkpoints, and SmolLM2 beside the other engines
+    # the real-models runs of the two GGUF checkpoints, SmolLM2 beside the other engines, both beside llama.cpp
     assert sorted(str(p.relative_to(REPORTS).parent) for p in kinds["gguf"]) == [
-        "engines-smollm2", "real-models/gemma3", "real-models/smollm2"]
+        "engines-smollm2", "real-models/gemma3", "real-models/smollm2", "vs-llamacpp/gemma3", "vs-llamacpp/smollm2"]
 
 
 def _row(provider, variant, batch, p50=None, status="measured", seq=32):
