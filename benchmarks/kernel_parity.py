@@ -33,10 +33,9 @@ from onnx import numpy_helper
 from quantnorm.hardware import cpu_flags, cpu_has_vnni, cpu_model
 from quantnorm.measure.accuracy import pair_stats, run_logits
 from quantnorm.measure.sessions import SessionSpec, make_session
+from quantnorm.quantize.pertoken import ACT_ZERO_POINT, unsigned_codes
 from quantnorm.sources.hf_loader import load_tokenizer
 from quantnorm.sources.tokenized import prepare_hf_data
-
-ZERO_POINT = 128
 
 
 def unsigned_copy(signed: Path, out: Path) -> int:
@@ -52,9 +51,9 @@ def unsigned_copy(signed: Path, out: Path) -> int:
         codes = numpy_helper.to_array(weights[b])
         if codes.dtype != np.int8:
             continue
-        weights[b].CopyFrom(numpy_helper.from_array((codes.astype(np.int16) + ZERO_POINT).astype(np.uint8), b))
+        weights[b].CopyFrom(numpy_helper.from_array(unsigned_codes(codes), b))
         zp_name = f"{b}/zero_point"
-        added.append(numpy_helper.from_array(np.full(codes.shape[-1], ZERO_POINT, np.uint8), zp_name))
+        added.append(numpy_helper.from_array(np.full(codes.shape[-1], ACT_ZERO_POINT, np.uint8), zp_name))
         slot = 5 if node.op_type == "MatMulIntegerToFloat" else 3   # b_zero_point
         while len(node.input) <= slot:
             node.input.append("")
@@ -80,6 +79,9 @@ def main() -> int:
     parser.add_argument("--windows", type=int, default=8, help="evaluation windows scored (default 8)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
+    if not (args.run / "results.json").is_file() or not (args.run / "checkpoint").is_dir():
+        parser.error(f"{args.run}: not a finished `quantnorm evaluate --model` run (results.json and checkpoint/ "
+                     "expected); run one first, as the module doc shows")
     results = json.loads((args.run / "results.json").read_text())
     recipe = next((r for r in results["recipes"] if r["name"] == args.recipe), None)
     if recipe is None:

@@ -16,11 +16,10 @@ baseline and every INT8 recipe get the same graph:
   tensor they all read (``quantize.pertoken`` quantizes each input tensor once);
 - ``rmsnorm_as_division``: the exporter writes RMSNorm as ``x * Reciprocal(Sqrt(mean(x^2) + eps))``;
   ONNX Runtime fuses ``Pow -> ReduceMean -> Add -> Sqrt -> Div -> Mul(weight)`` into one
-  ``SimplifiedLayerNormalization`` (and a residual ``Add`` before it into
-  ``SkipSimplifiedLayerNormalization``) when the graph is loaded, and only in the ``Div`` form.
+  ``SimplifiedLayerNormalization`` when the graph is loaded, and only in the ``Div`` form.
   The saved graph stays standard ONNX (``onnx.checker`` passes); the fusion happens in the session.
 
-Graph inputs (an overridable initializer such as ``logits_to_keep``) are never merged, and nodes
+Graph inputs and outputs (an overridable initializer such as ``logits_to_keep``) are never merged, and nodes
 that draw random numbers or hold subgraphs are never merged.
 """
 
@@ -57,10 +56,11 @@ def _tensor_bytes(init: onnx.TensorProto) -> bytes:
 def share_identical_initializers(model: onnx.ModelProto) -> int:
     """Initializers equal in type, shape and bytes become the first of them; returns how many went."""
     graph = model.graph
-    inputs = {value.name for value in graph.input}
+    # an overridable initializer is an input (a feed may change it); one returned as an output keeps its name
+    fixed = {value.name for value in [*graph.input, *graph.output]}
     by_layout: dict[tuple, list[onnx.TensorProto]] = defaultdict(list)
     for init in graph.initializer:
-        if init.name not in inputs:   # an overridable initializer is an input: a feed may change it
+        if init.name not in fixed:
             by_layout[(init.data_type, tuple(init.dims))].append(init)
     rename: dict[str, str] = {}
     for group in by_layout.values():
@@ -82,9 +82,6 @@ def share_identical_initializers(model: onnx.ModelProto) -> int:
         for i, name in enumerate(node.input):
             if name in rename:
                 node.input[i] = rename[name]
-    for output in graph.output:   # an initializer returned as an output keeps its name
-        if output.name in rename:
-            raise ValueError(f"graph output {output.name!r} is an initializer equal to another")
     return len(rename)
 
 

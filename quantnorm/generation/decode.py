@@ -37,11 +37,11 @@ INPUT_IDS = "input_ids"
 ATTENTION_MASK = "attention_mask"
 POSITION_IDS = "position_ids"
 LOGITS = "logits"
-# LOGITS_TO_KEEP (feeds.py), an optional input (an initializer a feed may override): how many of the last positions get
-# logits; its default, 0, keeps every position. A prompt step that only needs the next token's
-# logits feeds 1, so the head runs on one row instead of the whole prompt (what llama.cpp and
-# transformers' ``logits_to_keep`` do): on a 262k-token vocabulary the head is most of a prefill.
-
+# LOGITS_TO_KEEP (feeds.py), an optional input (an initializer a feed may override): how many of
+# the last positions get logits; its default, 0, keeps every position. A prompt step that only
+# needs the next token's logits feeds 1, so the head runs on one row instead of the whole prompt
+# (what llama.cpp and transformers' ``logits_to_keep`` do): on a 262k-token vocabulary the head is
+# most of a prefill.
 MAX_LENGTH_KEY = "quantnorm.max_length"   # model metadata: the longest past + seq the graph is exact for
 _PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
 _ORT_FLOAT = {"tensor(float)": np.float32, "tensor(float16)": np.float16}

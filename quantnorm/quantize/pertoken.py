@@ -40,8 +40,8 @@ from onnx import TensorProto, helper, numpy_helper
 from ..measure.fake_quant import ACT_QMAX, ACT_ZERO_POINT, EPS, fake_quantize_rows
 from ..transforms.gptq import BLOCK, DAMP, GPTQCodes, gptq_quantize, output_error
 
-__all__ = ["ACT_QMAX", "ACT_ZERO_POINT", "EPS", "fake_quantize_rows", "quantize_per_token", "weight_qmax",
-           "weight_scales"]
+__all__ = ["ACT_QMAX", "ACT_ZERO_POINT", "EPS", "fake_quantize_rows", "quantize_per_token", "unsigned_codes",
+           "weight_qmax", "weight_scales"]
 
 
 def weight_scales(weight: np.ndarray, qmax: int) -> tuple[np.ndarray, np.ndarray]:
@@ -51,6 +51,11 @@ def weight_scales(weight: np.ndarray, qmax: int) -> tuple[np.ndarray, np.ndarray
     scale = np.where(amax > 0, amax / qmax, 1.0).astype(np.float32)
     q = np.clip(np.rint(weight / scale), -qmax, qmax).astype(np.int8)
     return q, scale
+
+
+def unsigned_codes(codes: np.ndarray) -> np.ndarray:
+    """int8 weight codes as the u8 x u8 kernel reads them: ``code + 128`` (zero point 128)."""
+    return (codes.astype(np.int16) + ACT_ZERO_POINT).astype(np.uint8)
 
 
 def weight_qmax(reduce_range: bool) -> int:
@@ -133,7 +138,7 @@ class _Rewrite:
         t = f"{p}/pertoken/"
         w_q, s_w = self._weight_codes(x, weight)
         if self.unsigned:
-            w_q = (w_q.astype(np.int16) + ACT_ZERO_POINT).astype(np.uint8)
+            w_q = unsigned_codes(w_q)
             zero_points = f"pertoken_weight_zp_{w_q.shape[1]}"
             if zero_points not in self.weight_zero_points:
                 self.weight_zero_points[zero_points] = numpy_helper.from_array(
