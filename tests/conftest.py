@@ -18,6 +18,28 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
     torch.set_num_threads(1)
 
+# torch.onnx's dynamo exporter rebuilds its table of ATen -> ONNX functions on every export (half a
+# second, of the ~4 s a tiny model's export takes; the suite exports ~140 models). The table
+# depends only on the opset, so each process builds it once and every export gets its own copy
+# (an export may register custom functions into the one it is handed).
+try:
+    from torch.onnx._internal.exporter import _registration
+
+    _build_registry = _registration.ONNXRegistry.from_torchlib.__func__
+    _registries: dict = {}
+
+    def _registry_copy(cls, opset_version=_registration._constants.TORCHLIB_OPSET):
+        if opset_version not in _registries:
+            _registries[opset_version] = _build_registry(cls, opset_version)
+        registry = cls()
+        registry._opset_version = opset_version
+        registry.functions = {k: list(v) for k, v in _registries[opset_version].functions.items()}
+        return registry
+
+    _registration.ONNXRegistry.from_torchlib = classmethod(_registry_copy)
+except (ImportError, AttributeError):   # another torch: its exporter as it comes
+    pass
+
 pytest_plugins = ["pytester"]  # tests/test_conftest.py runs small inner sessions
 
 STRICT_SKIPS_ENV = "QUANTNORM_STRICT_SKIPS"
