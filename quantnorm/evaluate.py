@@ -202,6 +202,9 @@ def quantize_recipe(run: _Run, recipe) -> dict:
     so its damage is measured too."""
     name, data = recipe.name, run.source.data
     started = time.perf_counter()
+    # Let the FP32 weights go before a transform reloads the torch ones and exports them (Gemma 3:
+    # the open FP32 session is 1.3 GB of the rotated export's peak); scoring opens it again.
+    run.fp32_session.close()
     try:
         quantized_from = run.transforms.fp32_for(recipe, run.fp32_path)
     except ConfigError as exc:  # a recipe this model cannot take (rotation on a zoo model): say why, go on
@@ -209,7 +212,6 @@ def quantize_recipe(run: _Run, recipe) -> dict:
     if quantized_from != run.fp32_path:  # a smoothed or rotated export, made (or reused) just now
         run.fp32_sources[name] = quantized_from
         run.stage_seconds[f"transform:{name}"] = round(time.perf_counter() - started, 2)
-    run.fp32_session.close()
     with run.stage(f"quantize:{name}"):
         q = quantize(quantized_from, recipe, data.calib_inputs, run.run_dir / int8_onnx_file(name), vnni=run.vnni,
                      probe_inputs=data.eval_inputs[:2], preprocessed=run.preprocessed)

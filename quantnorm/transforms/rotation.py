@@ -43,6 +43,18 @@ ROTATABLE_FAMILIES = ("llama", "mistral", "qwen2")
 PALEY_PRIMES = (11, 19, 23, 43, 47, 59, 67, 71, 79, 83)  # q = 3 mod 4: Hadamard order q + 1
 PALEY_ORDERS = tuple(q + 1 for q in PALEY_PRIMES)        # (the powers of two come from Sylvester)
 DEFAULT_PARITY_TOLERANCE = 1e-3   # relative to each output's scale, as the SmoothQuant export gate
+ROW_BLOCK = 8192   # rows of a weight transformed in float64 at a time
+
+
+def by_row_blocks(weight: torch.Tensor, fn) -> torch.Tensor:
+    """``fn(weight in float64)`` as a new float32 tensor, computed a block of rows at a time: ``fn``
+    must treat each row on its own (a product on the right, a scale per column). A large matrix
+    (Gemma 3's 262k x 640 head and embedding) then never has whole float64 copies beside it: 2.7 GB
+    more at once, the peak of a rotated export's memory."""
+    out = torch.empty(weight.shape, dtype=torch.float32)
+    for lo in range(0, weight.shape[0], ROW_BLOCK):
+        out[lo:lo + ROW_BLOCK] = fn(weight[lo:lo + ROW_BLOCK].detach().double())
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,12 +194,12 @@ def rotate_wrapper(wrapper, spec, seed: int = 0, *, in_place: bool = False):
     def fold(norm, linears):
         g = norm.weight.detach().double()
         for lin in linears:
-            lin.weight.data = (lin.weight.detach().double() * g[None, :]).float()
+            lin.weight.data = by_row_blocks(lin.weight, lambda rows: rows * g[None, :])
         norm.weight.data.fill_(1.0)
         plan.folded_norms.append(type(norm).__name__)
 
     def read(lin):   # a Linear reading the stream: W <- W Q
-        lin.weight.data = (lin.weight.detach().double() @ q).float()
+        lin.weight.data = by_row_blocks(lin.weight, lambda rows: rows @ q)
 
     def write(lin):  # a Linear writing into the stream: W <- Q^T W, b <- b Q
         lin.weight.data = (q.T @ lin.weight.detach().double()).float()
@@ -206,12 +218,13 @@ def rotate_wrapper(wrapper, spec, seed: int = 0, *, in_place: bool = False):
             width = mlp.down_proj.in_features
             a, b = split_for_online(width)
             online = OnlineHadamard(a, b)
-            mlp.down_proj.weight.data = (mlp.down_proj.weight.detach().double() @ online.matrix()).float()
+            m = online.matrix()
+            mlp.down_proj.weight.data = by_row_blocks(mlp.down_proj.weight, lambda rows: rows @ m)
             write(mlp.down_proj)
             mlp.down_proj = RotatedInput(online, mlp.down_proj)
         fold(base.norm, [head])
         read(head)
-        embed.weight.data = (embed.weight.detach().double() @ q).float()
+        embed.weight.data = by_row_blocks(embed.weight, lambda rows: rows @ q)
     plan.online = f"Hadamard {a}x{b} (order {width}) before each down-projection, two MatMuls in the graph"
     return rotated.eval(), plan
 
@@ -266,7 +279,8 @@ def rotate_every_linear_input(root: nn.Module) -> tuple[int, set[str]]:
                     continue
                 a, b = split_for_online(child.in_features)
                 online = OnlineHadamard(a, b)
-                child.weight.data = (child.weight.detach().double() @ online.matrix()).float()
+                m = online.matrix()
+                child.weight.data = by_row_blocks(child.weight, lambda rows, m=m: rows @ m)
                 setattr(module, child_name, RotatedInput(online, child))
                 count += 1
                 widths.add(f"{child.in_features}={a}x{b}")
