@@ -571,6 +571,32 @@ def test_search_on_an_mlm_encoder_scores_the_masked_positions(tiny, tmp_path, mo
     assert entry["accuracy"]["mlm"] and "cosine_mean" in entry["accuracy"]
 
 
+def test_the_fp32_session_is_let_go_while_a_transform_exports(tiny, tmp_path, monkeypatch):
+    """The FP32 model scored for the first recipe is not resident while the next recipe's rotated
+    export holds the torch weights and its own parity session (the peak of a large model's run)."""
+    import quantnorm.measure.sessions as sessions
+    import quantnorm.transforms.rotation as rotation
+
+    opened, open_during_export = [], []
+    real_open, real_export = sessions.ReopenableSession._open, rotation.export_module_onnx
+
+    def tracked_open(self):
+        opened.append(self)
+        return real_open(self)
+
+    def export(*args, **kwargs):
+        open_during_export.append([s.path.name for s in opened if s.is_open])
+        return real_export(*args, **kwargs)
+
+    monkeypatch.setattr(sessions.ReopenableSession, "_open", tracked_open)
+    monkeypatch.setattr(rotation, "export_module_onnx", export)
+    results, _ = run_hf(HFOptions(path=tiny["llama"], out_dir=tmp_path / "run"),
+                        _cfg(["dynamic", "rotated-pertoken-fused"], generation=False))
+    assert [r["status"] for r in results["recipes"]] == ["ok", "ok"]
+    assert any(s.path.name == "model.fp32.onnx" for s in opened)   # dynamic's scoring opened it
+    assert open_during_export == [[]]
+
+
 @pytest.mark.parametrize("recipe", ["rotated-pertoken-fused", "online-rotated-pertoken-fused"])
 def test_a_rotated_export_rotates_the_reloaded_weights_in_place_and_gates_on_the_original(tiny, tmp_path, monkeypatch,
                                                                                           recipe):

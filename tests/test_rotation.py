@@ -257,3 +257,31 @@ def test_a_failed_transformed_export_is_tried_once_and_a_refusal_every_time(tmp_
     assert calls == ["online-a", "stream-a", "stream-b", 0.5]
     assert not variants.rotated and not variants.exports
     assert variants.fp32_for(recipe("plain"), tmp_path / "plain.onnx") == tmp_path / "plain.onnx"
+
+
+def test_rotations_transform_weights_a_block_of_rows_at_a_time(monkeypatch):
+    """A large head is rotated by blocks of rows (no whole float64 copy beside it): with blocks of
+    5 rows (the 64-row head and embedding in 13 blocks, the last one short) both forms give the
+    weights of the whole-matrix computation, and the rotated model stays exact."""
+    from quantnorm.transforms import rotation
+    from quantnorm.transforms.rotation import by_row_blocks, rotate_linear_inputs
+
+    weight = torch.randn(23, 8)
+    scale = torch.rand(8, dtype=torch.float64) + 0.5
+    monkeypatch.setattr(rotation, "ROW_BLOCK", 5)
+    got = by_row_blocks(weight, lambda rows: rows * scale[None, :])
+    assert got.dtype == torch.float32 and got.shape == weight.shape
+    assert torch.allclose(got, (weight.double() * scale[None, :]).float(), rtol=1e-6, atol=0)
+
+    ids = torch.randint(0, 64, (2, 16))
+    for rotate, model in ((lambda w: rotate_wrapper(w, ARCHITECTURES["llama"]), tiny_llama()),
+                          (lambda w: rotate_linear_inputs(w, ARCHITECTURES["gemma3_text"]), tiny_gemma())):
+        monkeypatch.setattr(rotation, "ROW_BLOCK", 5)
+        blocked, _ = rotate(model)
+        monkeypatch.setattr(rotation, "ROW_BLOCK", 1 << 20)
+        whole, _ = rotate(model)
+        for (name, a), (_, b) in zip(blocked.state_dict().items(), whole.state_dict().items()):
+            assert torch.allclose(a, b, rtol=1e-6, atol=1e-7), name
+        with torch.no_grad():
+            ref, got = model(ids), blocked(ids)
+        assert (got - ref).abs().max() / ref.abs().max() < 1e-4
