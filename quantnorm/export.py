@@ -122,7 +122,7 @@ def _export_checked(model, out_path: Path, parity_inputs: np.ndarray, opset: int
                 raise ExportError(f"torch.onnx.export failed at opset {opset}: {exc}"
                                   + (f" (exporter said: {' | '.join(tail)})" if tail else "")) from exc
 
-        onnx_model = finish_onnx_file(tmp, rename_nodes_by_module, out_path)
+        norm_ops = finish_onnx_file(tmp, rename_nodes_by_module, out_path, inspect=count_norm_ops)
 
         with torch.no_grad():
             expected = model(torch.from_numpy(parity_inputs).to(device)).float().cpu().numpy()
@@ -139,7 +139,6 @@ def _export_checked(model, out_path: Path, parity_inputs: np.ndarray, opset: int
                 f"ONNX export does not match PyTorch: max |delta logit| = {diff:.3g} > tolerance {tolerance:g} "
                 f"(opset {opset}); no file written"
             )
-        norm_ops = count_norm_ops(onnx_model)
     return ExportResult(path=out_path, opset=opset, max_abs_logit_diff=diff, tolerance=tolerance, norm_ops=norm_ops)
 
 
@@ -198,24 +197,28 @@ def forget_exporter_graphs() -> None:
                     obj.__dict__[field] = None
 
 
-def finish_onnx_file(path: Path, name_nodes, final: Path) -> onnx.ModelProto:
+def finish_onnx_file(path: Path, name_nodes, final: Path, inspect=None):
     """Load a freshly exported file, name its nodes (``name_nodes(model)``), simplify it
     (``onnx_simplify``: shared initializers, common subexpressions, RMSNorm in the form ONNX Runtime
-    fuses; the caller's parity check runs on the result), check it with ``onnx.checker`` (an
-    ``ExportError`` if it fails) and save it back (``path`` is the temporary that becomes ``final``:
-    external data, past 2 GB, is named after ``final``); return the model."""
+    fuses; the caller's parity check runs on the result), save it back (``path`` is the temporary
+    that becomes ``final``: external data, past 2 GB, is named after ``final``) and check the file
+    with ``onnx.checker`` (an ``ExportError`` if it fails). Returns ``inspect(model)`` (None
+    without one), read before the save: the graph's Python copy is let go before the checker reads
+    the file, so the two are never resident together (Gemma 3's rotated graph: 1.7 GB each, and
+    checking the copy in memory serializes a third)."""
     model = onnx.load(str(path))
     name_nodes(model)
     simplify(model)
-    try:
-        # The checker takes a path for models past 2 GB (it cannot serialize them in memory).
-        onnx.checker.check_model(str(path) if needs_external_data(model.ByteSize()) else model)
-    except onnx.checker.ValidationError as exc:
-        raise ExportError(f"exported ONNX model fails onnx.checker: {exc}") from exc
+    seen = inspect(model) if inspect is not None else None
     save_onnx(model, path, data_name=external_data_file(final).name)
+    del model
     exporter_data = external_data_file(path)  # torch's own external data file, now copied
     exporter_data.unlink(missing_ok=True)
-    return model
+    try:
+        onnx.checker.check_model(str(path))
+    except onnx.checker.ValidationError as exc:
+        raise ExportError(f"exported ONNX model fails onnx.checker: {exc}") from exc
+    return seen
 
 
 def parameter_bytes(model) -> int:

@@ -75,9 +75,10 @@ def share_identical_initializers(model: onnx.ModelProto) -> int:
                 first_of[digest] = init.name
     if not rename:
         return 0
-    kept = [init for init in graph.initializer if init.name not in rename]
-    del graph.initializer[:]
-    graph.initializer.extend(kept)
+    # deleted where they stand: re-adding the kept ones would copy every weight (1.7 GB at once on Gemma 3)
+    for i in reversed(range(len(graph.initializer))):
+        if graph.initializer[i].name in rename:
+            del graph.initializer[i]
     for node in graph.node:
         for i, name in enumerate(node.input):
             if name in rename:
