@@ -51,7 +51,7 @@ def by_row_blocks(weight: torch.Tensor, fn) -> torch.Tensor:
     must treat each row on its own (a product on the right, a scale per column). A large matrix
     (Gemma 3's 262k x 640 head and embedding) then never has whole float64 copies beside it: 2.7 GB
     more at once, the peak of a rotated export's memory."""
-    out = torch.empty(weight.shape, dtype=torch.float32)
+    out = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
     for lo in range(0, weight.shape[0], ROW_BLOCK):
         out[lo:lo + ROW_BLOCK] = fn(weight[lo:lo + ROW_BLOCK].detach().double())
     return out
