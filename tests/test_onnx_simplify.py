@@ -7,8 +7,12 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from quantnorm.onnx_simplify import (merge_common_subexpressions, rmsnorm_as_division, share_identical_initializers,
-                                     simplify)
+from quantnorm.onnx_simplify import (
+    merge_common_subexpressions,
+    rmsnorm_as_division,
+    share_identical_initializers,
+    simplify,
+)
 
 D = 8
 

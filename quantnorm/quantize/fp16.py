@@ -34,7 +34,7 @@ import onnx
 from onnx import TensorProto, helper, inliner, numpy_helper
 
 from ..errors import QuantizeError
-from ..fileio import atomic_path
+from ..fileio import atomic_path, write_model_streaming
 from ..measure.fp16_check import FP16_MAX
 
 
@@ -146,5 +146,5 @@ def convert_fp16(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
         raise QuantizeError(f"cannot read ONNX model {src}: {' '.join(str(exc).split())[:200]}") from exc
     half = to_fp16_model(model)
     with atomic_path(dst, suffix=".onnx") as tmp:
-        onnx.save(half, str(tmp))
+        write_model_streaming(half, tmp)
     return dst

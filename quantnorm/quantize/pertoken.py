@@ -37,6 +37,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from ..fileio import write_model_streaming
 from ..measure.fake_quant import ACT_QMAX, ACT_ZERO_POINT, EPS, fake_quantize_rows
 from ..transforms.gptq import BLOCK, DAMP, GPTQCodes, gptq_quantize, output_error
 
@@ -102,7 +103,7 @@ def quantize_per_token(src: Path, dst: Path, nodes: list[str], *, reduce_range: 
     initializers = weight = None   # the last FP32 weight read, let go before the save
     rewrite.new_nodes.clear()   # the graph holds its own copies now
     rewrite.new_inits.clear()
-    onnx.save(model, str(dst))
+    write_model_streaming(model, dst)
     del model   # checked from the file: an in-memory check would serialize one more copy of the model
     onnx.checker.check_model(str(dst))
     return rewrite.settings()

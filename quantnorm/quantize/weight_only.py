@@ -33,6 +33,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..errors import ConfigError, QuantnormError
+from ..fileio import write_model_streaming
 from ..measure.block_sqnr import activation_block_sqnr
 from ..transforms.gptq import DAMP, collect_hessians, gptq_block_codes
 from .recipes import Recipe
@@ -62,7 +63,7 @@ def quantize_weight_only(pre_path, q_path, recipe: Recipe, to_quantize: list[str
         left = sorted(set(to_quantize) - {n.removesuffix(f"_Q{recipe.weight_bits}") for n in replaced})
         raise ConfigError(f"recipe {recipe.name}: {len(left)} weight MatMul(s) could not become MatMulNBits "
                           f"(a weight that is not 2-D?): {', '.join(left[:5])}")
-    onnx.save(model, str(q_path))
+    write_model_streaming(model, q_path)
     return {**done, "quantized_nodes": to_quantize, "matmulnbits_nodes": len(replaced)}
 
 

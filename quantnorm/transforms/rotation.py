@@ -219,7 +219,7 @@ def rotate_wrapper(wrapper, spec, seed: int = 0, *, in_place: bool = False):
             a, b = split_for_online(width)
             online = OnlineHadamard(a, b)
             m = online.matrix()
-            mlp.down_proj.weight.data = by_row_blocks(mlp.down_proj.weight, lambda rows: rows @ m)
+            mlp.down_proj.weight.data = by_row_blocks(mlp.down_proj.weight, lambda rows, m=m: rows @ m)
             write(mlp.down_proj)
             mlp.down_proj = RotatedInput(online, mlp.down_proj)
         fold(base.norm, [head])

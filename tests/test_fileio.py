@@ -1,0 +1,66 @@
+"""ONNX files written one initializer at a time (fileio.write_model_streaming): the model
+onnx.save writes, as protobuf, onnx.checker and ONNX Runtime read it."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+
+from quantnorm.fileio import save_onnx, serialized_size_estimate, write_model_streaming
+
+
+def _model() -> onnx.ModelProto:
+    """x @ w + b, with initializers stored every way a TensorProto holds data: raw bytes, a typed
+    list (float_data), int64 raw bytes, strings, an empty tensor; plus metadata and a function."""
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array(rng.standard_normal((3, 4)).astype(np.float32), "w")
+    b = helper.make_tensor("b", TensorProto.FLOAT, [4], [1.0, 2.0, 3.0, 4.0])
+    idx = numpy_helper.from_array(np.arange(5, dtype=np.int64), "idx")
+    words = helper.make_tensor("words", TensorProto.STRING, [2], [b"a", b"bc"])
+    empty = numpy_helper.from_array(np.zeros((0, 4), np.float32), "empty")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["t"], name="mm"), helper.make_node("Add", ["t", "b"], ["y"], name="add")],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])], [w, b, idx, words, empty], doc_string="doc")
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10,
+                              producer_name="quantnorm-test")
+    model.metadata_props.add(key="k", value="v")
+    model.functions.add().CopyFrom(helper.make_function("local", "f", ["a"], ["c"],
+                                                        [helper.make_node("Relu", ["a"], ["c"])],
+                                                        [helper.make_opsetid("", 17)]))
+    return model
+
+
+def test_a_streamed_file_parses_to_the_model_onnx_save_writes(tmp_path):
+    model = _model()
+    streamed, saved = tmp_path / "streamed.onnx", tmp_path / "saved.onnx"
+    write_model_streaming(model, streamed)
+    onnx.save(model, str(saved))
+    expected = model.SerializeToString(deterministic=True)
+    assert onnx.load(str(streamed)).SerializeToString(deterministic=True) == expected
+    assert onnx.load(str(saved)).SerializeToString(deterministic=True) == expected
+    assert [i.name for i in onnx.load(str(streamed)).graph.initializer] == ["w", "b", "idx", "words", "empty"]
+    onnx.checker.check_model(str(streamed))
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    out = ort.InferenceSession(str(streamed), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_allclose(out, x @ numpy_helper.to_array(model.graph.initializer[0]) + [1, 2, 3, 4], rtol=1e-6)
+
+
+def test_the_size_estimate_tracks_the_serialized_size_within_the_per_tensor_slack():
+    model = _model()
+    big = numpy_helper.from_array(np.ones((256, 256), np.float32), "big")
+    model.graph.initializer.append(big)
+    actual = model.ByteSize()
+    estimate = serialized_size_estimate(model)
+    assert actual <= estimate <= actual + 64 * len(model.graph.initializer)
+
+
+def test_save_onnx_inline_is_the_streamed_file(tmp_path, monkeypatch):
+    monkeypatch.delenv("QUANTNORM_EXTERNAL_DATA_BYTES", raising=False)
+    model = _model()
+    save_onnx(model, tmp_path / "m.onnx")
+    assert not (tmp_path / "m.onnx.data").exists()
+    assert onnx.load(str(tmp_path / "m.onnx")).SerializeToString(deterministic=True) == \
+        model.SerializeToString(deterministic=True)
