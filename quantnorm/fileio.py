@@ -17,7 +17,7 @@ from typing import Any
 
 import onnx
 
-from .onnx_wire import external_data_locations
+from .onnx_wire import external_data_locations, without_field, write_model_streaming
 
 
 def _current_umask() -> int:
@@ -139,45 +139,16 @@ def save_onnx(model, path: str | os.PathLike, *, data_name: str | None = None) -
         write_model_streaming(model, path)
 
 
-# Field numbers from onnx.proto: ModelProto.graph, GraphProto.initializer, TensorProto.raw_data.
-_MODEL_GRAPH, _GRAPH_INITIALIZER, _TENSOR_RAW_DATA = 7, 5, 9
 _ELEMENT_BYTES = {onnx.TensorProto.DOUBLE: 8, onnx.TensorProto.INT64: 8, onnx.TensorProto.UINT64: 8,
                   onnx.TensorProto.FLOAT16: 2, onnx.TensorProto.BFLOAT16: 2, onnx.TensorProto.INT16: 2,
                   onnx.TensorProto.UINT16: 2, onnx.TensorProto.INT8: 1, onnx.TensorProto.UINT8: 1,
                   onnx.TensorProto.BOOL: 1}
 
 
-def _without(message, skipped: str):
-    """A copy of a protobuf message without one of its fields (the rest are small: the graph's
-    nodes and signatures beside its weights)."""
-    shell = type(message)()
-    for field, value in message.ListFields():
-        if field.name == skipped:
-            continue
-        if field.is_repeated:
-            getattr(shell, field.name).extend(value)
-        elif field.type == field.TYPE_MESSAGE:
-            getattr(shell, field.name).CopyFrom(value)
-        else:
-            setattr(shell, field.name, value)
-    return shell
-
-
-def _key(field: int, length: int) -> bytes:
-    """A length-delimited field's tag and length, as the protobuf wire format writes them."""
-    out = bytearray()
-    for value in ((field << 3) | 2, length):
-        while value >= 0x80:
-            out.append((value & 0x7F) | 0x80)
-            value >>= 7
-        out.append(value)
-    return bytes(out)
-
-
 def serialized_size_estimate(model) -> int:
     """About how many bytes ``model`` serializes to, from its weights' shapes: upb's ByteSize()
     serializes the whole model to count it (1.7 GB of memory for a moment on Gemma 3's graph)."""
-    total = _without(model.graph, "initializer").ByteSize()
+    total = without_field(model.graph, "initializer").ByteSize()
     for init in model.graph.initializer:
         count = 1
         for dim in init.dims:
@@ -187,36 +158,6 @@ def serialized_size_estimate(model) -> int:
         else:
             total += count * _ELEMENT_BYTES.get(init.data_type, 4) + 64
     return total
-
-
-def write_model_streaming(model, path: str | os.PathLike) -> None:
-    """Write ``model`` to ``path`` one initializer at a time: the file onnx.save_model writes, as
-    protobuf parses it. onnx.save_model serializes the whole model into one buffer and copies it
-    into a Python bytes object (two copies of every weight beside the model's own: 3.4 GB on
-    Gemma 3's rotated graph); here the largest tensor is the most held at once.
-
-    How: a protobuf message field that appears more than once is merged by every parser (repeated
-    fields appended in order), so the file is the model without its graph, the graph without its
-    initializers, then one more ``graph`` field per initializer holding just it (and its raw bytes
-    written straight from the tensor, after the tensor's other fields)."""
-    with open(path, "wb") as out:
-        out.write(_without(model, "graph").SerializeToString())
-        shell = _without(model.graph, "initializer").SerializeToString()
-        out.write(_key(_MODEL_GRAPH, len(shell)))
-        out.write(shell)
-        del shell
-        for init in model.graph.initializer:
-            head = _without(init, "raw_data").SerializeToString()
-            raw = init.raw_data if init.HasField("raw_data") else None
-            tensor_length = len(head) + (len(_key(_TENSOR_RAW_DATA, len(raw))) + len(raw) if raw is not None else 0)
-            initializer_key = _key(_GRAPH_INITIALIZER, tensor_length)
-            out.write(_key(_MODEL_GRAPH, len(initializer_key) + tensor_length))
-            out.write(initializer_key)
-            out.write(head)
-            if raw is not None:
-                out.write(_key(_TENSOR_RAW_DATA, len(raw)))
-                out.write(raw)
-            del raw
 
 
 def onnx_needs_external_data(path: str | os.PathLike) -> bool:

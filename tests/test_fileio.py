@@ -1,4 +1,4 @@
-"""ONNX files written one initializer at a time (fileio.write_model_streaming): the model
+"""ONNX files written one initializer at a time (onnx_wire.write_model_streaming): the model
 onnx.save writes, as protobuf, onnx.checker and ONNX Runtime read it."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-from quantnorm.fileio import save_onnx, serialized_size_estimate, write_model_streaming
+from quantnorm.fileio import save_onnx, serialized_size_estimate
+from quantnorm.onnx_wire import write_model_streaming
 
 
 def _model() -> onnx.ModelProto:

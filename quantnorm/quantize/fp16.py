@@ -34,7 +34,8 @@ import onnx
 from onnx import TensorProto, helper, inliner, numpy_helper
 
 from ..errors import QuantizeError
-from ..fileio import atomic_path, write_model_streaming
+from ..fileio import atomic_path
+from ..onnx_wire import write_model_streaming
 from ..measure.fp16_check import FP16_MAX
 
 

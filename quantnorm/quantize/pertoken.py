@@ -37,7 +37,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from ..fileio import write_model_streaming
+from ..onnx_wire import write_model_streaming
 from ..measure.fake_quant import ACT_QMAX, ACT_ZERO_POINT, EPS, fake_quantize_rows
 from ..transforms.gptq import BLOCK, DAMP, GPTQCodes, gptq_quantize, output_error
 
