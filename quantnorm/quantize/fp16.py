@@ -35,8 +35,8 @@ from onnx import TensorProto, helper, inliner, numpy_helper
 
 from ..errors import QuantizeError
 from ..fileio import atomic_path
-from ..onnx_wire import write_model_streaming
 from ..measure.fp16_check import FP16_MAX
+from ..onnx_wire import write_model_streaming
 
 
 def _to_fp16_tensor(tensor: onnx.TensorProto) -> onnx.TensorProto:

@@ -37,8 +37,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from ..onnx_wire import write_model_streaming
 from ..measure.fake_quant import ACT_QMAX, ACT_ZERO_POINT, EPS, fake_quantize_rows
+from ..onnx_wire import write_model_streaming
 from ..transforms.gptq import BLOCK, DAMP, GPTQCodes, gptq_quantize, output_error
 
 __all__ = ["ACT_QMAX", "ACT_ZERO_POINT", "EPS", "fake_quantize_rows", "quantize_per_token", "unsigned_codes",

@@ -33,8 +33,8 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..errors import ConfigError, QuantnormError
-from ..onnx_wire import write_model_streaming
 from ..measure.block_sqnr import activation_block_sqnr
+from ..onnx_wire import write_model_streaming
 from ..transforms.gptq import DAMP, collect_hessians, gptq_block_codes
 from .recipes import Recipe
 
