@@ -19,10 +19,8 @@ from collections.abc import Iterator
 # GraphProto.node = 1; FunctionProto.node = 7; NodeProto.input = 1, output = 2, op_type = 4.
 _MODEL_GRAPH, _MODEL_FUNCTIONS, _GRAPH_NODE, _FUNCTION_NODE = 7, 25, 1, 7
 _NODE_INPUT, _NODE_OUTPUT, _NODE_OP_TYPE = 1, 2, 4
-# GraphProto.initializer = 5; TensorProto.external_data = 13 (StringStringEntryProto: key 1, value 2),
-# TensorProto.raw_data = 9.
+# GraphProto.initializer = 5; TensorProto.external_data = 13 (StringStringEntryProto: key 1, value 2).
 _GRAPH_INITIALIZER, _TENSOR_EXTERNAL_DATA, _ENTRY_KEY, _ENTRY_VALUE = 5, 13, 1, 2
-_TENSOR_RAW_DATA = 9
 
 
 def _varint(buf, pos: int) -> tuple[int, int]:
@@ -126,9 +124,51 @@ def external_data_locations(path: str | os.PathLike) -> set[str]:
     return locations
 
 
-# TensorProto.name = 8, raw_data = 9, data_location = 14 (EXTERNAL = 1).
+# TensorProto.dims = 1, data_type = 2, name = 8, raw_data = 9, data_location = 14 (EXTERNAL = 1).
+_TENSOR_DIMS, _TENSOR_DATA_TYPE = 1, 2
 _TENSOR_NAME, _TENSOR_RAW_DATA, _TENSOR_DATA_LOCATION = 8, 9, 14
 _EXTERNAL = 1
+
+
+@contextlib.contextmanager
+def raw_initializers(path: str | os.PathLike) -> Iterator[dict[str, tuple[tuple[int, ...], int, memoryview]]]:
+    """The graph initializers of the file at ``path`` whose data is inline ``raw_data``: name ->
+    (dims, ONNX data type, the bytes as a view of the memory-mapped file). Nothing is parsed or
+    copied beyond the tensors' headers (reading a weight's bytes through onnx.load parses every
+    weight of the model first: 1.7 GB for Gemma 3's graph). The views are valid inside the ``with``."""
+    views: list[memoryview] = []
+    with _mapped(path) as buf, memoryview(buf) as whole:
+        try:
+            found = {}
+            for field, wire, a, b in _fields(buf, 0, len(buf)):
+                if not (wire == 2 and field == _MODEL_GRAPH):
+                    continue
+                for f2, w2, a2, b2 in _fields(buf, a, b):
+                    if not (w2 == 2 and f2 == _GRAPH_INITIALIZER):
+                        continue
+                    name, dims, data_type, raw = None, [], 0, None
+                    for f3, w3, a3, b3 in _fields(buf, a2, b2):
+                        if f3 == _TENSOR_NAME and w3 == 2:
+                            name = bytes(buf[a3:b3]).decode()
+                        elif f3 == _TENSOR_DIMS and w3 == 0:
+                            dims.append(_varint(buf, a3)[0])
+                        elif f3 == _TENSOR_DIMS and w3 == 2:   # packed
+                            pos = a3
+                            while pos < b3:
+                                value, pos = _varint(buf, pos)
+                                dims.append(value)
+                        elif f3 == _TENSOR_DATA_TYPE and w3 == 0:
+                            data_type = _varint(buf, a3)[0]
+                        elif f3 == _TENSOR_RAW_DATA and w3 == 2:
+                            raw = (a3, b3)
+                    if name is not None and raw is not None:
+                        view = whole[raw[0]:raw[1]]
+                        views.append(view)
+                        found[name] = (tuple(dims), data_type, view)
+            yield found
+        finally:
+            for view in views:
+                view.release()
 # Smaller weights stay inline: a reference costs about 60 bytes, and ORT reads each one by itself.
 REFERENCE_MIN_BYTES = 1024
 

@@ -65,3 +65,36 @@ def test_save_onnx_inline_is_the_streamed_file(tmp_path, monkeypatch):
     assert not (tmp_path / "m.onnx.data").exists()
     assert onnx.load(str(tmp_path / "m.onnx")).SerializeToString(deterministic=True) == \
         model.SerializeToString(deterministic=True)
+
+
+def test_raw_initializers_are_the_weights_bytes_where_they_lie_in_the_file(tmp_path):
+    from quantnorm.onnx_wire import raw_initializers
+
+    model = _model()
+    path = tmp_path / "m.onnx"
+    write_model_streaming(model, path)
+    with raw_initializers(path) as raw:
+        # typed-field tensors (b, words) carry no raw_data: not listed
+        assert sorted(raw) == ["empty", "idx", "w"]
+        for init in model.graph.initializer:
+            if init.name in raw:
+                dims, data_type, data = raw[init.name]
+                assert (dims, data_type) == (tuple(init.dims), init.data_type)
+                assert bytes(data) == numpy_helper.to_array(init).tobytes()
+
+
+def test_gptq_codes_known_from_the_file_match_the_weights_keys(tmp_path):
+    from quantnorm.transforms.gptq import GPTQCodes
+
+    model = _model()
+    path = tmp_path / "m.onnx"
+    write_model_streaming(model, path)
+    codes = GPTQCodes()
+    weight = numpy_helper.to_array(model.graph.initializer[0])
+    assert not codes.knows(path, ["mm"], 127, "windows")
+    codes.put(GPTQCodes.key(weight, 127, "windows"), np.zeros((3, 4), np.int8), np.ones(4, np.float32), 0.0)
+    assert codes.knows(path, ["mm"], 127, "windows")
+    assert not codes.knows(path, ["mm"], 63, "windows")          # another code range
+    model.graph.initializer[0].raw_data = (weight + 1e-3).astype(np.float32).tobytes()
+    write_model_streaming(model, path)
+    assert not codes.knows(path, ["mm"], 127, "windows")         # other weights: solved anew

@@ -19,6 +19,7 @@ accumulators (GPTQ's own choice): 0.4-0.8 GB for SmolLM2 or Gemma 3 270M.
 from __future__ import annotations
 
 import hashlib
+import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from onnx import numpy_helper
 
 from ..feeds import window_feeder
 from ..measure.sqnr import expose_tensors, open_beside
+from ..onnx_wire import model_with_weights_by_reference, raw_initializers
 
 DAMP = 0.01
 BLOCK = 128
@@ -140,19 +142,43 @@ class GPTQCodes:
     @staticmethod
     def key(weight: np.ndarray, qmax: int, digest: str) -> tuple:
         weight = np.ascontiguousarray(weight)
-        return hashlib.sha1(weight.tobytes()).hexdigest(), weight.shape, str(weight.dtype), int(qmax), digest
+        return GPTQCodes.key_of_bytes(weight.data, weight.shape, weight.dtype, qmax, digest)
+
+    @staticmethod
+    def key_of_bytes(data, shape: tuple[int, ...], dtype, qmax: int, digest: str) -> tuple:
+        """``key`` of a weight given as its C-order little-endian bytes (a buffer: not copied)."""
+        return hashlib.sha1(data).hexdigest(), tuple(int(d) for d in shape), str(np.dtype(dtype)), int(qmax), digest
 
     def knows(self, model_path: Path, nodes: list[str], qmax: int, digest: str) -> bool:
-        """Whether the codes of every 2-D weight of the MatMuls ``nodes`` in the model are here."""
+        """Whether the codes of every 2-D weight of the MatMuls ``nodes`` in the model are here.
+        The weights are hashed where they lie in the file (``onnx_wire.raw_initializers``): loading
+        the model to read them held the whole graph and two copies of the largest weight (2.9 GB
+        on Gemma 3's with-past graph, the generation stage's peak)."""
         if not any(key[-1] == digest for key in self._codes):   # nothing solved on these windows yet
             return False
-        model = onnx.load(str(model_path))
-        weights = {i.name: i for i in model.graph.initializer}
         wanted = set(nodes)
-        for node in model.graph.node:
-            if node.op_type == "MatMul" and node.name in wanted and node.input[1] in weights:
-                weight = numpy_helper.to_array(weights[node.input[1]])
-                if weight.ndim == 2 and self.key(weight, qmax, digest) not in self._codes:
+        graph = _graph_without_weights(model_path)
+        initializers = {i.name for i in graph.initializer}
+        weight_of = {node.input[1] for node in graph.node
+                     if node.op_type == "MatMul" and node.name in wanted and node.input[1] in initializers}
+        model = None
+        with raw_initializers(model_path) as raw:
+            for name in weight_of:
+                if name in raw and raw[name][1] == onnx.TensorProto.FLOAT and sys.byteorder == "little":
+                    dims, _, data = raw[name]
+                    if len(dims) != 2:
+                        continue
+                    key = self.key_of_bytes(data, dims, np.float32, qmax, digest)
+                else:   # typed fields, external data, or not 2-D: read it the ordinary way
+                    model = model or onnx.load(str(model_path))
+                    init = next((i for i in model.graph.initializer if i.name == name), None)
+                    if init is None:
+                        continue
+                    weight = numpy_helper.to_array(init, base_dir=str(Path(model_path).parent))
+                    if weight.ndim != 2:
+                        continue
+                    key = self.key(weight, qmax, digest)
+                if key not in self._codes:
                     return False
         return True
 
@@ -281,9 +307,14 @@ def output_error(weight: np.ndarray, codes: np.ndarray, scale: np.ndarray, hessi
     return total
 
 
+def _graph_without_weights(model_path: Path) -> onnx.GraphProto:
+    """The model's graph with its weights referenced, not read (onnx.load parses every inline
+    weight even with ``load_external_data=False``)."""
+    return onnx.ModelProto.FromString(model_with_weights_by_reference(model_path)).graph
+
+
 def matmul_inputs(model_path: Path, nodes: list[str]) -> dict[str, str]:
     """node name -> the activation tensor it reads (its first input)."""
-    graph = onnx.load(str(model_path), load_external_data=False).graph
     wanted = set(nodes)
-    return {n.name: n.input[0] for n in graph.node if n.name in wanted}
+    return {n.name: n.input[0] for n in _graph_without_weights(model_path).node if n.name in wanted}
 
