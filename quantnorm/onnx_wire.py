@@ -132,12 +132,24 @@ _EXTERNAL = 1
 
 @contextlib.contextmanager
 def raw_initializers(path: str | os.PathLike) -> Iterator[dict[str, tuple[tuple[int, ...], int, memoryview]]]:
-    """The graph initializers of the file at ``path`` whose data is inline ``raw_data``: name ->
-    (dims, ONNX data type, the bytes as a view of the memory-mapped file). Nothing is parsed or
-    copied beyond the tensors' headers (reading a weight's bytes through onnx.load parses every
-    weight of the model first: 1.7 GB for Gemma 3's graph). The views are valid inside the ``with``."""
+    """The graph initializers of the file at ``path`` stored as raw bytes, inline (``raw_data``) or
+    in an external-data file beside it: name -> (dims, ONNX data type, the bytes as a view of the
+    memory-mapped file). Nothing is parsed or copied beyond the tensors' headers (reading a weight
+    through onnx.load parses every weight of the model first: 1.7 GB for Gemma 3's graph). Tensors
+    in typed fields (float_data, ...) are not listed. The views are valid inside the ``with``."""
     views: list[memoryview] = []
-    with _mapped(path) as buf, memoryview(buf) as whole:
+    directory = os.path.dirname(os.fspath(path))
+    with contextlib.ExitStack() as stack:
+        mapped: dict[str, memoryview] = {}
+
+        def whole(name: str) -> memoryview:
+            if name not in mapped:
+                mapped[name] = stack.enter_context(memoryview(stack.enter_context(_mapped(os.path.join(directory, name)))))
+            return mapped[name]
+
+        buf = stack.enter_context(_mapped(path))
+        own = os.path.basename(os.fspath(path))
+        mapped[own] = stack.enter_context(memoryview(buf))
         try:
             found = {}
             for field, wire, a, b in _fields(buf, 0, len(buf)):
@@ -146,7 +158,7 @@ def raw_initializers(path: str | os.PathLike) -> Iterator[dict[str, tuple[tuple[
                 for f2, w2, a2, b2 in _fields(buf, a, b):
                     if not (w2 == 2 and f2 == _GRAPH_INITIALIZER):
                         continue
-                    name, dims, data_type, raw = None, [], 0, None
+                    name, dims, data_type, raw, external = None, [], 0, None, {}
                     for f3, w3, a3, b3 in _fields(buf, a2, b2):
                         if f3 == _TENSOR_NAME and w3 == 2:
                             name = bytes(buf[a3:b3]).decode()
@@ -160,15 +172,25 @@ def raw_initializers(path: str | os.PathLike) -> Iterator[dict[str, tuple[tuple[
                         elif f3 == _TENSOR_DATA_TYPE and w3 == 0:
                             data_type = _varint(buf, a3)[0]
                         elif f3 == _TENSOR_RAW_DATA and w3 == 2:
-                            raw = (a3, b3)
+                            raw = (own, a3, b3)
+                        elif f3 == _TENSOR_EXTERNAL_DATA and w3 == 2:
+                            entry = {k: bytes(buf[x:y]).decode() for k, _, x, y in _fields(buf, a3, b3)}
+                            if _ENTRY_KEY in entry and _ENTRY_VALUE in entry:
+                                external[entry[_ENTRY_KEY]] = entry[_ENTRY_VALUE]
+                    if "location" in external:
+                        offset = int(external.get("offset", 0))
+                        raw = (external["location"], offset, offset + int(external["length"]) if "length" in external
+                               else len(whole(external["location"])))
                     if name is not None and raw is not None:
-                        view = whole[raw[0]:raw[1]]
+                        view = whole(raw[0])[raw[1]:raw[2]]
                         views.append(view)
                         found[name] = (tuple(dims), data_type, view)
             yield found
-        finally:
+        finally:   # the views before the maps they point into (a map with views cannot close)
             for view in views:
                 view.release()
+
+
 # Smaller weights stay inline: a reference costs about 60 bytes, and ORT reads each one by itself.
 REFERENCE_MIN_BYTES = 1024
 

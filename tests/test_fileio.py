@@ -98,3 +98,46 @@ def test_gptq_codes_known_from_the_file_match_the_weights_keys(tmp_path):
     model.graph.initializer[0].raw_data = (weight + 1e-3).astype(np.float32).tobytes()
     write_model_streaming(model, path)
     assert not codes.knows(path, ["mm"], 127, "windows")         # other weights: solved anew
+
+
+def test_raw_initializers_read_external_data_where_it_lies(tmp_path):
+    from quantnorm.onnx_wire import raw_initializers
+
+    model = _model()
+    expected = {i.name: numpy_helper.to_array(i).tobytes() for i in model.graph.initializer if i.HasField("raw_data")}
+    path = tmp_path / "m.onnx"
+    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location="m.onnx.data", size_threshold=0)
+    with raw_initializers(path) as raw:
+        got = {name: bytes(data) for name, (_, _, data) in raw.items()}
+    assert {k: v for k, v in got.items() if k in expected} == expected
+    assert (tmp_path / "m.onnx.data").stat().st_size > 0 and "w" in got
+
+
+def test_gptq_codes_are_known_through_a_preprocessed_graph(tmp_path, monkeypatch):
+    """The quantizer hands ``knows`` the pre-processed graph, whose weights are referenced in ORT's
+    optimized copy beside it: they are hashed there."""
+    from quantnorm.quantize.ort_backend import _preprocess
+    from quantnorm.transforms.gptq import GPTQCodes
+
+    w = numpy_helper.from_array(np.random.default_rng(1).standard_normal((64, 64)).astype(np.float32), "w")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 64])], [w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+    src = tmp_path / "m.onnx"
+    write_model_streaming(model, src)
+    (tmp_path / "pre").mkdir()
+    pre = _preprocess(src, tmp_path / "pre" / "preprocessed.onnx")
+    referenced = [i for i in onnx.load(str(pre), load_external_data=False).graph.initializer if i.name == "w"]
+    assert referenced and referenced[0].data_location == TensorProto.EXTERNAL   # the case under test
+    codes = GPTQCodes()
+    weight = numpy_helper.to_array(w)
+    codes.put(GPTQCodes.key(weight, 127, "windows"), np.zeros((64, 64), np.int8), np.ones(64, np.float32), 0.0)
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded whole to read its weights")
+
+    monkeypatch.setattr("quantnorm.transforms.gptq.onnx.load", no_load)
+    assert codes.knows(pre, ["mm"], 127, "windows")
+    assert not codes.knows(pre, ["mm"], 63, "windows")
