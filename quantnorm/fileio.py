@@ -139,10 +139,11 @@ def save_onnx(model, path: str | os.PathLike, *, data_name: str | None = None) -
         write_model_streaming(model, path)
 
 
-_ELEMENT_BYTES = {onnx.TensorProto.DOUBLE: 8, onnx.TensorProto.INT64: 8, onnx.TensorProto.UINT64: 8,
-                  onnx.TensorProto.FLOAT16: 2, onnx.TensorProto.BFLOAT16: 2, onnx.TensorProto.INT16: 2,
-                  onnx.TensorProto.UINT16: 2, onnx.TensorProto.INT8: 1, onnx.TensorProto.UINT8: 1,
-                  onnx.TensorProto.BOOL: 1}
+def _element_bytes(data_type: int) -> int:
+    try:
+        return onnx.helper.tensor_dtype_to_np_dtype(data_type).itemsize
+    except (KeyError, TypeError, ValueError):   # UNDEFINED or a type numpy cannot hold
+        return 8
 
 
 def serialized_size_estimate(model) -> int:
@@ -156,7 +157,7 @@ def serialized_size_estimate(model) -> int:
         if init.data_type == onnx.TensorProto.STRING:
             total += sum(len(text) + 8 for text in init.string_data) + 64
         else:
-            total += count * _ELEMENT_BYTES.get(init.data_type, 4) + 64
+            total += count * _element_bytes(init.data_type) + 64
     return total
 
 
