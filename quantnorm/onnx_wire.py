@@ -109,19 +109,28 @@ def external_data_locations(path: str | os.PathLike) -> set[str]:
     raw bytes are stepped over, not read."""
     locations: set[str] = set()
     with _mapped(path) as buf:
-        for field, wire, a, b in _fields(buf, 0, len(buf)):
-            if not (wire == 2 and field == _MODEL_GRAPH):
-                continue
-            for f2, w2, a2, b2 in _fields(buf, a, b):
-                if not (w2 == 2 and f2 == _GRAPH_INITIALIZER):
-                    continue
-                for f3, w3, a3, b3 in _fields(buf, a2, b2):
-                    if w3 != 2 or f3 != _TENSOR_EXTERNAL_DATA:
-                        continue
-                    entry = {k: bytes(buf[x:y]).decode() for k, w4, x, y in _fields(buf, a3, b3) if w4 == 2}
-                    if entry.get(_ENTRY_KEY) == "location" and _ENTRY_VALUE in entry:
-                        locations.add(entry[_ENTRY_VALUE])
+        for a2, b2 in _graph_initializers(buf):
+            for f3, w3, a3, b3 in _fields(buf, a2, b2):
+                if w3 == 2 and f3 == _TENSOR_EXTERNAL_DATA:
+                    key, value = _entry(buf, a3, b3)
+                    if key == "location" and value is not None:
+                        locations.add(value)
     return locations
+
+
+def _graph_initializers(buf) -> Iterator[tuple[int, int]]:
+    """Where each graph initializer (a TensorProto) lies in the mapped model file: start, end."""
+    for field, wire, a, b in _fields(buf, 0, len(buf)):
+        if wire == 2 and field == _MODEL_GRAPH:
+            for f2, w2, a2, b2 in _fields(buf, a, b):
+                if w2 == 2 and f2 == _GRAPH_INITIALIZER:
+                    yield a2, b2
+
+
+def _entry(buf, start: int, end: int) -> tuple[str | None, str | None]:
+    """A StringStringEntryProto's key and value (None where absent)."""
+    entry = {k: bytes(buf[x:y]).decode() for k, w, x, y in _fields(buf, start, end) if w == 2}
+    return entry.get(_ENTRY_KEY), entry.get(_ENTRY_VALUE)
 
 
 # TensorProto.dims = 1, data_type = 2, name = 8, raw_data = 9, data_location = 14 (EXTERNAL = 1).
@@ -152,39 +161,34 @@ def raw_initializers(path: str | os.PathLike) -> Iterator[dict[str, tuple[tuple[
         mapped[own] = stack.enter_context(memoryview(buf))
         try:
             found = {}
-            for field, wire, a, b in _fields(buf, 0, len(buf)):
-                if not (wire == 2 and field == _MODEL_GRAPH):
-                    continue
-                for f2, w2, a2, b2 in _fields(buf, a, b):
-                    if not (w2 == 2 and f2 == _GRAPH_INITIALIZER):
-                        continue
-                    name, dims, data_type, raw, external = None, [], 0, None, {}
-                    for f3, w3, a3, b3 in _fields(buf, a2, b2):
-                        if f3 == _TENSOR_NAME and w3 == 2:
-                            name = bytes(buf[a3:b3]).decode()
-                        elif f3 == _TENSOR_DIMS and w3 == 0:
-                            dims.append(_varint(buf, a3)[0])
-                        elif f3 == _TENSOR_DIMS and w3 == 2:   # packed
-                            pos = a3
-                            while pos < b3:
-                                value, pos = _varint(buf, pos)
-                                dims.append(value)
-                        elif f3 == _TENSOR_DATA_TYPE and w3 == 0:
-                            data_type = _varint(buf, a3)[0]
-                        elif f3 == _TENSOR_RAW_DATA and w3 == 2:
-                            raw = (own, a3, b3)
-                        elif f3 == _TENSOR_EXTERNAL_DATA and w3 == 2:
-                            entry = {k: bytes(buf[x:y]).decode() for k, _, x, y in _fields(buf, a3, b3)}
-                            if _ENTRY_KEY in entry and _ENTRY_VALUE in entry:
-                                external[entry[_ENTRY_KEY]] = entry[_ENTRY_VALUE]
-                    if "location" in external:
-                        offset = int(external.get("offset", 0))
-                        raw = (external["location"], offset, offset + int(external["length"]) if "length" in external
-                               else len(whole(external["location"])))
-                    if name is not None and raw is not None:
-                        view = whole(raw[0])[raw[1]:raw[2]]
-                        views.append(view)
-                        found[name] = (tuple(dims), data_type, view)
+            for a2, b2 in _graph_initializers(buf):
+                name, dims, data_type, raw, external = None, [], 0, None, {}
+                for f3, w3, a3, b3 in _fields(buf, a2, b2):
+                    if f3 == _TENSOR_NAME and w3 == 2:
+                        name = bytes(buf[a3:b3]).decode()
+                    elif f3 == _TENSOR_DIMS and w3 == 0:
+                        dims.append(_varint(buf, a3)[0])
+                    elif f3 == _TENSOR_DIMS and w3 == 2:   # packed
+                        pos = a3
+                        while pos < b3:
+                            value, pos = _varint(buf, pos)
+                            dims.append(value)
+                    elif f3 == _TENSOR_DATA_TYPE and w3 == 0:
+                        data_type = _varint(buf, a3)[0]
+                    elif f3 == _TENSOR_RAW_DATA and w3 == 2:
+                        raw = (own, a3, b3)
+                    elif f3 == _TENSOR_EXTERNAL_DATA and w3 == 2:
+                        key, value = _entry(buf, a3, b3)
+                        if key is not None and value is not None:
+                            external[key] = value
+                if "location" in external:
+                    offset = int(external.get("offset", 0))
+                    raw = (external["location"], offset, offset + int(external["length"]) if "length" in external
+                           else len(whole(external["location"])))
+                if name is not None and raw is not None:
+                    view = whole(raw[0])[raw[1]:raw[2]]
+                    views.append(view)
+                    found[name] = (tuple(dims), data_type, view)
             yield found
         finally:   # the views before the maps they point into (a map with views cannot close)
             for view in views:

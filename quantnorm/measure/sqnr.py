@@ -107,7 +107,7 @@ def expose_tensors(model_path: Path, names: Sequence[str], *, only: bool = False
     ``only``: ``names`` become the only outputs and the nodes none of them needs are dropped
     (``keep_only_outputs``): a probe of a few inner tensors then neither computes nor returns
     the logits (1 GiB per batch of 8 windows with Gemma 3's 262k vocabulary)."""
-    model = _by_reference(model_path)
+    model = model_by_reference(model_path)
     elem_types = {vi.name: vi.type.tensor_type.elem_type
                   for vi in [*model.graph.value_info, *model.graph.output, *model.graph.input]}
     produced = {o for node in model.graph.node for o in node.output} | {i.name for i in model.graph.input}
@@ -124,7 +124,9 @@ def expose_tensors(model_path: Path, names: Sequence[str], *, only: bool = False
     return model
 
 
-def _by_reference(model_path: Path) -> onnx.ModelProto:
+def model_by_reference(model_path: Path) -> onnx.ModelProto:
+    """The model with its weights referenced where they lie in ``model_path``'s file, not read
+    (``onnx_wire.model_with_weights_by_reference``): its graph, for what reads nodes and names."""
     try:
         return onnx.ModelProto.FromString(model_with_weights_by_reference(model_path))
     except (OSError, ValueError, DecodeError) as exc:
@@ -203,7 +205,7 @@ def qdq_tapped_model(int8_path: Path) -> onnx.ModelProto:
     batch, never paired), under their own names: ``create_activation_matching`` pairs them by name.
     The model's own outputs are no outputs here unless quantized themselves: the logits of a
     MatMul-only recipe (and the head's MatMul that only they need) are not computed."""
-    model = _by_reference(int8_path)
+    model = model_by_reference(int8_path)
     graph = model.graph
     constants = {i.name for i in graph.initializer} | {n.output[0] for n in graph.node if n.op_type == "Constant"}
     saved: list[str] = []

@@ -29,8 +29,8 @@ import onnxruntime as ort
 from onnx import numpy_helper
 
 from ..feeds import window_feeder
-from ..measure.sqnr import expose_tensors, open_beside
-from ..onnx_wire import model_with_weights_by_reference, raw_initializers
+from ..measure.sqnr import expose_tensors, model_by_reference, open_beside
+from ..onnx_wire import raw_initializers
 
 DAMP = 0.01
 BLOCK = 128
@@ -157,7 +157,7 @@ class GPTQCodes:
         if not any(key[-1] == digest for key in self._codes):   # nothing solved on these windows yet
             return False
         wanted = set(nodes)
-        graph = _graph_without_weights(model_path)
+        graph = model_by_reference(model_path).graph
         initializers = {i.name for i in graph.initializer}
         weight_of = {node.input[1] for node in graph.node
                      if node.op_type == "MatMul" and node.name in wanted and node.input[1] in initializers}
@@ -169,12 +169,12 @@ class GPTQCodes:
                     if len(dims) != 2:
                         continue
                     key = self.key_of_bytes(data, dims, np.float32, qmax, digest)
-                else:   # typed fields, external data, or not 2-D: read it the ordinary way
+                else:   # held in typed fields (float_data, ...), or not float32: read it the ordinary way
                     model = model or onnx.load(str(model_path))
                     init = next((i for i in model.graph.initializer if i.name == name), None)
                     if init is None:
                         continue
-                    weight = numpy_helper.to_array(init, base_dir=str(Path(model_path).parent))
+                    weight = numpy_helper.to_array(init)
                     if weight.ndim != 2:
                         continue
                     key = self.key(weight, qmax, digest)
@@ -307,14 +307,8 @@ def output_error(weight: np.ndarray, codes: np.ndarray, scale: np.ndarray, hessi
     return total
 
 
-def _graph_without_weights(model_path: Path) -> onnx.GraphProto:
-    """The model's graph with its weights referenced, not read (onnx.load parses every inline
-    weight even with ``load_external_data=False``)."""
-    return onnx.ModelProto.FromString(model_with_weights_by_reference(model_path)).graph
-
-
 def matmul_inputs(model_path: Path, nodes: list[str]) -> dict[str, str]:
     """node name -> the activation tensor it reads (its first input)."""
     wanted = set(nodes)
-    return {n.name: n.input[0] for n in _graph_without_weights(model_path).node if n.name in wanted}
+    return {n.name: n.input[0] for n in model_by_reference(model_path).graph.node if n.name in wanted}
 
