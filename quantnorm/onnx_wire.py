@@ -11,9 +11,11 @@ serialized copies of every weight at once.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import itertools
 import mmap
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 
 # Field numbers from onnx.proto: ModelProto.graph = 7, ModelProto.functions = 25;
 # GraphProto.node = 1; FunctionProto.node = 7; NodeProto.input = 1, output = 2, op_type = 4.
@@ -139,56 +141,80 @@ _TENSOR_NAME, _TENSOR_RAW_DATA, _TENSOR_DATA_LOCATION = 8, 9, 14
 _EXTERNAL = 1
 
 
+@dataclasses.dataclass(frozen=True)
+class TensorPlace:
+    """Where one initializer's raw bytes lie: ``file`` (the model file itself for inline
+    ``raw_data``, or an external-data file beside it) and the byte range ``start:end`` in it."""
+
+    dims: tuple[int, ...]
+    data_type: int
+    file: str
+    start: int
+    end: int
+
+
+def initializer_places(path: str | os.PathLike) -> dict[str, TensorPlace]:
+    """Each graph initializer of the file at ``path`` stored as raw bytes, inline (``raw_data``) or
+    in an external-data file beside it: name -> where its bytes lie. Only the tensors' headers are
+    read (reading one weight through onnx.load parses every weight of the model first: 1.7 GB for
+    Gemma 3's graph). Tensors in typed fields (float_data, ...) are not listed."""
+    directory = os.path.dirname(os.fspath(path))
+    places: dict[str, TensorPlace] = {}
+    with _mapped(path) as buf:
+        for a2, b2 in _graph_initializers(buf):
+            name, dims, data_type, raw, external = None, [], 0, None, {}
+            for f3, w3, a3, b3 in _fields(buf, a2, b2):
+                if f3 == _TENSOR_NAME and w3 == 2:
+                    name = bytes(buf[a3:b3]).decode()
+                elif f3 == _TENSOR_DIMS and w3 == 0:
+                    dims.append(_varint(buf, a3)[0])
+                elif f3 == _TENSOR_DIMS and w3 == 2:   # packed
+                    pos = a3
+                    while pos < b3:
+                        value, pos = _varint(buf, pos)
+                        dims.append(value)
+                elif f3 == _TENSOR_DATA_TYPE and w3 == 0:
+                    data_type = _varint(buf, a3)[0]
+                elif f3 == _TENSOR_RAW_DATA and w3 == 2:
+                    raw = (os.fspath(path), a3, b3)
+                elif f3 == _TENSOR_EXTERNAL_DATA and w3 == 2:
+                    key, value = _entry(buf, a3, b3)
+                    if key is not None and value is not None:
+                        external[key] = value
+            if "location" in external:
+                raw = _external_range(directory, external)
+            if name is not None and raw is not None:
+                places[name] = TensorPlace(tuple(dims), data_type, *raw)
+    return places
+
+
+def _external_range(directory: str, entries: Mapping[str, str]) -> tuple[str, int, int]:
+    """(file, start, end) of an external-data tensor from its ``location``/``offset``/``length``."""
+    file = os.path.join(directory, entries["location"])
+    offset = int(entries.get("offset", 0))
+    end = offset + int(entries["length"]) if "length" in entries else os.path.getsize(file)
+    return file, offset, end
+
+
 @contextlib.contextmanager
 def raw_initializers(path: str | os.PathLike) -> Iterator[dict[str, tuple[tuple[int, ...], int, memoryview]]]:
-    """The graph initializers of the file at ``path`` stored as raw bytes, inline (``raw_data``) or
-    in an external-data file beside it: name -> (dims, ONNX data type, the bytes as a view of the
-    memory-mapped file). Nothing is parsed or copied beyond the tensors' headers (reading a weight
-    through onnx.load parses every weight of the model first: 1.7 GB for Gemma 3's graph). Tensors
-    in typed fields (float_data, ...) are not listed. The views are valid inside the ``with``."""
+    """``initializer_places`` as views of the memory-mapped files: name -> (dims, ONNX data type,
+    the bytes). Nothing is copied; the views are valid inside the ``with``."""
     views: list[memoryview] = []
-    directory = os.path.dirname(os.fspath(path))
     with contextlib.ExitStack() as stack:
         mapped: dict[str, memoryview] = {}
 
-        def whole(name: str) -> memoryview:
-            if name not in mapped:
-                mapped[name] = stack.enter_context(memoryview(stack.enter_context(_mapped(os.path.join(directory, name)))))
-            return mapped[name]
+        def whole(file: str) -> memoryview:
+            if file not in mapped:
+                mapped[file] = stack.enter_context(memoryview(stack.enter_context(_mapped(file))))
+            return mapped[file]
 
-        buf = stack.enter_context(_mapped(path))
-        own = os.path.basename(os.fspath(path))
-        mapped[own] = stack.enter_context(memoryview(buf))
         try:
             found = {}
-            for a2, b2 in _graph_initializers(buf):
-                name, dims, data_type, raw, external = None, [], 0, None, {}
-                for f3, w3, a3, b3 in _fields(buf, a2, b2):
-                    if f3 == _TENSOR_NAME and w3 == 2:
-                        name = bytes(buf[a3:b3]).decode()
-                    elif f3 == _TENSOR_DIMS and w3 == 0:
-                        dims.append(_varint(buf, a3)[0])
-                    elif f3 == _TENSOR_DIMS and w3 == 2:   # packed
-                        pos = a3
-                        while pos < b3:
-                            value, pos = _varint(buf, pos)
-                            dims.append(value)
-                    elif f3 == _TENSOR_DATA_TYPE and w3 == 0:
-                        data_type = _varint(buf, a3)[0]
-                    elif f3 == _TENSOR_RAW_DATA and w3 == 2:
-                        raw = (own, a3, b3)
-                    elif f3 == _TENSOR_EXTERNAL_DATA and w3 == 2:
-                        key, value = _entry(buf, a3, b3)
-                        if key is not None and value is not None:
-                            external[key] = value
-                if "location" in external:
-                    offset = int(external.get("offset", 0))
-                    raw = (external["location"], offset, offset + int(external["length"]) if "length" in external
-                           else len(whole(external["location"])))
-                if name is not None and raw is not None:
-                    view = whole(raw[0])[raw[1]:raw[2]]
-                    views.append(view)
-                    found[name] = (tuple(dims), data_type, view)
+            for name, place in initializer_places(path).items():
+                view = whole(place.file)[place.start:place.end]
+                views.append(view)
+                found[name] = (place.dims, place.data_type, view)
             yield found
         finally:   # the views before the maps they point into (a map with views cannot close)
             for view in views:
@@ -271,12 +297,12 @@ def model_with_weights_by_reference(path: str | os.PathLike, *, min_bytes: int =
 # ---------------------------------------------------------------------------------------------
 # Writing a model one initializer at a time
 
-def without_field(message, skipped: str):
-    """A copy of a protobuf message without one of its fields (the rest are small: the graph's
-    nodes and signatures beside its weights)."""
+def without_field(message, *skipped: str):
+    """A copy of a protobuf message without the fields named in ``skipped`` (the rest are small:
+    the graph's nodes and signatures beside its weights)."""
     shell = type(message)()
     for field, value in message.ListFields():
-        if field.name == skipped:
+        if field.name in skipped:
             continue
         if field.is_repeated:
             getattr(shell, field.name).extend(value)
@@ -292,31 +318,67 @@ def _field_key(field: int, length: int) -> bytes:
     return _encode_varint(field << 3 | 2) + _encode_varint(length)
 
 
-def write_model_streaming(model, path: str | os.PathLike) -> None:
+_COPY_CHUNK = 64 << 20
+
+
+def write_model_streaming(model, path: str | os.PathLike, *, extra_initializers: Iterable = (),
+                          external_from: str | os.PathLike | None = None) -> None:
     """Write ``model`` to ``path`` one initializer at a time: the file onnx.save_model writes, as
     protobuf parses it. onnx.save_model serializes the whole model into one buffer and copies it
     into a Python bytes object (two copies of every weight beside the model's own: 3.4 GB on
     Gemma 3's rotated graph); here the largest tensor is the most held at once.
 
+    ``extra_initializers``: tensors written after the graph's own, as if they were in it (a
+    rewrite's new weights need not be copied into the model first). ``external_from``: the
+    directory the model's external-data references resolve against; their bytes are copied from
+    there in chunks and written inline (a graph read by reference, ``model_with_weights_by_reference``,
+    written as a self-contained file without its weights ever in memory).
+
     How: a protobuf message field that appears more than once is merged by every parser (repeated
     fields appended in order), so the file is the model without its graph, the graph without its
     initializers, then one more ``graph`` field per initializer holding just it (and its raw bytes
-    written straight from the tensor, after the tensor's other fields)."""
+    written straight from the tensor, or from the external file, after the tensor's other fields)."""
     with open(path, "wb") as out:
         out.write(without_field(model, "graph").SerializeToString())
         shell = without_field(model.graph, "initializer").SerializeToString()
         out.write(_field_key(_MODEL_GRAPH, len(shell)))
         out.write(shell)
         del shell
-        for init in model.graph.initializer:
-            head = without_field(init, "raw_data").SerializeToString()
-            raw = init.raw_data if init.HasField("raw_data") else None
-            tensor_length = len(head) + (len(_field_key(_TENSOR_RAW_DATA, len(raw))) + len(raw) if raw is not None else 0)
+        for init in itertools.chain(model.graph.initializer, extra_initializers):
+            external = external_from is not None and init.data_location == _EXTERNAL
+            if external:
+                file, start, end = _external_range(os.fspath(external_from),
+                                                   {e.key: e.value for e in init.external_data})
+                head = without_field(init, "raw_data", "external_data", "data_location").SerializeToString()
+                raw_length = end - start
+            else:
+                head = without_field(init, "raw_data").SerializeToString()
+                raw = init.raw_data if init.HasField("raw_data") else None
+                raw_length = None if raw is None else len(raw)
+            tensor_length = len(head) + (len(_field_key(_TENSOR_RAW_DATA, raw_length)) + raw_length
+                                         if raw_length is not None else 0)
             initializer_key = _field_key(_GRAPH_INITIALIZER, tensor_length)
             out.write(_field_key(_MODEL_GRAPH, len(initializer_key) + tensor_length))
             out.write(initializer_key)
             out.write(head)
-            if raw is not None:
-                out.write(_field_key(_TENSOR_RAW_DATA, len(raw)))
+            if raw_length is not None:
+                out.write(_field_key(_TENSOR_RAW_DATA, raw_length))
+            if external:
+                _copy_range(file, start, end, out)
+            elif raw is not None:
                 out.write(raw)
-            del raw
+            raw = None
+
+
+def _copy_range(file: str, start: int, end: int, out) -> None:
+    """Bytes ``start:end`` of ``file`` into ``out``, a chunk at a time (read(), not a map: the page
+    cache holds them, not this process)."""
+    with open(file, "rb") as f:
+        f.seek(start)
+        left = end - start
+        while left:
+            chunk = f.read(min(left, _COPY_CHUNK))
+            if not chunk:
+                raise ValueError(f"external data {file} ends before byte {end}")
+            out.write(chunk)
+            left -= len(chunk)

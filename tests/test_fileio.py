@@ -141,3 +141,78 @@ def test_gptq_codes_are_known_through_a_preprocessed_graph(tmp_path, monkeypatch
     monkeypatch.setattr("quantnorm.transforms.gptq.onnx.load", no_load)
     assert codes.knows(pre, ["mm"], 127, "windows")
     assert not codes.knows(pre, ["mm"], 63, "windows")
+
+
+def test_a_graph_read_by_reference_is_written_self_contained_with_extra_initializers(tmp_path):
+    """``external_from``: references resolved and their bytes copied inline; ``extra_initializers``
+    written after the graph's own, as if they were in it."""
+    from quantnorm.onnx_wire import model_with_weights_by_reference
+
+    model = _model()
+    big = numpy_helper.from_array(np.arange(4096, dtype=np.float32).reshape(64, 64), "big")
+    model.graph.initializer.append(big)
+    src = tmp_path / "src" / "m.onnx"
+    src.parent.mkdir()
+    write_model_streaming(model, src)
+    by_reference = onnx.ModelProto.FromString(model_with_weights_by_reference(src))
+    assert any(i.data_location == TensorProto.EXTERNAL for i in by_reference.graph.initializer)
+    extra = numpy_helper.from_array(np.full(3, 7, np.int8), "extra")
+    out = tmp_path / "elsewhere.onnx"
+    write_model_streaming(by_reference, out, extra_initializers=[extra], external_from=src.parent)
+    src.unlink()   # the written file needs nothing of the source
+    written = onnx.load(str(out))
+    expected = onnx.ModelProto()
+    expected.CopyFrom(model)
+    expected.graph.initializer.append(extra)
+    assert written.SerializeToString(deterministic=True) == expected.SerializeToString(deterministic=True)
+
+
+def _matmul_model(weight: np.ndarray) -> onnx.ModelProto:
+    w = numpy_helper.from_array(weight, "w")
+    emb = numpy_helper.from_array(np.random.default_rng(5).standard_normal((10, weight.shape[0])).astype(np.float32),
+                                  "emb")
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["emb", "ids"], ["x"], name="gather"),
+         helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "g",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, [2, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3, weight.shape[1]])], [emb, w])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+
+
+def test_the_per_token_rewrite_reads_weights_from_the_file_not_a_loaded_model(tmp_path, monkeypatch):
+    """Inline or external-data source, the same INT8 file; onnx.load is never called (it would
+    hold every FP32 weight for the whole rewrite), and the kept FP32 weights are copied in."""
+    from quantnorm.quantize import pertoken
+
+    weight = np.random.default_rng(3).standard_normal((64, 32)).astype(np.float32)
+    model = _matmul_model(weight)
+    inline, external = tmp_path / "inline" / "m.onnx", tmp_path / "external" / "m.onnx"
+    inline.parent.mkdir()
+    external.parent.mkdir()
+    write_model_streaming(model, inline)
+    onnx.save_model(onnx.ModelProto.FromString(model.SerializeToString()), str(external), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location="m.onnx.data", size_threshold=0)
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded whole")
+
+    monkeypatch.setattr(onnx, "load", no_load)
+    monkeypatch.setattr(onnx, "load_model", no_load)
+    written = []
+    for src in (inline, external):
+        dst = tmp_path / f"{src.parent.name}-int8.onnx"
+        settings = pertoken.quantize_per_token(src, dst, ["mm"], reduce_range=False, fused=True)
+        assert settings["pertoken_matmuls"] == ["mm"]
+        written.append(dst.read_bytes())
+    monkeypatch.undo()
+    assert written[0] == written[1]
+    int8 = onnx.load_from_string(written[0])
+    inits = {i.name: i for i in int8.graph.initializer}
+    assert "w" not in inits and not any(i.data_location == TensorProto.EXTERNAL for i in int8.graph.initializer)
+    np.testing.assert_array_equal(numpy_helper.to_array(inits["emb"]), numpy_helper.to_array(model.graph.initializer[0]))
+    codes, scales = pertoken.weight_scales(weight, 127)
+    np.testing.assert_array_equal(numpy_helper.to_array(inits["mm/pertoken/W_quantized"]), codes)
+    ids = np.array([[1, 2, 3], [4, 5, 9]], dtype=np.int64)
+    y = ort.InferenceSession(written[0], providers=["CPUExecutionProvider"]).run(None, {"ids": ids})[0]
+    reference = numpy_helper.to_array(model.graph.initializer[0])[ids] @ weight
+    assert np.abs(y - reference).max() < 0.05 * np.abs(reference).max()

@@ -20,6 +20,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, numpy_helper
 
+from ..fileio import release_memory
 from ..measure.accuracy import run_logits
 from ..measure.sessions import SessionSpec, make_session
 
@@ -142,6 +143,9 @@ def check_quant_params(model: onnx.ModelProto) -> list[str]:
 
 def check_runs(model_path: Path, probe_inputs: np.ndarray) -> list[str]:
     """Load and run the model on the CPU provider; the logits must exist and be finite."""
+    # the quantizer's freed buffers back to the OS before ORT maps the model: glibc keeps them
+    # otherwise, and the session's arena came on top (Gemma 3's run peaked here)
+    release_memory()
     try:
         session = make_session(model_path, SessionSpec(threads=1))  # a few probe windows; ORT_ENABLE_ALL as deployed
     except Exception as exc:  # noqa: BLE001 - ORT raises several types; all mean "does not load"
