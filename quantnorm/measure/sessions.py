@@ -383,7 +383,7 @@ class ReopenableSession:
     def close(self) -> None:
         if self._session is not None:
             self._session = None
-            release_memory()   # the freed arena back to the OS
+            release_memory(collect_cycles=False)   # the freed arena back to the OS
 
 
 @dataclass(frozen=True)

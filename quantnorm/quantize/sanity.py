@@ -145,7 +145,7 @@ def check_runs(model_path: Path, probe_inputs: np.ndarray) -> list[str]:
     """Load and run the model on the CPU provider; the logits must exist and be finite."""
     # the quantizer's freed buffers back to the OS before ORT maps the model: glibc keeps them
     # otherwise, and the session's arena came on top (Gemma 3's run peaked here)
-    release_memory()
+    release_memory(collect_cycles=False)
     try:
         session = make_session(model_path, SessionSpec(threads=1))  # a few probe windows; ORT_ENABLE_ALL as deployed
     except Exception as exc:  # noqa: BLE001 - ORT raises several types; all mean "does not load"
