@@ -216,3 +216,52 @@ def test_the_per_token_rewrite_reads_weights_from_the_file_not_a_loaded_model(tm
     y = ort.InferenceSession(written[0], providers=["CPUExecutionProvider"]).run(None, {"ids": ids})[0]
     reference = numpy_helper.to_array(model.graph.initializer[0])[ids] @ weight
     assert np.abs(y - reference).max() < 0.05 * np.abs(reference).max()
+
+
+def test_release_memory_collects_cycles_only_when_asked():
+    import gc
+    import weakref
+
+    from quantnorm.fileio import release_memory
+
+    class Node:
+        pass
+
+    gc.disable()   # no automatic collection between the steps
+    try:
+        a, b = Node(), Node()
+        a.other, b.other = b, a
+        alive = weakref.ref(a)
+        del a, b
+        release_memory(collect_cycles=False)
+        assert alive() is not None          # a cycle is not freed by reference counts
+        release_memory()
+        assert alive() is None
+    finally:
+        gc.enable()
+
+
+def test_freezing_the_imports_collects_garbage_first_and_runs_once():
+    """In a child process (the freeze is for the process): a cycle that is garbage when the run
+    starts is freed, not frozen for ever; the second call freezes nothing more."""
+    import subprocess
+    import sys
+
+    code = """
+import gc, weakref
+from quantnorm.fileio import freeze_imported_objects
+class Node: pass
+gc.disable()
+a, b = Node(), Node(); a.other, b.other = b, a
+alive = weakref.ref(a); del a, b
+freeze_imported_objects()
+assert alive() is None, "garbage frozen"
+frozen = gc.get_freeze_count()
+assert frozen > 1000, frozen
+keep = [Node() for _ in range(10)]
+freeze_imported_objects()
+assert gc.get_freeze_count() == frozen
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
