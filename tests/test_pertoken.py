@@ -273,3 +273,17 @@ def test_mse_clip_is_the_clip_of_least_squared_error(shape):
         assert clip < 0.9 * np.abs(x).max()
     else:                     # nothing to gain from clipping a bounded, flat distribution
         assert clip > 0.97 * np.abs(x).max()
+
+
+def test_weight_codes_made_a_few_columns_at_a_time_equal_the_whole_array_formula():
+    from quantnorm.quantize.pertoken import weight_scales
+
+    rng = np.random.default_rng(7)
+    weight = rng.standard_normal((64, 70_001)).astype(np.float32)   # past one chunk of columns
+    weight[:, 5] = 0.0                                               # an all-zero column: scale 1
+    for qmax in (127, 63):
+        amax = np.abs(weight).max(axis=0)
+        scale = np.where(amax > 0, amax / qmax, 1.0).astype(np.float32)
+        codes, got = weight_scales(weight, qmax)
+        np.testing.assert_array_equal(got, scale)
+        np.testing.assert_array_equal(codes, np.clip(np.rint(weight / scale), -qmax, qmax).astype(np.int8))

@@ -48,10 +48,23 @@ __all__ = ["ACT_QMAX", "ACT_ZERO_POINT", "EPS", "fake_quantize_rows", "quantize_
 def weight_scales(weight: np.ndarray, qmax: int) -> tuple[np.ndarray, np.ndarray]:
     """Symmetric per-output-channel INT8 weights: (W_q int8 [K, N], s_w float32 [N])."""
     weight = np.asarray(weight, dtype=np.float32)
-    amax = np.abs(weight).max(axis=0)
+    # A few columns at a time: the float temporaries of a 262k-wide head (670 MB each, three of
+    # them at once when written whole) never exist whole.
+    columns = [slice(c, c + max(1, _CHUNK_ELEMENTS // max(1, weight.shape[0])))
+               for c in range(0, weight.shape[1], max(1, _CHUNK_ELEMENTS // max(1, weight.shape[0])))]
+    amax = np.concatenate([np.abs(weight[:, cols]).max(axis=0) for cols in columns]) if weight.shape[0] else \
+        np.zeros(weight.shape[1], np.float32)
     scale = np.where(amax > 0, amax / qmax, 1.0).astype(np.float32)
-    q = np.clip(np.rint(weight / scale), -qmax, qmax).astype(np.int8)
-    return q, scale
+    codes = np.empty(weight.shape, dtype=np.int8)
+    for cols in columns:
+        block = weight[:, cols] / scale[cols]
+        np.rint(block, out=block)
+        np.clip(block, -qmax, qmax, out=block)
+        codes[:, cols] = block
+    return codes, scale
+
+
+_CHUNK_ELEMENTS = 1 << 22   # float32 temporaries of 16 MB
 
 
 def unsigned_codes(codes: np.ndarray) -> np.ndarray:

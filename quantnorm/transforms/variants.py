@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import ConfigError, ExportError, QuantizeError
+from ..fileio import release_memory
 
 # A transformed export that failed (an exporter error, a parity gate it did not pass) fails the same
 # way for every later recipe of that form or alpha: it is tried once and its error given again.
@@ -54,6 +55,10 @@ class FP32Variants:
         except _KEPT_FAILURES as exc:
             self._failed[key] = exc
             raise
+        finally:
+            # the exporter's graphs hold the transformed weights in reference cycles: freed before
+            # the quantizer loads the file (Gemma 3's with-past rotated graph: 1.7 GB)
+            release_memory()
 
     def get(self, alpha: float):
         """The smoothed export for ``alpha``, made on first use (the first alpha takes the plain file name)."""
