@@ -27,7 +27,7 @@ from tqdm import tqdm
 from .config import AUTO, EvaluateConfig
 from .engine_stage import engines_section
 from .errors import ConfigError, QuantizeError
-from .fileio import freeze_imported_objects, release_memory, sweep_stale_temporaries
+from .fileio import collections_skip_existing_objects, release_memory, sweep_stale_temporaries
 from .generation_stage import generation_section
 from .hardware import cpu_has_vnni
 from .measure.diagnostics import diagnostics
@@ -99,7 +99,11 @@ def evaluate(source: ModelSource | RunDir, cfg: EvaluateConfig, *, command: str)
     (``quantnorm.sources``); a ``RunDir`` is read as the zoo source."""
     if isinstance(source, RunDir):
         source = ZooSource(source)
-    freeze_imported_objects()   # before prepare loads a model: the collections between stages skip the imports
+    with collections_skip_existing_objects():   # entered before prepare loads a model: mostly the imports
+        return _evaluate(source, cfg, command)
+
+
+def _evaluate(source: ModelSource, cfg: EvaluateConfig, command: str) -> dict:
     stage_seconds: dict[str, float] = {}
 
     def stage(name: str):

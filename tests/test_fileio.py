@@ -241,27 +241,41 @@ def test_release_memory_collects_cycles_only_when_asked():
         gc.enable()
 
 
-def test_freezing_the_imports_collects_garbage_first_and_runs_once():
-    """In a child process (the freeze is for the process): a cycle that is garbage when the run
-    starts is freed, not frozen for ever; the second call freezes nothing more."""
-    import subprocess
-    import sys
+def test_collections_skip_the_objects_alive_on_entry_and_get_them_back_on_exit():
+    """Garbage is collected before the objects are set aside (a frozen cycle would never be freed);
+    an object alive on entry that becomes garbage inside is freed after; nested uses set aside once."""
+    import gc
+    import weakref
 
-    code = """
-import gc, weakref
-from quantnorm.fileio import freeze_imported_objects
-class Node: pass
-gc.disable()
-a, b = Node(), Node(); a.other, b.other = b, a
-alive = weakref.ref(a); del a, b
-freeze_imported_objects()
-assert alive() is None, "garbage frozen"
-frozen = gc.get_freeze_count()
-assert frozen > 1000, frozen
-keep = [Node() for _ in range(10)]
-freeze_imported_objects()
-assert gc.get_freeze_count() == frozen
-print("ok")
-"""
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+    from quantnorm.fileio import collections_skip_existing_objects
+
+    class Node:
+        pass
+
+    def cycle():
+        a, b = Node(), Node()
+        a.other, b.other = b, a
+        return a
+
+    gc.disable()
+    try:
+        dead = weakref.ref(cycle())
+        alive = cycle()
+        kept = weakref.ref(alive)
+        with collections_skip_existing_objects():
+            assert dead() is None, "garbage set aside"
+            frozen = gc.get_freeze_count()
+            assert frozen > 1000
+            with collections_skip_existing_objects():
+                assert gc.get_freeze_count() == frozen
+            del alive
+            gc.collect()
+            assert kept() is not None            # set aside: not examined inside
+            inside = weakref.ref(cycle())
+            gc.collect()
+            assert inside() is None              # what the run makes is collected as usual
+        assert gc.get_freeze_count() == 0
+        gc.collect()
+        assert kept() is None                    # handed back, then freed
+    finally:
+        gc.enable()

@@ -371,7 +371,9 @@ def test_kernel_time_per_op_type_comes_from_the_warm_profiled_run(models, tmp_pa
     assert "MatMulInteger" in ops or "DynamicQuantizeMatMul" in ops or "MatMulIntegerToFloat" in ops
     assert all(ms >= 0 for ms in ops.values()) and list(ops.values()) == sorted(ops.values(), reverse=True)
     assert set(ops) <= set(first.node_ops["CPUExecutionProvider"])
-    assert sum(ops.values()) < first.p50_ms * 5   # one run's kernels, not the two profiled runs' sum
+    # one run's kernels, not the two profiled runs' sum: test_profile_facts_take_kernel_times_from_the_last_run_only
+    # checks that on a profile of known times (a bound against p50 here is a wall-clock assertion: the
+    # profiler's own cost per kernel is most of a 0.06 ms model's profiled run, seen 5.3x p50 in CI)
     assert "op_ms" in first.to_dict() and "op_ms" not in LatencyRow(
         provider="CPUExecutionProvider", variant="x", batch=1, seq=1, status="not measured: test").to_dict()
 
