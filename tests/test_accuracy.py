@@ -296,7 +296,7 @@ def test_replayed_fp32_outputs_score_the_same_and_open_the_model_once(tiny, tmp_
     _, fp32, int8 = tiny
     spec = SessionSpec(provider="cpu", threads=1)
     lazy, s8 = ReopenableSession(fp32, spec), make_session(int8, spec)
-    replay = ReplayedSession(lazy, tmp_path)
+    replay = ReplayedSession(lazy, tmp_path, keep_free_bytes=0)   # whatever this machine's disk holds
     inputs, targets = windows(n=6, seq=CTX)
     first = compare(replay, s8, inputs, targets, batch_size=4)
     assert (replay.computed, replay.replayed, lazy.opened) == (2, 0, 1)
@@ -317,12 +317,13 @@ def test_replayed_fp32_outputs_score_the_same_and_open_the_model_once(tiny, tmp_
     assert compare(replay, s8, inputs, targets, batch_size=4).to_dict() == plain.to_dict()   # plain from now on
 
 
-def test_replay_stops_recording_at_its_byte_limit(tiny, tmp_path):
+@pytest.mark.parametrize("limit", [{"max_bytes": 0}, {"keep_free_bytes": 1 << 62}])
+def test_replay_stops_recording_at_its_byte_limit_or_the_disks_free_space(tiny, tmp_path, limit):
     from quantnorm.measure.sessions import ReplayedSession, SessionSpec, make_session
 
     _, fp32, int8 = tiny
     spec = SessionSpec(provider="cpu", threads=1)
-    replay = ReplayedSession(make_session(fp32, spec), tmp_path, max_bytes=0)
+    replay = ReplayedSession(make_session(fp32, spec), tmp_path, **limit)
     inputs, targets = windows(n=4, seq=CTX)
     for _ in range(2):
         compare(replay, make_session(int8, spec), inputs, targets)
