@@ -350,7 +350,7 @@ def write_model_streaming(model, path: str | os.PathLike, *, extra_initializers:
                 file, start, end = _external_range(os.fspath(external_from),
                                                    {e.key: e.value for e in init.external_data})
                 head = without_field(init, "raw_data", "external_data", "data_location").SerializeToString()
-                raw_length = end - start
+                raw, raw_length = None, end - start
             else:
                 head = without_field(init, "raw_data").SerializeToString()
                 raw = init.raw_data if init.HasField("raw_data") else None
@@ -367,7 +367,7 @@ def write_model_streaming(model, path: str | os.PathLike, *, extra_initializers:
                 _copy_range(file, start, end, out)
             elif raw is not None:
                 out.write(raw)
-            raw = None
+            del raw
 
 
 def _copy_range(file: str, start: int, end: int, out) -> None:

@@ -38,7 +38,8 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from ..measure.fake_quant import ACT_QMAX, ACT_ZERO_POINT, EPS, fake_quantize_rows
-from ..onnx_wire import TensorPlace, initializer_places, model_with_weights_by_reference, write_model_streaming
+from ..measure.sqnr import model_by_reference
+from ..onnx_wire import TensorPlace, initializer_places, write_model_streaming
 from ..transforms.gptq import BLOCK, DAMP, GPTQCodes, gptq_quantize, output_error
 
 __all__ = ["ACT_QMAX", "ACT_ZERO_POINT", "EPS", "fake_quantize_rows", "quantize_per_token", "unsigned_codes",
@@ -50,8 +51,8 @@ def weight_scales(weight: np.ndarray, qmax: int) -> tuple[np.ndarray, np.ndarray
     weight = np.asarray(weight, dtype=np.float32)
     # A few columns at a time: the float temporaries of a 262k-wide head (670 MB each, three of
     # them at once when written whole) never exist whole.
-    columns = [slice(c, c + max(1, _CHUNK_ELEMENTS // max(1, weight.shape[0])))
-               for c in range(0, weight.shape[1], max(1, _CHUNK_ELEMENTS // max(1, weight.shape[0])))]
+    step = max(1, _CHUNK_ELEMENTS // max(1, weight.shape[0]))
+    columns = [slice(c, c + step) for c in range(0, weight.shape[1], step)]
     amax = np.concatenate([np.abs(weight[:, cols]).max(axis=0) for cols in columns]) if weight.shape[0] else \
         np.zeros(weight.shape[1], np.float32)
     scale = np.where(amax > 0, amax / qmax, 1.0).astype(np.float32)
@@ -99,7 +100,7 @@ def quantize_per_token(src: Path, dst: Path, nodes: list[str], *, reduce_range: 
     # its MatMul is rewritten: loading the model whole held every FP32 weight for the whole
     # rewrite (1.7 GB on Gemma 3's rotated graph) beside the new INT8 codes.
     src = Path(src)
-    model = onnx.ModelProto.FromString(model_with_weights_by_reference(src))
+    model = model_by_reference(src)
     places = initializer_places(src)
     rewrite = _Rewrite(opset=_default_opset(model), qmax=weight_qmax(reduce_range), fused=fused,
                        unsigned=unsigned_weights,
