@@ -157,8 +157,57 @@ def test_grouped_query_attention_reads_the_cache_without_repeating_it(exported, 
     path, result, _ = exported(name)
     graph = onnx.load(str(path)).graph
     assert not [n.name for n in graph.node if n.op_type == "Expand" and "self_attn" in n.name]
-    assert len([n for n in graph.node if n.name.endswith("/Grouped")]) == 2 * result.n_layers
+    # llama's grouped matmuls are then fused into GroupQueryAttention (the next test); gemma2's stay
+    assert len([n for n in graph.node if n.name.endswith("/Grouped")]) == 2 * (result.n_layers - result.fused_attention)
     assert max(result.max_abs_diff.values()) <= 1e-4
+
+
+@pytest.mark.parametrize("name, fused", [("llama", 2), ("gemma2", 0)])
+def test_attention_is_one_group_query_attention_node_where_the_pass_finds_it(exported, name, fused):
+    """Each llama layer's attention core (the grouped matmuls, scale, mask, softmax and the cache's
+    Concat) is one com.microsoft.GroupQueryAttention node and the parity gate held; gemma2's
+    attention logit softcap (a Tanh between the scores and the mask) is not the matched chain,
+    so its layers stay as exported."""
+    path, result, _ = exported(name)
+    graph = onnx.load(str(path), load_external_data=False).graph
+    nodes = [n for n in graph.node if n.op_type == "GroupQueryAttention"]
+    assert len(nodes) == fused == result.fused_attention
+    assert len([n for n in graph.node if n.op_type == "Softmax"]) == result.n_layers - fused
+    assert result.to_dict()["attention"].startswith("com.microsoft.GroupQueryAttention" if fused else "as exported")
+    if fused:
+        assert {o for n in nodes for o in n.output[1:]} == set(present_names(result.n_layers))
+    assert max(result.max_abs_diff.values()) <= 1e-4
+
+
+def test_fused_attention_computes_the_exported_attention_and_unmatched_chains_stay(exported, tmp_path):
+    """The same llama exported without the fusion (standard operators only) and with it: the same
+    logits and cache through a batch-3 prompt and four single-token steps. A layer whose chain
+    differs (its softmax over another axis, a mask that is not a boolean one made additive) is
+    left as exported."""
+    from quantnorm.generation.graph_passes import fuse_group_query_attention
+
+    fused_path, fused_result, model = exported("llama")
+    plain = export_with_past(HFWithPast(model), tmp_path / "plain.onnx", windows(2, 6, 300), fuse_attention=False)
+    graph = onnx.load(str(plain.path))
+    assert plain.fused_attention == 0 and not [n for n in graph.graph.node if n.domain == "com.microsoft"]
+    prompts, tokens = windows(3, 9, 300, seed=4), windows(4, 3, 300, seed=5)
+    runs = []
+    for path in (plain.path, fused_path):
+        runner = DecodeSession(path)
+        runner.reset(3)
+        logits = [runner.step(prompts)] + [runner.step(t[:, None]) for t in tokens]
+        runs.append((logits, runner.cache()))
+    for a, b in zip(runs[0][0] + runs[0][1], runs[1][0] + runs[1][1]):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)
+
+    softmax = [n for n in graph.graph.node if n.op_type == "Softmax"]
+    del softmax[0].attribute[:]
+    softmax[0].attribute.append(onnx.helper.make_attribute("axis", 2))
+    mask_add = next(n for n in graph.graph.node if n.op_type == "Add" and softmax[1].input[0] in n.output)
+    graph.graph.node.append(onnx.helper.make_node("Identity", [mask_add.input[1]], ["mask_with_a_bias"]))
+    mask_add.input[1] = "mask_with_a_bias"
+    assert fuse_group_query_attention(graph, 4, 2, 8, plain.max_length) == 0
+    assert len([n for n in graph.graph.node if n.op_type == "Softmax"]) == 2
 
 
 def test_a_wrong_head_grouping_fails_the_export(monkeypatch, tmp_path):
@@ -168,7 +217,28 @@ def test_a_wrong_head_grouping_fails_the_export(monkeypatch, tmp_path):
     real = with_past.attend_without_repeating_kv
     monkeypatch.setattr(with_past, "attend_without_repeating_kv",
                         lambda model, heads, kv_heads, head_dim: real(model, heads, 1, head_dim))
-    with pytest.raises(ExportError):
+    with pytest.raises(ExportError):   # unfused: the fusion would replace the wrongly grouped matmuls
+        export_with_past(HFWithPast(hf_model("llama")), tmp_path / "wrong.onnx", windows(2, 6, 300),
+                         fuse_attention=False)
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_wrong_attention_fusion_fails_the_export(monkeypatch, tmp_path):
+    """The parity gate catches a fused operator that attends wrongly (here: at twice the scale)."""
+    from quantnorm.generation import with_past
+
+    real = with_past.fuse_group_query_attention
+
+    def doubled(model, *args):
+        fused = real(model, *args)
+        for node in model.graph.node:
+            for attribute in node.attribute:
+                if node.op_type == "GroupQueryAttention" and attribute.name == "scale":
+                    attribute.f *= 2
+        return fused
+
+    monkeypatch.setattr(with_past, "fuse_group_query_attention", doubled)
+    with pytest.raises(ExportError, match="does not match PyTorch"):
         export_with_past(HFWithPast(hf_model("llama")), tmp_path / "wrong.onnx", windows(2, 6, 300))
     assert not list(tmp_path.iterdir())
 
@@ -209,7 +279,11 @@ def test_sliding_window_layers_state_their_maximum_length(tmp_path):
     so in its metadata, and a decode past it is refused in one line."""
     wrapper = HFWithPast(hf_model("gemma3_text", sliding_window=12))
     assert wrapper.max_length == 11
-    path = export_with_past(wrapper, tmp_path / "gemma3.onnx", windows(2, 5, 300)).path
+    result = export_with_past(wrapper, tmp_path / "gemma3.onnx", windows(2, 5, 300))
+    path = result.path
+    # within those 11 positions a sliding layer's window keeps its whole cache: its attention is
+    # fused like a full layer's (its q/k norms stay in front of the operator)
+    assert result.fused_attention == result.n_layers == 2
     assert check_cache(path, windows(2, 11, 300, seed=1), prefill=4).ok
     assert DecodeSession(path).layout.max_length == 11
     with pytest.raises(ConfigError, match="exceed the model's 11 positions"):

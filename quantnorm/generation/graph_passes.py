@@ -15,14 +15,22 @@ quantizes it, so FP32 and every INT8 recipe run the same attention and head.
   is: Q [b, H, s, d] -> [b, KV, H/KV * s, d]; scores [b, KV, H/KV * s, L] -> [b, H, s, L] for the
   mask and softmax; probabilities back to [b, KV, H/KV * s, L] times V [b, KV, L, d]; out to
   [b, H, s, d]. Same products, same sums, no copies of the cache.
+- ``fuse_group_query_attention``: then each layer's attention core (those matmuls, the scale, the
+  mask, the softmax and the Concat of past and new keys and values) as one ONNX Runtime
+  ``com.microsoft.GroupQueryAttention`` node, the graph's interface unchanged. A decode step of a
+  small model runs some 35 small operators per layer around two tiny matmuls; the operator does
+  them in one kernel (what it buys: ``benchmarks/attention_fusion.py``). ONNX Runtime only: the
+  export's ``fuse_attention=False`` keeps standard operators.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .decode import LOGITS, LOGITS_TO_KEEP
+from .decode import ATTENTION_MASK, LOGITS, LOGITS_TO_KEEP
 
 _HEAD_OPS = {"MatMul", "Gemm"}
 _INT64_MAX = np.iinfo(np.int64).max
@@ -200,3 +208,224 @@ def _drop_unused(graph: onnx.GraphProto) -> None:
     for index in reversed(range(len(graph.initializer))):   # in place: no copy of the weights
         if graph.initializer[index].name not in read:
             del graph.initializer[index]
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention as one ONNX Runtime operator
+
+GQA = "GroupQueryAttention"
+_SEQLENS_K, _TOTAL_LENGTH = "gqa/seqlens_k", "gqa/total_sequence_length"
+
+
+def fuse_group_query_attention(model: onnx.ModelProto, heads: int, kv_heads: int, head_dim: int,
+                               max_length: int | None = None) -> int:
+    """Replace each layer's attention core, as ``attend_without_repeating_kv`` leaves it, by one
+    ``com.microsoft.GroupQueryAttention`` node; returns how many layers were fused.
+
+    Matched per layer from its ``present.{i}.key`` / ``.value`` (each ``Concat(past, new)`` on
+    the length axis): Transpose(present key) -> MatMul with the query (grouped or not) -> [Mul by
+    a constant scale] -> Add of a mask that is ``Where(cond, constant, constant)`` (a boolean mask
+    made additive: no bias rides on it) -> Softmax -> MatMul with the present value -> Transpose
+    (0, 2, 1, 3) -> Reshape to [b, s, H * d]. The operator takes the rotated query and the new
+    keys and values as [b, s, heads * d], the past as it is, and writes the same present (past and
+    new concatenated, not a shared buffer: the graph's interface stays the one ``decode`` feeds);
+    its causal mask is the exported one for prompts of equal length (``decode``'s contract: the
+    attention mask all ones), and ``seqlens_k`` is read from the attention mask as ONNX Runtime
+    GenAI's builder does (its row sums less one). A layer whose chain differs (a softcap, a bias
+    in the mask, another softmax axis) is left as exported; so is every layer of a graph without
+    an ``attention_mask`` input. Why: a decode step ran some 35 small operators per layer around
+    two tiny matmuls (rotation of the layout, the mask, two copies of the cache); the operator
+    does it in one kernel. The export's parity gate checks the fused graph against PyTorch."""
+    graph = model.graph
+    if ATTENTION_MASK not in {i.name for i in graph.input}:
+        return 0
+    producer = {out: node for node in graph.node for out in node.output}
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    constant = _constants(graph)
+    scalars = {t.name: float(numpy_helper.to_array(t).reshape(-1)[0]) for t in graph.initializer
+               if t.data_type == onnx.TensorProto.FLOAT and int(np.prod(t.dims)) == 1}
+    fused = 0
+    layer = 0
+    small = {t.name: numpy_helper.to_array(t).tolist() for t in graph.initializer
+             if t.data_type == onnx.TensorProto.INT64 and len(t.dims) <= 1}
+    while f"present.{layer}.key" in producer:
+        match = _attention_core(layer, producer, consumers, constant, scalars, small.get, max_length)
+        if match is not None:
+            _install_gqa(graph, layer, match, heads, kv_heads, head_dim)
+            fused += 1
+        layer += 1
+    if fused:
+        _seqlens_from_mask(graph)
+        _drop_unused(graph)
+        if not any(imp.domain == "com.microsoft" for imp in model.opset_import):
+            model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    return fused
+
+
+@dataclass
+class _AttentionCore:
+    query: str            # rotated queries [b, H, s, d]
+    new_key: str          # rotated new keys [b, KV, s, d]
+    new_value: str        # new values [b, KV, s, d]
+    past_key: str
+    past_value: str
+    scale: float
+    output: str           # [b, s, H * d]
+    output_node: onnx.NodeProto
+
+
+def _only(node_list: list[onnx.NodeProto] | None, op: str) -> onnx.NodeProto | None:
+    found = [n for n in node_list or [] if n.op_type == op]
+    return found[0] if len(found) == 1 else None
+
+
+def _attr(node: onnx.NodeProto, name: str, default=None):
+    for a in node.attribute:
+        if a.name == name:
+            return helper.get_attribute_value(a)
+    return default
+
+
+def _window(node: onnx.NodeProto | None, small, max_length: int | None) -> str | None:
+    """The tensor a sliding layer's window ``Slice(x, -W, end, axis 2)`` keeps the last W
+    positions of, when W >= ``max_length`` (the graph is exact only that far, so the slice keeps
+    everything); None for anything else."""
+    if node is None or node.op_type != "Slice" or max_length is None or len(node.input) < 4:
+        return None
+    starts, ends, axes = (small(i) for i in node.input[1:4])
+    steps = small(node.input[4]) if len(node.input) > 4 else [1]
+    if axes != [2] or steps != [1] or ends != [_INT64_MAX] or not starts or starts[0] > -max_length:
+        return None
+    return node.input[0]
+
+
+def _present(layer: int, kind: str, producer, small, max_length) -> tuple[onnx.NodeProto, str] | None:
+    """(the Concat(past, new) that makes ``present.{layer}.{kind}``, the past it reads), each
+    possibly through a sliding layer's window (``_window``)."""
+    node = producer.get(f"present.{layer}.{kind}")
+    windowed = _window(node, small, max_length)
+    if windowed is not None:
+        node = producer.get(windowed)
+    if node is None or node.op_type != "Concat" or len(node.input) != 2 or _attr(node, "axis") not in (2, -2):
+        return None
+    past = node.input[0]
+    if past != f"past_key_values.{layer}.{kind}":
+        past = _window(producer.get(past), small, max_length)
+    return (node, past) if past == f"past_key_values.{layer}.{kind}" else None
+
+
+def _attention_core(layer, producer, consumers, constant, scalars, small, max_length) -> _AttentionCore | None:
+    keys, values = (_present(layer, kind, producer, small, max_length) for kind in ("key", "value"))
+    if keys is None or values is None:
+        return None
+    (key_cat, past_key), (value_cat, past_value) = keys, values
+    # scores = Q @ K^T (the key transposed, maybe scaled by a constant), grouped or not
+    key_t = _only(consumers.get(key_cat.output[0]), "Transpose")
+    if key_t is None or _perm(key_t) != [0, 1, 3, 2]:
+        return None
+    scale, key_side = 1.0, key_t
+    scaled = _only(consumers.get(key_t.output[0]), "Mul")
+    if scaled is not None and scaled.input[1] in scalars:
+        scale *= scalars[scaled.input[1]]
+        key_side = scaled
+    scores = _only(consumers.get(key_side.output[0]), "MatMul")
+    if scores is None or scores.input[1] != key_side.output[0]:
+        return None
+    query = scores.input[0]
+    group_q = producer.get(query)
+    if group_q is not None and group_q.name.endswith("/GroupQ"):
+        query = group_q.input[0]
+    node = _next(consumers, scores.output[0])
+    if node is not None and node.name.endswith("/Ungroup"):
+        node = _next(consumers, node.output[0])
+    if node is not None and node.op_type == "Mul" and node.input[1] in scalars:
+        scale *= scalars[node.input[1]]
+        node = _next(consumers, node.output[0])
+    if node is None or node.op_type != "Add":
+        return None
+    mask = producer.get(node.input[1])
+    if mask is None or mask.op_type != "Where" or not all(i in constant for i in mask.input[1:]):
+        return None
+    softmax = _next(consumers, node.output[0])
+    if softmax is None or softmax.op_type != "Softmax" or _attr(softmax, "axis", -1) not in (-1, 3):
+        return None
+    probabilities = _without_nan_guard(softmax.output[0], consumers, constant)
+    node = _next(consumers, probabilities)
+    if node is not None and node.name.endswith("/GroupP"):
+        node = _next(consumers, node.output[0])
+    if node is None or node.op_type != "MatMul" or node.input[1] != value_cat.output[0]:
+        return None
+    node = _next(consumers, node.output[0])
+    if node is not None and node.name.endswith("/Ungroup"):
+        node = _next(consumers, node.output[0])
+    if node is None or node.op_type != "Transpose" or _perm(node) != [0, 2, 1, 3]:
+        return None
+    out = _next(consumers, node.output[0])
+    if out is None or out.op_type != "Reshape":
+        return None
+    return _AttentionCore(query, key_cat.input[1], value_cat.input[1], past_key, past_value, scale,
+                          out.output[0], out)
+
+
+def _without_nan_guard(probabilities: str, consumers, constant) -> str:
+    """Past scaled_dot_product_attention's guard ``Where(IsNaN(p), 0, p)`` (a row with every key
+    masked), when the exporter wrote one: a causal row always sees its own key, so the fused
+    operator, which has no such row, computes the same."""
+    readers = consumers.get(probabilities, [])
+    isnan = _only(readers, "IsNaN")
+    where = _only(readers, "Where")
+    if len(readers) == 2 and isnan is not None and where is not None and \
+            list(where.input) == [isnan.output[0], where.input[1], probabilities] and where.input[1] in constant and \
+            [n.name for n in consumers.get(isnan.output[0], [])] == [where.name]:
+        return where.output[0]
+    return probabilities
+
+
+def _next(consumers, name: str) -> onnx.NodeProto | None:
+    """The one node reading ``name`` (None when none or several do: then it is not a chain)."""
+    readers = consumers.get(name, [])
+    return readers[0] if len(readers) == 1 else None
+
+
+def _install_gqa(graph, layer: int, core: _AttentionCore, heads: int, kv_heads: int, head_dim: int) -> None:
+    p = f"model.layers.{layer}.self_attn/gqa"
+    new = []
+    flat = {}
+    for role, name, n in (("query", core.query, heads), ("key", core.new_key, kv_heads),
+                          ("value", core.new_value, kv_heads)):
+        new += [helper.make_node("Transpose", [name], [f"{p}/{role}_bsnh"], name=f"{p}/{role}_bsnh", perm=[0, 2, 1, 3]),
+                helper.make_node("Reshape", [f"{p}/{role}_bsnh", _int64(graph, f"{p}/{role}_shape", [0, 0, n * head_dim])],
+                                 [f"{p}/{role}"], name=f"{p}/{role}")]
+        flat[role] = f"{p}/{role}"
+    new.append(helper.make_node(
+        GQA, [flat["query"], flat["key"], flat["value"], core.past_key, core.past_value, _SEQLENS_K, _TOTAL_LENGTH],
+        [core.output, f"present.{layer}.key", f"present.{layer}.value"], name=p, domain="com.microsoft",
+        num_heads=heads, kv_num_heads=kv_heads, scale=core.scale))
+    _insert_before(graph, core.output_node, new)
+    graph.node.remove(core.output_node)
+    # the GQA node writes the present now: its Concat (or a sliding layer's window of it) goes,
+    # and what read them only dies with them (_drop_unused)
+    for node in [n for n in graph.node if n.op_type != GQA and
+                 set(n.output) & {f"present.{layer}.key", f"present.{layer}.value"}]:
+        graph.node.remove(node)
+
+
+def _seqlens_from_mask(graph: onnx.GraphProto) -> None:
+    """``seqlens_k`` [b] int32 (each row's mask sum less one) and ``total_sequence_length`` (the
+    mask's length, int32 scalar), at the top of the graph: the mask is a graph input."""
+    p = "gqa"
+    nodes = [
+        helper.make_node("ReduceSum", [ATTENTION_MASK, _int64(graph, f"{p}/sum_axes", [1])], [f"{p}/row_sums"],
+                         name=f"{p}/RowSums", keepdims=0),
+        helper.make_node("Sub", [f"{p}/row_sums", _int64(graph, f"{p}/one", 1)], [f"{p}/last_index"], name=f"{p}/LastIndex"),
+        helper.make_node("Cast", [f"{p}/last_index"], [_SEQLENS_K], name=f"{p}/SeqlensK", to=onnx.TensorProto.INT32),
+        helper.make_node("Shape", [ATTENTION_MASK], [f"{p}/mask_shape"], name=f"{p}/MaskShape", start=1, end=2),
+        helper.make_node("Squeeze", [f"{p}/mask_shape", _int64(graph, f"{p}/axis0", [0])], [f"{p}/mask_length"],
+                         name=f"{p}/MaskLength"),
+        helper.make_node("Cast", [f"{p}/mask_length"], [_TOTAL_LENGTH], name=f"{p}/TotalLength", to=onnx.TensorProto.INT32),
+    ]
+    for offset, node in enumerate(nodes):
+        graph.node.insert(offset, node)

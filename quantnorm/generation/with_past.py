@@ -52,7 +52,7 @@ from .decode import (
     past_names,
     present_names,
 )
-from .graph_passes import add_logits_to_keep, attend_without_repeating_kv
+from .graph_passes import add_logits_to_keep, attend_without_repeating_kv, fuse_group_query_attention
 
 DEFAULT_OPSET = 18
 DEFAULT_TOLERANCE = 1e-4
@@ -161,6 +161,7 @@ class WithPastExportResult:
     max_abs_diff: dict[str, float]       # per step ("prompt", "decode 1", ...): the worst output
     prompt_shape: list[int] = field(default_factory=list)
     keeps_logits: bool = False           # the graph takes ``logits_to_keep`` (add_logits_to_keep)
+    fused_attention: int = 0             # layers whose attention is one GroupQueryAttention node
 
     def to_dict(self, run_dir: Path | None = None) -> dict:
         path = Path(self.path)
@@ -173,15 +174,20 @@ class WithPastExportResult:
                 "max_abs_diff": dict(self.max_abs_diff), "prompt_shape": list(self.prompt_shape),
                 "inputs": [INPUT_IDS, ATTENTION_MASK, POSITION_IDS, *past_names(self.n_layers)],
                 "optional_inputs": [LOGITS_TO_KEEP] if self.keeps_logits else [],
-                "outputs": [LOGITS, *present_names(self.n_layers)]}
+                "outputs": [LOGITS, *present_names(self.n_layers)],
+                "attention": (f"com.microsoft.GroupQueryAttention in {self.fused_attention} of {self.n_layers} layers"
+                              if self.fused_attention else "as exported (standard ONNX operators)")}
 
 
 def export_with_past(wrapper, out_path: Path, prompts: np.ndarray, *, opset: int = DEFAULT_OPSET,
-                     tolerance: float = DEFAULT_TOLERANCE,
-                     decode_steps: int = DEFAULT_DECODE_STEPS) -> WithPastExportResult:
+                     tolerance: float = DEFAULT_TOLERANCE, decode_steps: int = DEFAULT_DECODE_STEPS,
+                     fuse_attention: bool = True) -> WithPastExportResult:
     """Export ``wrapper`` (``ZooWithPast`` or ``HFWithPast``) to ``out_path`` and prove, on
     ``prompts`` [n, prompt] (int token ids) and ``decode_steps`` greedy tokens after them, that the
-    graph computes the wrapper's logits and cache. Atomic: on failure no file is left."""
+    graph computes the wrapper's logits and cache. ``fuse_attention``: each layer's attention as
+    one ONNX Runtime ``GroupQueryAttention`` node where the pass finds it (graph_passes.py; False
+    keeps standard ONNX operators only, for another runtime or to measure what the fusion buys).
+    Atomic: on failure no file is left."""
     if opset < 17:
         raise ConfigError(f"opset {opset} is too old: LayerNormalization needs opset >= 17 (use 18 or 23)")
     if not tolerance > 0 or decode_steps < 1:
@@ -193,13 +199,13 @@ def export_with_past(wrapper, out_path: Path, prompts: np.ndarray, *, opset: int
     try:
         with atomic_path(out_path, suffix=".onnx") as tmp:
             _export_once(wrapper, tmp, prompts, opset)
-            keeps_logits = []
-            finish_onnx_file(tmp, lambda m: keeps_logits.append(_finish_graph(m, wrapper)), out_path)
+            passes = []
+            finish_onnx_file(tmp, lambda m: passes.append(_finish_graph(m, wrapper, fuse_attention)), out_path)
             diffs = _parity(wrapper, tmp, prompts, decode_steps, tolerance, opset)
     finally:
         wrapper.train(was_training)
     return WithPastExportResult(out_path, opset, wrapper.n_layers, wrapper.kv_heads, wrapper.head_dim,
-                                wrapper.max_length, tolerance, diffs, list(prompts.shape), keeps_logits[0])
+                                wrapper.max_length, tolerance, diffs, list(prompts.shape), *passes[0])
 
 
 def _check_prompts(prompts: np.ndarray, wrapper, decode_steps: int) -> np.ndarray:
@@ -259,14 +265,17 @@ def _export_once(wrapper, tmp: Path, prompts: np.ndarray, opset: int) -> None:
                               + (f" (exporter said: {' | '.join(tail)})" if tail else "")) from exc
 
 
-def _finish_graph(model: onnx.ModelProto, wrapper) -> bool:
+def _finish_graph(model: onnx.ModelProto, wrapper, fuse_attention: bool = True) -> tuple[bool, int]:
     """Nodes named after their modules, the cache's length axes named ``past + seq`` (the exporter
     writes its own expressions), the graph passes (graph_passes.py: the ``logits_to_keep`` input,
-    attention that reads the cache without repeating it), and the stated maximum length in the
-    metadata. True when the graph takes ``logits_to_keep``."""
+    attention that reads the cache without repeating it, then as one GroupQueryAttention node), and
+    the stated maximum length in the metadata. Returns (the graph takes ``logits_to_keep``, layers
+    fused)."""
     name_nodes_by_module(model, wrapper.node_prefix)
     keeps_logits = add_logits_to_keep(model)
     attend_without_repeating_kv(model, wrapper.heads, wrapper.kv_heads, wrapper.head_dim)
+    fused = fuse_group_query_attention(model, wrapper.heads, wrapper.kv_heads, wrapper.head_dim,
+                                       wrapper.max_length) if fuse_attention else 0
     for value in model.graph.input:
         if value.name == ATTENTION_MASK:
             value.type.tensor_type.shape.dim[1].dim_param = "past + seq"
@@ -275,7 +284,7 @@ def _finish_graph(model: onnx.ModelProto, wrapper) -> bool:
             value.type.tensor_type.shape.dim[2].dim_param = "past + seq"
     if wrapper.max_length is not None:
         onnx.helper.set_model_props(model, {MAX_LENGTH_KEY: str(wrapper.max_length)})
-    return keeps_logits
+    return keeps_logits, fused
 
 
 def torch_step(wrapper, ids: np.ndarray, past: list | None) -> tuple[np.ndarray, list]:

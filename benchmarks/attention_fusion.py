@@ -1,0 +1,104 @@
+"""What ONNX Runtime's GroupQueryAttention buys a decode step: the same checkpoint's with-past graph
+exported with its attention as exported and fused, quantized alike, timed side by side.
+
+    python benchmarks/attention_fusion.py runs/<a quantnorm evaluate --model run> \
+        [--recipes pertoken-fused,wo-int8-b32-acc4] [--threads 2] [--rounds 3] [--prompt 128] [--new 128]
+
+The positional argument is a run directory of ``quantnorm evaluate --model`` (its ``checkpoint/``,
+the Hugging Face directory a GGUF was dequantized into) or a Hugging Face checkpoint directory.
+The with-past graph is exported twice through the generation stage's exporter
+(``export_with_past``): ``fuse_attention=False`` (standard ONNX operators, as exported) and the
+default (each layer's attention core one ``com.microsoft.GroupQueryAttention`` node); each export
+passes the parity gate against PyTorch. Both are quantized with each recipe by the stage's own
+``quantize`` (recipes that need no torch transform and no calibration: per-token INT8 and
+weight-only 8-bit with int8 activations), then every graph decodes a 128-token prompt and 128 new
+tokens at batch 1 in ``--rounds`` interleaved rounds (``decode_speed``; each row keeps its best
+round: a neighbour's load only slows a round down). Prints the CPU, its ISA flags, the threads,
+and per graph its node count, prompt and generation tokens/s, and fused / as exported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from quantnorm.generation import HFWithPast, export_with_past
+from quantnorm.generation.speed import decode_speed
+from quantnorm.hardware import cpu_flags, cpu_has_vnni, cpu_model
+from quantnorm.measure.sessions import SessionSpec
+from quantnorm.quantize.ort_backend import quantize
+from quantnorm.quantize.recipes import get_recipe
+
+ISA = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8")
+
+
+def checkpoint_dir(path: Path) -> Path:
+    for candidate in (path / "checkpoint", path):
+        if (candidate / "config.json").is_file():
+            return candidate
+    sys.exit(f"error: {path} is neither a quantnorm evaluate --model run (no checkpoint/config.json) nor a "
+             f"Hugging Face checkpoint (no config.json); run `quantnorm evaluate --model ...` first")
+
+
+def node_count(path: Path) -> int:
+    return len(onnx.load(str(path), load_external_data=False).graph.node)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("run", type=Path, help="a quantnorm evaluate --model run directory, or a HF checkpoint")
+    parser.add_argument("--recipes", default="pertoken-fused,wo-int8-b32-acc4",
+                        help="recipes applied to both graphs (no torch transform, no calibration)")
+    parser.add_argument("--threads", type=int, default=2, help="intra-op threads of every session")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (best kept per row)")
+    parser.add_argument("--prompt", type=int, default=128, help="prompt tokens (batch 1)")
+    parser.add_argument("--new", type=int, default=128, help="generated tokens")
+    args = parser.parse_args()
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint_dir(args.run), torch_dtype="float32").eval()
+    wrapper = HFWithPast(model)
+    rng = np.random.default_rng(0)
+    parity = rng.integers(0, wrapper.vocab_size, size=(2, 16), dtype=np.int64)
+    windows = rng.integers(0, wrapper.vocab_size, size=(4, 64), dtype=np.int64)
+    prompts = rng.integers(0, wrapper.vocab_size, size=(1, args.prompt), dtype=np.int64)
+    graphs: dict[str, Path] = {}
+    with tempfile.TemporaryDirectory(prefix="attention-fusion-") as tmp:
+        for form, fuse in (("as exported", False), ("fused", True)):
+            path = Path(tmp) / f"fp32.{'fused' if fuse else 'plain'}.past.onnx"
+            result = export_with_past(wrapper, path, parity, fuse_attention=fuse)
+            print(f"export {form}: {result.to_dict()['attention']}; parity max |diff| "
+                  f"{max(result.max_abs_diff.values()):.2e}", flush=True)
+            graphs[f"fp32 ({form})"] = path
+            for name in [r for r in args.recipes.split(",") if r]:
+                q = quantize(path, get_recipe(name), windows, path.with_name(f"{name}.{path.name}"),
+                             vnni=cpu_has_vnni(), probe_inputs=windows[:1], diagnostics=False)
+                if q.status != "ok":
+                    sys.exit(f"error: {name} on the {form} graph: {q.status} {q.problems}")
+                graphs[f"{name} ({form})"] = q.path
+        del model, wrapper
+        spec = SessionSpec(threads=args.threads)
+        rows: dict[str, list[dict]] = {key: [] for key in graphs}
+        for _ in range(args.rounds):
+            for key, path in graphs.items():
+                rows[key].append(decode_speed(path, prompts, new_tokens=args.new, spec=spec, rounds=1))
+        best = {key: max(runs, key=lambda r: r["gen_tokens_per_s"]) for key, runs in rows.items()}
+        flags = [f for f in ISA if f in cpu_flags()]
+        print(f"\nCPU: {cpu_model()}; ISA: {', '.join(flags)}; threads: {args.threads}; batch 1, "
+              f"{args.prompt}-token prompt, {args.new} new tokens; best of {args.rounds} interleaved rounds\n")
+        print(f"{'graph':<34} {'nodes':>6} {'prompt tok/s':>12} {'gen tok/s':>10} {'gen: fused / as exported':>25}")
+        for key, path in graphs.items():
+            row = best[key]
+            base = key.replace("(fused)", "(as exported)")
+            ratio = f"{row['gen_tokens_per_s'] / best[base]['gen_tokens_per_s']:.3f}x" if base != key else ""
+            print(f"{key:<34} {node_count(path):>6} {row['prompt_tokens_per_s']:>12,.0f} "
+                  f"{row['gen_tokens_per_s']:>10,.1f} {ratio:>25}")
+
+
+if __name__ == "__main__":
+    main()
