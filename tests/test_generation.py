@@ -210,6 +210,35 @@ def test_fused_attention_computes_the_exported_attention_and_unmatched_chains_st
     assert len([n for n in graph.graph.node if n.op_type == "Softmax"]) == 2
 
 
+@pytest.mark.parametrize("name, overrides", [("llama", {"head_dim": 16}),
+                                             ("gemma3_text", {"head_dim": 16, "sliding_window": 12})])
+def test_the_operator_rotates_where_the_head_size_allows(tmp_path, name, overrides):
+    """Head size 16 (ONNX Runtime's CPU kernel rotates multiples of 16): the rotary embedding
+    moves into the operator too (its cos and sin caches computed by the graph's own nodes for
+    every position), gemma3's q/k norms and query scale included; the fused graph decodes what
+    the graph with standard operators decodes."""
+    model = hf_model(name, **overrides)
+    prompts = windows(2, 6, 300)
+    fused = export_with_past(HFWithPast(model), tmp_path / "fused.onnx", prompts)
+    plain = export_with_past(HFWithPast(model), tmp_path / "plain.onnx", prompts, fuse_attention=False)
+    graph = onnx.load(str(fused.path), load_external_data=False).graph
+    nodes = [n for n in graph.node if n.op_type == "GroupQueryAttention"]
+    assert len(nodes) == fused.fused_attention == 2
+    assert all(onnx.helper.get_attribute_value(a) == 1 for n in nodes for a in n.attribute if a.name == "do_rotary")
+    assert all(len(n.input) == 9 for n in nodes)   # ... seqlens_k, total_sequence_length, cos_cache, sin_cache
+    assert not [n for n in graph.node if n.op_type == "Neg" and "self_attn" in n.name]   # rotate_half is gone
+    caches = {t.name: list(t.dims) for t in graph.initializer if t.name.startswith("gqa/cos_cache")}
+    assert caches and all(dims == [fused.max_length, 8] for dims in caches.values())
+    runs = []
+    for path in (plain.path, fused.path):
+        runner = DecodeSession(path)
+        runner.reset(3)
+        logits = [runner.step(windows(3, 5, 300, seed=6))] + [runner.step(t[:, None]) for t in windows(4, 3, 300, seed=7)]
+        runs.append(logits + runner.cache())
+    for a, b in zip(*runs):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)
+
+
 def test_a_wrong_head_grouping_fails_the_export(monkeypatch, tmp_path):
     """The parity gate catches a pass that groups the heads wrongly (here: as one key head)."""
     from quantnorm.generation import with_past

@@ -30,7 +30,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .decode import ATTENTION_MASK, LOGITS, LOGITS_TO_KEEP
+from .decode import ATTENTION_MASK, LOGITS, LOGITS_TO_KEEP, POSITION_IDS
 
 _HEAD_OPS = {"MatMul", "Gemm"}
 _INT64_MAX = np.iinfo(np.int64).max
@@ -249,12 +249,13 @@ def fuse_group_query_attention(model: onnx.ModelProto, heads: int, kv_heads: int
                if t.data_type == onnx.TensorProto.FLOAT and int(np.prod(t.dims)) == 1}
     fused = 0
     layer = 0
+    caches: dict = {}   # (cos, sin) tensors -> the operator's cos and sin caches
     small = {t.name: numpy_helper.to_array(t).tolist() for t in graph.initializer
              if t.data_type == onnx.TensorProto.INT64 and len(t.dims) <= 1}
     while f"present.{layer}.key" in producer:
         match = _attention_core(layer, producer, consumers, constant, scalars, small.get, max_length)
         if match is not None:
-            _install_gqa(graph, layer, match, heads, kv_heads, head_dim)
+            _install_gqa(model, layer, match, heads, kv_heads, head_dim, max_length, caches)
             fused += 1
         layer += 1
     if fused:
@@ -263,6 +264,20 @@ def fuse_group_query_attention(model: onnx.ModelProto, heads: int, kv_heads: int
         if not any(imp.domain == "com.microsoft" for imp in model.opset_import):
             model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     return fused
+
+
+@dataclass
+class _Rotary:
+    """A layer's rotary embedding, undone: what the query and key were before it (each [b, H, s,
+    d] or, ``*_bsnh``, [b, s, H, d]) and the graph's cos and sin tensors [b, s, d] it multiplied
+    them by (functions of ``position_ids`` alone)."""
+    query: str
+    query_bsnh: bool
+    key: str
+    key_bsnh: bool
+    cos: str
+    sin: str
+    query_scale: float = 1.0   # a constant the rotated query was multiplied by: the operator's then
 
 
 @dataclass
@@ -275,6 +290,7 @@ class _AttentionCore:
     scale: float
     output: str           # [b, s, H * d]
     output_node: onnx.NodeProto
+    rotary: _Rotary | None = None   # the query and key before their rotary embedding, when matched
 
 
 def _only(node_list: list[onnx.NodeProto] | None, op: str) -> onnx.NodeProto | None:
@@ -366,8 +382,117 @@ def _attention_core(layer, producer, consumers, constant, scalars, small, max_le
     out = _next(consumers, node.output[0])
     if out is None or out.op_type != "Reshape":
         return None
-    return _AttentionCore(query, key_cat.input[1], value_cat.input[1], past_key, past_value, scale,
+    core = _AttentionCore(query, key_cat.input[1], value_cat.input[1], past_key, past_value, scale,
                           out.output[0], out)
+    core.rotary = _rotary_of(core, producer, small, scalars)
+    return core
+
+
+def _rotary_of(core: _AttentionCore, producer, small, scalars) -> _Rotary | None:
+    """The layer's rotary embedding (``_rotated``) when its query and key were rotated by the same
+    cos and sin; the query may be scaled by a constant after its rotation (``query_scale``). None
+    for anything else: the rotation stays in the graph."""
+    query, extra = core.query, 1.0
+    scaled = producer.get(query)
+    if scaled is not None and scaled.op_type == "Mul" and scaled.input[1] in scalars:
+        query, extra = scaled.input[0], scalars[scaled.input[1]]
+    q, k = _rotated(query, producer, small), _rotated(core.new_key, producer, small)
+    if q is None or k is None or q[2:] != k[2:]:
+        return None
+    return _Rotary(q[0], q[1], k[0], k[1], *q[2:], query_scale=extra)
+
+
+_LAYOUT_OPS = {"Unsqueeze", "Transpose", "Identity"}
+
+
+def _rotated(name: str, producer, small) -> tuple[str, bool, str, str] | None:
+    """(x, x is [b, s, H, d], cos, sin) when ``name`` is the rotate-half rotary embedding of x:
+    ``x * cos + Concat(-x[..., d/2:], x[..., :d/2]) * sin`` on the last axis, possibly transposed
+    (0, 2, 1, 3) afterwards; cos and sin traced back through layout-only operators."""
+    node, bsnh = producer.get(name), False
+    if node is not None and node.op_type == "Transpose" and _perm(node) == [0, 2, 1, 3]:
+        node, bsnh = producer.get(node.input[0]), True
+    if node is None or node.op_type != "Add":
+        return None
+    muls = [producer.get(i) for i in node.input]
+    if any(m is None or m.op_type != "Mul" for m in muls):
+        return None
+    for plain, rotated in (muls, muls[::-1]):
+        for side in (0, 1):
+            x = _rotate_half_of(producer.get(rotated.input[side]), producer, small)
+            if x is not None and x in plain.input:
+                cos = plain.input[1 - list(plain.input).index(x)]
+                return x, bsnh, _through_layout(cos, producer), _through_layout(rotated.input[1 - side], producer)
+    return None
+
+
+def _rotate_half_of(node: onnx.NodeProto | None, producer, small) -> str | None:
+    """x when ``node`` is ``Concat(Neg(x[..., h:]), x[..., :h])`` on the last axis, else None."""
+    if node is None or node.op_type != "Concat" or len(node.input) != 2 or _attr(node, "axis") not in (-1, 3):
+        return None
+    neg, first = producer.get(node.input[0]), producer.get(node.input[1])
+    if neg is None or neg.op_type != "Neg" or first is None:
+        return None
+    second = producer.get(neg.input[0])
+    halves = [_last_axis_slice(n, small) for n in (first, second)]
+    if None in halves or first.input[0] != second.input[0]:
+        return None
+    (start1, end1), (start2, end2) = halves
+    return first.input[0] if start1 == 0 and end1 == start2 and end2 >= 2 * start2 > 0 else None
+
+
+def _last_axis_slice(node: onnx.NodeProto | None, small) -> tuple[int, int] | None:
+    if node is None or node.op_type != "Slice" or len(node.input) < 4:
+        return None
+    starts, ends, axes = (small(i) for i in node.input[1:4])
+    steps = small(node.input[4]) if len(node.input) > 4 else [1]
+    if axes not in ([-1], [3]) or steps != [1] or not starts or not ends:
+        return None
+    return starts[0], ends[0]
+
+
+def _through_layout(name: str, producer) -> str:
+    node = producer.get(name)
+    while node is not None and node.op_type in _LAYOUT_OPS:
+        name = node.input[0]
+        node = producer.get(name)
+    return name
+
+
+def _position_table(model: onnx.ModelProto, name: str, positions: int) -> np.ndarray | None:
+    """``name`` [1, positions, d] computed for ``position_ids`` = 0 .. positions - 1 by the graph's
+    own nodes, when it depends on ``position_ids`` and constants alone (None otherwise)."""
+    import onnxruntime as ort
+
+    graph = model.graph
+    producer = {out: node for node in graph.node for out in node.output}
+    inits = {t.name: t for t in graph.initializer}
+    needed, stack, feeds = [], [name], set()
+    while stack:
+        tensor = stack.pop()
+        if tensor in inits or not tensor:
+            continue
+        node = producer.get(tensor)
+        if node is None:
+            feeds.add(tensor)
+            continue
+        if node not in needed:
+            needed.append(node)
+            stack.extend(node.input)
+    if feeds != {POSITION_IDS}:
+        return None
+    index = {node.output[0]: i for i, node in enumerate(graph.node)}
+    nodes = sorted(needed, key=lambda n: index[n.output[0]])
+    used = {i for n in nodes for i in n.input}
+    sub = helper.make_graph(nodes, "position_table",
+                            [helper.make_tensor_value_info(POSITION_IDS, onnx.TensorProto.INT64, [1, positions])],
+                            [helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None)],
+                            [inits[i] for i in used if i in inits])
+    table_model = helper.make_model(sub, opset_imports=list(model.opset_import))
+    table_model.ir_version = model.ir_version
+    session = ort.InferenceSession(table_model.SerializeToString(), providers=["CPUExecutionProvider"])
+    table = session.run(None, {POSITION_IDS: np.arange(positions, dtype=np.int64)[None]})[0]
+    return table if table.ndim == 3 and table.shape[:2] == (1, positions) else None
 
 
 def _without_nan_guard(probabilities: str, consumers, constant) -> str:
@@ -390,20 +515,53 @@ def _next(consumers, name: str) -> onnx.NodeProto | None:
     return readers[0] if len(readers) == 1 else None
 
 
-def _install_gqa(graph, layer: int, core: _AttentionCore, heads: int, kv_heads: int, head_dim: int) -> None:
+def _rotary_caches(model: onnx.ModelProto, rotary: _Rotary, max_length: int | None, head_dim: int,
+                   caches: dict) -> tuple[str, str] | None:
+    """The operator's cos and sin caches [max_length, d / 2] for ``rotary``'s cos and sin, made
+    once per pair from the graph's own nodes (``_position_table``); None when they are not
+    rotate-half tables of this head size (both halves equal)."""
+    key = (rotary.cos, rotary.sin)
+    if key not in caches:
+        caches[key] = None
+        tables = [_position_table(model, name, max_length) for name in key] if max_length else [None]
+        half = head_dim // 2
+        if all(t is not None and t.shape[2] == head_dim and np.array_equal(t[..., :half], t[..., half:]) for t in tables):
+            names = []
+            for kind, table in zip(("cos", "sin"), tables):
+                names.append(f"gqa/{kind}_cache_{len(caches) - 1}")
+                model.graph.initializer.append(numpy_helper.from_array(
+                    np.ascontiguousarray(table[0, :, :half], dtype=np.float32), names[-1]))
+            caches[key] = tuple(names)
+    return caches[key]
+
+
+def _install_gqa(model, layer: int, core: _AttentionCore, heads: int, kv_heads: int, head_dim: int,
+                 max_length: int | None, caches: dict) -> None:
+    graph = model.graph
     p = f"model.layers.{layer}.self_attn/gqa"
+    rotary = core.rotary
+    # ONNX Runtime's CPU kernel rotates head sizes that are multiples of 16 only
+    rotates = rotary is not None and head_dim % 16 == 0
+    cos_sin = _rotary_caches(model, rotary, max_length, head_dim, caches) if rotates else None
+    inputs = [(core.query, False, heads), (core.new_key, False, kv_heads), (core.new_value, False, kv_heads)]
+    if cos_sin is not None:   # the operator rotates: it takes the query and key from before their rotation
+        inputs[:2] = [(rotary.query, rotary.query_bsnh, heads), (rotary.key, rotary.key_bsnh, kv_heads)]
     new = []
-    flat = {}
-    for role, name, n in (("query", core.query, heads), ("key", core.new_key, kv_heads),
-                          ("value", core.new_value, kv_heads)):
-        new += [helper.make_node("Transpose", [name], [f"{p}/{role}_bsnh"], name=f"{p}/{role}_bsnh", perm=[0, 2, 1, 3]),
-                helper.make_node("Reshape", [f"{p}/{role}_bsnh", _int64(graph, f"{p}/{role}_shape", [0, 0, n * head_dim])],
-                                 [f"{p}/{role}"], name=f"{p}/{role}")]
-        flat[role] = f"{p}/{role}"
+    flat = []
+    for role, (name, bsnh, n) in zip(("query", "key", "value"), inputs):
+        if not bsnh:
+            new.append(helper.make_node("Transpose", [name], [f"{p}/{role}_bsnh"], name=f"{p}/{role}_bsnh",
+                                        perm=[0, 2, 1, 3]))
+            name = f"{p}/{role}_bsnh"
+        new.append(helper.make_node("Reshape", [name, _int64(graph, f"{p}/{role}_shape", [0, 0, n * head_dim])],
+                                    [f"{p}/{role}"], name=f"{p}/{role}"))
+        flat.append(f"{p}/{role}")
+    rotation = {"do_rotary": 1} if cos_sin is not None else {}
+    scale = core.scale * (rotary.query_scale if cos_sin is not None else 1.0)
     new.append(helper.make_node(
-        GQA, [flat["query"], flat["key"], flat["value"], core.past_key, core.past_value, _SEQLENS_K, _TOTAL_LENGTH],
+        GQA, [*flat, core.past_key, core.past_value, _SEQLENS_K, _TOTAL_LENGTH, *(cos_sin or ())],
         [core.output, f"present.{layer}.key", f"present.{layer}.value"], name=p, domain="com.microsoft",
-        num_heads=heads, kv_num_heads=kv_heads, scale=core.scale))
+        num_heads=heads, kv_num_heads=kv_heads, scale=scale, **rotation))
     _insert_before(graph, core.output_node, new)
     graph.node.remove(core.output_node)
     # the GQA node writes the present now: its Concat (or a sliding layer's window of it) goes,
