@@ -29,9 +29,10 @@ def generation(results: dict) -> list[str]:
     s = section.get("settings") or {}
     export = section.get("export") or {}
     steps = len(export.get("max_abs_diff") or {}) - 1
+    attention = f"; attention {export['attention']}" if export.get("attention") else ""
     how = (f"exported with a KV cache ({export.get('n_layers')} layers x {export.get('kv_heads')} key/value heads x "
-           f"{export.get('head_dim')}; parity with PyTorch's own cache at the prompt and {steps} decode steps)"
-           if steps >= 0 else f"with a KV cache as given ({export.get('exporter')}; checked by the cache proof below)")
+           f"{export.get('head_dim')}{attention}; parity with PyTorch's own cache at the prompt and {steps} decode "
+           f"steps)" if steps >= 0 else f"with a KV cache as given ({export.get('exporter')}; checked by the cache proof below)")
     L += [f"Each model runs as deployed to generate: the graph {how}, every recipe "
           f"quantized again on it from the same calibration windows, the cache {s.get('cache')}. "
           f"Decode speed: a {s.get('prompt_tokens')}-token prompt, then {s.get('new_tokens')} greedy tokens one "
