@@ -119,11 +119,14 @@ def _evaluate(source: ModelSource, cfg: EvaluateConfig, command: str) -> dict:
     quantize_recipes(run, out)
     run.fp32_session.close()   # the search opens its own; latency, the probe and the FP16 check read files
     if AUTO in cfg.recipes:
+        # the probe orders the search's default space (search.probe_ordered) and lets it prune
+        # what massive activations break once a per-token recipe passed (search.pruned_by)
+        massive = bool(probed_massive(run))
         with stage("search"):
             out.section("search", run_search(run.run_dir, cfg, run.fp32_path, run.transforms, source.data.calib_inputs,
                                              source.search_scoring(cfg), run.spec, run.vnni, out.recipes,
                                              run.int8_paths, run.fp32_sources, recipes_used=run.recipes,
-                                             measure=run.measure,
+                                             measure=run.measure, massive=massive,
                                              preprocessed=run.preprocessed, fp32_session=run.fp32_scores))
     run.close()
     transform_sections(run, out)
@@ -175,16 +178,26 @@ def choose_recipes(run: _Run, out: ResultsBuilder) -> EvaluateConfig:
     whose per-tensor scales the probe already says will spend their 8 bits on those values; the
     ``recipe_choice`` section records why, and the report's verdict says so. The probe is kept for
     the ``outliers`` section (it is not run twice). An encoder keeps the default set."""
-    cfg, options = run.cfg, run.source.probe_options()
-    if not options.get("causal", True):
+    cfg = run.cfg
+    massive = probed_massive(run)
+    if massive is None:
         return cfg
-    with run.stage("probe"):
-        run.probe = graph_probe(run.fp32_path, run.source.data.eval_inputs[: cfg.probe_windows], **options)
-    massive = int(run.probe[0]["massive_total"])
     recipes = MASSIVE_DEFAULT_RECIPES if massive else cfg.recipes
     out.section("recipe_choice", {"by": "probe", "massive_total": massive, "probe_windows": cfg.probe_windows,
                                   "recipes": list(recipes), "default_recipes": list(cfg.recipes)})
     return replace(cfg, recipes=recipes, probe_picks_recipes=False)
+
+
+def probed_massive(run: _Run) -> int | None:
+    """The massive activations the FP32 probe finds in a language model (``run.probe``, probed
+    once: the outliers section reads it too); None for an encoder, which is not probed first."""
+    options = run.source.probe_options()
+    if not options.get("causal", True):
+        return None
+    if run.probe is None:
+        with run.stage("probe"):
+            run.probe = graph_probe(run.fp32_path, run.source.data.eval_inputs[: run.cfg.probe_windows], **options)
+    return int(run.probe[0]["massive_total"])
 
 
 def quantize_recipes(run: _Run, out: ResultsBuilder) -> None:
@@ -356,17 +369,19 @@ def smoothquant_section(run_dir: Path, cfg: EvaluateConfig, fp32_path: Path, smo
 def run_search(run_dir: Path, cfg: EvaluateConfig, fp32_path: Path, transforms, calib_inputs,
                scoring: SearchScoring, spec: SessionSpec, vnni: bool, recipes_out: list[dict],
                int8_paths: dict[str, Path], fp32_sources: dict[str, Path], *, measure: Callable[[Path], dict],
-               recipes_used: dict[str, Any] | None = None,
+               recipes_used: dict[str, Any] | None = None, massive: bool = False,
                preprocessed: PreprocessCache | None = None, fp32_session=None) -> dict:
     """``--recipes auto``: search, keep the chosen model (or, when none passes, the best one) as the
     recipe entry ``auto:<recipe>``, measured by ``measure(int8_path)`` (the run's own accuracy dict,
     on the whole evaluation range); return ``results["search"]``. ``scoring``: what trials are
-    scored on (the source's: byte-level for the zoo, tokens for checkpoints and ONNX exports)."""
+    scored on (the source's: byte-level for the zoo, tokens for checkpoints and ONNX exports).
+    ``massive``: the probe found massive activations (the search's order and pruning)."""
     work_dir = Path(run_dir) / "search"
+    search_cfg = replace(cfg.search_config(), massive=massive)
     shutil.rmtree(work_dir, ignore_errors=True)
     try:
         result = search_recipes(fp32_path, work_dir, calib_inputs, scoring.inputs, scoring.targets,
-                                cfg=cfg.search_config(), spec=spec, vnni=vnni, scorer=search_scorer(scoring.level),
+                                cfg=search_cfg, spec=spec, vnni=vnni, scorer=search_scorer(scoring.level),
                                 level=scoring.level, fp32_for=lambda recipe: transforms.fp32_for(recipe, fp32_path),
                                 preprocessed=preprocessed, fp32_session=fp32_session)
         keep = result.chosen or result.best
@@ -378,8 +393,8 @@ def run_search(run_dir: Path, cfg: EvaluateConfig, fp32_path: Path, transforms, 
                                 "search_passed": keep.passed})
             int8_paths[name] = path
             if recipes_used is not None:
-                recipes_used[name] = trial_recipe(cfg.search_config(), keep)
-            quantized_from = transforms.fp32_for(cfg.search_config().resolve(keep.recipe), fp32_path)
+                recipes_used[name] = trial_recipe(search_cfg, keep)
+            quantized_from = transforms.fp32_for(search_cfg.resolve(keep.recipe), fp32_path)
             if quantized_from != fp32_path:
                 fp32_sources[name] = quantized_from
     finally:

@@ -26,9 +26,13 @@ is measured again on the whole evaluation range by ``evaluate``.
 
 Steps:
 1. Recipes: the registry's weight-MatMul recipes, static and dynamic, plus ``smoothquant``
-   (``default_space``), in registry order. With ``pick="first"`` INC's ``need_stop`` ends the
-   search at the first passing recipe. With ``pick="fastest"`` only its ``max_trials`` half
-   applies: the fastest passing model cannot be known before every candidate was timed.
+   (``default_space``), in registry order, or, when the FP32 probe found massive activations
+   (``massive``), the recipes that survive them first (``probe_ordered``). With ``pick="first"``
+   INC's ``need_stop`` ends the search at the first passing recipe. With ``pick="fastest"`` a
+   recipe that cannot beat a passing trial is not tried (``pruned_by``: the same per-token
+   kernels or more work; with massive activations, per-tensor activation scales once a per-token
+   recipe passed) and is listed in ``pruned`` with why; the rest are timed (counted by
+   ``max_trials`` like the trials).
 2. Per-tensor fallback, only when no recipe passed: keep the k worst-SQNR weight-MatMul inputs of
    the best recipe in FP32 (SQNR from ``measure.sqnr.activation_sqnr`` on the best static trial;
    k counts input tensors, so q/k/v, which share one input, go together), k = 1, 2, 4, ... and
@@ -52,7 +56,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import List  # noqa: UP035 - INC's TuningParam asserts a typing._GenericAlias
 
 import numpy as np
 import onnx
@@ -64,73 +67,13 @@ from .measure.latency import bench_model
 from .measure.sessions import ReopenableSession, make_session
 from .measure.sqnr import activation_sqnr
 from .policy import ACCURACY_LIMITS, DEFAULT_POLICY, Policy
-from .quantize import RECIPES, Recipe, get_recipe, quantize, with_exclusions
+from .quantize import Recipe, get_recipe, quantize, with_exclusions
 from .quantize.recipes import ALPHA_SEPARATOR
+from .search_space import default_space, probe_ordered, pruned_by, recipe_space_config
 
 PICKS = ("fastest", "first")
 SCREEN_FACTOR = 4.0   # real checkpoints' broken recipes miss the KL goal by 10-100x (0.06-0.8 vs 0.007)
-FRAMEWORK = "quantnorm_onnxruntime"   # our name in INC's config registry
-ALGO = "quantnorm_recipe"
 ACCURACY_METRICS = tuple(metric for _, metric, _ in ACCURACY_LIMITS)  # what a trial's scorer returns
-
-
-def default_space() -> tuple[str, ...]:
-    """The registry's INT8 recipes that quantize only weight MatMuls (static, dynamic, per token,
-    SmoothQuant included), in registry order: ``static-minmax-matmul`` first, the baseline. The
-    weight-only recipes are another deployment (MatMulNBits, a grid of them): a space names them
-    (``--search-space wo-int8-b128,wo-int4-b32-acc4,...``), the default does not try them all."""
-    return tuple(name for name, r in RECIPES.items()
-                 if r.op_scope == "matmul" and not r.excluded and r.mode != "weight-only")
-
-
-# ---------------------------------------------------------------------------------------------
-# The config class INC expands into trials
-
-
-def _register_config_class():
-    # neural-compressor: slow to import, and only --recipes auto needs it
-    from neural_compressor.common.base_config import BaseConfig, register_config
-    from neural_compressor.common.tuning_param import TuningParam
-    from neural_compressor.common.utils import DEFAULT_WHITE_LIST
-
-    @register_config(framework_name=FRAMEWORK, algo_name=ALGO)
-    class RecipeSpaceConfig(BaseConfig):
-        """One point of our space: a registry recipe, and how many worst-SQNR MatMul inputs stay
-        FP32. Given lists, ``expand()`` yields their product (INC's own expansion)."""
-
-        name = ALGO
-        # TuningParam with explicit types: INC reads a plain name's type from the __init__
-        # annotation, which `from __future__ import annotations` turns into a string.
-        params_list = [TuningParam("recipe", tunable_type=List[str]),  # noqa: UP006
-                       TuningParam("exclude_worst", tunable_type=List[int])]  # noqa: UP006
-
-        def __init__(self, recipe="static-minmax-matmul", exclude_worst=0, white_list=DEFAULT_WHITE_LIST):
-            super().__init__(white_list=white_list)
-            self.recipe = recipe
-            self.exclude_worst = exclude_worst
-            self._post_init()
-
-        @classmethod
-        def register_supported_configs(cls) -> None:
-            cls.supported_configs = []
-
-        @classmethod
-        def get_config_set_for_tuning(cls):
-            return cls(recipe=list(default_space()))
-
-    return RecipeSpaceConfig
-
-
-_CONFIG_CLASS = None
-
-
-def recipe_space_config(recipe, exclude_worst=0):
-    """An INC ``RecipeSpaceConfig`` (the class is registered on first use: importing INC costs
-    about a second, which commands that never search should not pay)."""
-    global _CONFIG_CLASS
-    if _CONFIG_CLASS is None:
-        _CONFIG_CLASS = _register_config_class()
-    return _CONFIG_CLASS(recipe=recipe, exclude_worst=exclude_worst)
 
 
 @contextmanager
@@ -161,6 +104,7 @@ class SearchConfig:
     eval_windows: int | None = 64             # trial accuracy on this many evaluation windows (None: all)
     screen_windows: int | None = 8            # screening windows (module doc; None: no screening)
     time_budget_s: float | None = None        # no trial starts after this many seconds of search (None: no limit)
+    massive: bool = False                     # the probe found massive activations: probe_ordered, pruned_by
     fallback: bool = True
     sqnr_windows: int = 8
     latency_batch: int = 8
@@ -206,7 +150,9 @@ class SearchConfig:
             p.max_kld_p99, 0.0), min_top1=None if p.min_top1 is None else max(0.0, loose(p.min_top1, 1.0)))
 
     def recipes(self) -> tuple[str, ...]:
-        return default_space() if self.space is None else tuple(self.space)
+        """The space in the order it is tried: the default one ordered by the probe's finding
+        (``probe_ordered``); a space the user named, as named."""
+        return probe_ordered(default_space(), self.massive) if self.space is None else tuple(self.space)
 
     @property
     def tolerable_loss(self) -> float:
@@ -271,6 +217,8 @@ class SearchResult:
     skipped: tuple[str, ...] = ()
     level: str = "byte"                 # what the PPL ratio is over: bytes (zoo) or tokens (--model)
     target_max_kld: float | None = None
+    pruned: tuple[dict, ...] = ()       # recipes not tried: {"recipe", "why"} (pruned_by)
+    order: str = "registry"             # "registry", "probe: massive activations" or "as named"
 
     @property
     def status(self) -> str:
@@ -291,6 +239,8 @@ class SearchResult:
             "trials": [t.to_dict() for t in self.trials],
             "worst_tensors": list(self.worst_tensors),
             "skipped": list(self.skipped),
+            "pruned": list(self.pruned),
+            "order": self.order,
             "level": self.level,
             "tuner": "neural_compressor.common.base_tuning",
         }
@@ -425,9 +375,15 @@ def search_recipes(fp32_path: Path, work_dir: Path, calib_inputs: np.ndarray, ev
         # Phase 1: the recipes. INC expands the config into one trial per recipe and owns the order
         # (its SequentialSampler), the budget and the stop rule.
         by_config: dict[int, Trial] = {}
+        pruned: list[dict] = []
 
         def evaluate(config) -> float:
-            trial = runner.run(cfg.resolve(config.recipe), "recipe", config.recipe)
+            recipe = cfg.resolve(config.recipe)
+            why = _why_not_tried(cfg, recipe, runner.trials)
+            if why is not None:
+                pruned.append({"recipe": config.recipe, "why": why})
+                return 0.0
+            trial = runner.run(recipe, "recipe", config.recipe)
             by_config[id(config)] = trial
             return trial.metric
 
@@ -446,19 +402,36 @@ def search_recipes(fp32_path: Path, work_dir: Path, calib_inputs: np.ndarray, ev
     trials = tuple(runner.trials)
     if cfg.pick == "fastest":
         trials = _retime_side_by_side(trials, latency_fn, SIDE_BY_SIDE_ROUNDS)
+    chosen, best = _chosen_and_best(trials, cfg)
+    return SearchResult(
+        target_max_ppl_ratio=cfg.max_ppl_ratio, target_min_top1=cfg.policy.min_top1, tolerable_loss=cfg.tolerable_loss,
+        pick=cfg.pick, max_trials=cfg.max_trials, eval_windows=int(len(inputs)), trials=trials, chosen=chosen,
+        best=best, stopped_by=stopped_by, worst_tensors=tuple(worst), skipped=tuple(skipped), level=level,
+        target_max_kld=cfg.policy.max_kld, pruned=tuple(pruned), order=_order(cfg),
+    )
+
+
+def _chosen_and_best(trials: tuple[Trial, ...], cfg: SearchConfig) -> tuple[Trial | None, Trial | None]:
+    """The pick among the passing trials (None: none passed) and the highest-metric usable trial."""
     passing = [t for t in trials if t.passed]
     chosen = None
     if passing:
         chosen = passing[0] if cfg.pick == "first" else min(passing, key=_pick_latency)
     ok = [t for t in trials if t.status == "ok"]
-    best = max(ok, key=lambda t: (t.metric, -t.index)) if ok else None
-    return SearchResult(
-        target_max_ppl_ratio=cfg.max_ppl_ratio, target_min_top1=cfg.policy.min_top1, tolerable_loss=cfg.tolerable_loss,
-        pick=cfg.pick,
-        max_trials=cfg.max_trials, eval_windows=int(len(inputs)), trials=trials, chosen=chosen, best=best,
-        stopped_by=stopped_by, worst_tensors=tuple(worst), skipped=tuple(skipped), level=level,
-        target_max_kld=cfg.policy.max_kld,
-    )
+    return chosen, (max(ok, key=lambda t: (t.metric, -t.index)) if ok else None)
+
+
+def _why_not_tried(cfg: SearchConfig, recipe: Recipe, trials: list[Trial]) -> str | None:
+    """Why ``recipe`` cannot change a ``fastest`` pick after ``trials`` (``search_space.pruned_by``;
+    the massive-activation rule only over the default space: a named one is tried as named)."""
+    if cfg.pick != "fastest":
+        return None
+    passed = [cfg.resolve(t.recipe) for t in trials if t.passed]
+    return pruned_by(recipe, passed, cfg.massive and cfg.space is None)
+
+
+def _order(cfg: SearchConfig) -> str:
+    return "as named" if cfg.space is not None else "probe: massive activations" if cfg.massive else "registry"
 
 
 SIDE_BY_SIDE_ROUNDS = 3

@@ -15,7 +15,9 @@ from quantnorm.export import export_onnx
 from quantnorm.measure.sessions import SessionSpec
 from quantnorm.models import CausalLM, ModelConfig
 from quantnorm.policy import Policy
+from quantnorm.quantize import get_recipe
 from quantnorm.search import SearchConfig, default_space, fallback_ks, recipe_space_config, search_recipes
+from quantnorm.search_space import MASSIVE_ORDER, probe_ordered, pruned_by
 from quantnorm.transforms.smoothquant import SmoothedModels
 
 CONTEXT = 16
@@ -248,3 +250,63 @@ def test_the_time_budget_stops_the_search_after_the_trial_that_spent_it(lm, tmp_
     assert len(result.trials) == 1 and result.stopped_by == "time budget" and result.chosen is result.trials[0]
     with pytest.raises(ConfigError, match="--search-budget"):
         SearchConfig(time_budget_s=0)
+
+
+def test_massive_activations_order_the_default_space_and_a_named_space_stays_as_named():
+    space = default_space()
+    assert SearchConfig().recipes() == space == probe_ordered(space, False)
+    ordered = SearchConfig(massive=True).recipes()
+    assert sorted(ordered) == sorted(space)
+    first = [n for n in MASSIVE_ORDER if n in space]
+    assert list(ordered[:len(first)]) == first and ordered[0] == "rotated-pertoken-fused-calnorm"
+    assert ordered.index("smoothquant") < min(ordered.index(n) for n in space if n.startswith("static-") or n == "dynamic")
+    assert SearchConfig(massive=True, space=THREE).recipes() == THREE
+
+
+@pytest.mark.parametrize("candidate, passed, massive, pruned", [
+    ("pertoken-fused-gptq", "pertoken-fused", False, True),              # GPTQ: other codes, the same graph
+    ("online-rotated-pertoken-fused", "pertoken-fused", False, True),    # more Hadamards
+    ("pertoken", "pertoken-fused", False, True),                         # the unfused rescale adds work
+    ("pertoken-fused", "online-rotated-pertoken-fused", False, False),   # less work: could be faster
+    ("pertoken", "online-rotated-pertoken-fused", False, False),         # unfused but no Hadamard: unknown
+    ("rotated-pertoken-fused-calnorm", "rotated-pertoken-fused", False, False),   # calibrated norm scales: faster
+    ("rotated-pertoken-fused", "rotated-pertoken-fused-calnorm", False, True),
+    ("static-minmax-matmul", "pertoken-fused", True, True),              # massive: per-tensor scales break
+    ("dynamic", "pertoken-fused", True, True),
+    ("smoothquant", "pertoken-fused", True, True),
+    ("static-minmax-matmul", "pertoken-fused", False, False),            # no massive activations: try it
+    ("static-minmax-matmul", "dynamic", True, False),                    # only a per-token pass prunes
+])
+def test_a_passing_trial_prunes_what_cannot_be_faster(candidate, passed, massive, pruned):
+    why = pruned_by(get_recipe(candidate), [get_recipe(passed)], massive)
+    assert (why is not None) == pruned
+    if pruned:
+        assert passed in why
+
+
+def test_with_massive_activations_the_search_stops_when_the_pick_can_no_longer_change(lm, tmp_path):
+    """The default space in the probe's order: the per-token recipes first; once one passes,
+    the recipes running the same kernels or more and every per-tensor one are not tried, and the
+    result says which and why."""
+    cfg = SearchConfig(policy=ppl_only(10.0), pick="fastest", massive=True, fallback=False)
+    result = run(lm, tmp_path, cfg)   # the test's transforms smooth only: rotated trials are errors here
+    order = list(cfg.recipes())
+    tried = [t.recipe for t in result.trials]
+    pruned = {p["recipe"]: p["why"] for p in result.pruned}
+    assert sorted(tried + list(pruned)) == sorted(order) and tried == [n for n in order if n in tried]
+    first_pass = next(t for t in result.trials if t.passed)
+    assert first_pass.recipe == "pertoken-fused"
+    assert all(order.index(n) > order.index("pertoken-fused") for n in pruned)
+    assert {n for n in default_space() if n.startswith("static-")} | {"dynamic", "smoothquant"} <= set(pruned)
+    assert "pertoken-fused-gptq" in pruned and "pertoken-fused passed" in pruned["pertoken-fused-gptq"]
+    assert result.chosen is not None and result.order == "probe: massive activations"
+    assert result.to_dict()["pruned"] == list(result.pruned)
+
+
+def test_the_report_says_the_order_and_what_was_not_tried(lm, tmp_path):
+    from quantnorm.report.sections import search as search_section
+
+    result = run(lm, tmp_path, SearchConfig(policy=ppl_only(10.0), pick="fastest", massive=True, fallback=False))
+    text = "\n".join(search_section({"search": result.to_dict()}))
+    assert "Order of the space: probe: massive activations" in text
+    assert "Not tried (" in text and "- `pertoken-fused-gptq`: pertoken-fused passed" in text

@@ -214,6 +214,14 @@ def search(results: dict) -> list[str]:
     if any(t.get("screened_windows") for t in trials):
         L += ["", "A screened-out trial missed the policy by 4x on that many of its evaluation windows, evenly spaced (its numbers are "
                   "theirs): it was neither timed nor scored on the rest."]
+    if found.get("order", "registry") != "registry":
+        L += ["", f"Order of the space: {found['order']}" + (
+            " (the recipes that survive them first, the fastest kernels first among them; per-tensor "
+            "activations last)." if found["order"].startswith("probe") else ".")]
+    pruned = found.get("pruned") or []
+    if pruned:
+        L += ["", f"Not tried ({len(pruned)}: a passing trial already decides the fastest pick):", ""]
+        L += [f"- `{p['recipe']}`: {p['why']}" for p in pruned]
     return L
 
 
