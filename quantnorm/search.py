@@ -288,6 +288,9 @@ class _Runner:
                     trial = self._scored(common, q, screened, latency=None, screened_windows=len(self.screen))
                 else:
                     acc = self.scorer(self.fp32_session, int8, self.eval_inputs, self.eval_targets)
+                    # one INT8 session at a time: the timing opens its own (Gemma 3: the 0.95 GB model
+                    # twice, and a batch-8 arena beside the scoring one, was the search's peak)
+                    del int8
                     trial = self._scored(common, q, acc, latency=self.latency_fn(q.path, recipe.name))
         except QuantnormError as exc:  # quantize, measure, export (smoothing) or config
             # One recipe failing is a finding of the search, not the end of it.
