@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from quantnorm.errors import QuantnormError
 from quantnorm.generation import HFWithPast, export_with_past
 from quantnorm.generation.speed import decode_speed
 from quantnorm.hardware import cpu_flags, cpu_has_vnni, cpu_model
@@ -37,12 +38,17 @@ from quantnorm.quantize.recipes import get_recipe
 ISA = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8")
 
 
+def fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def checkpoint_dir(path: Path) -> Path:
     for candidate in (path / "checkpoint", path):
         if (candidate / "config.json").is_file():
             return candidate
-    sys.exit(f"error: {path} is neither a quantnorm evaluate --model run (no checkpoint/config.json) nor a "
-             f"Hugging Face checkpoint (no config.json); run `quantnorm evaluate --model ...` first")
+    fail(f"{path} is neither a quantnorm evaluate --model run (no checkpoint/config.json) nor a Hugging Face "
+         f"checkpoint (no config.json); run `quantnorm evaluate --model ...` first")
 
 
 def node_count(path: Path) -> int:
@@ -59,9 +65,15 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=128, help="prompt tokens (batch 1)")
     parser.add_argument("--new", type=int, default=128, help="generated tokens")
     args = parser.parse_args()
+    recipes = {}
+    for name in [r for r in args.recipes.split(",") if r]:
+        try:
+            recipes[name] = get_recipe(name)
+        except QuantnormError as exc:
+            fail(str(exc))
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(checkpoint_dir(args.run), torch_dtype="float32").eval()
+    model = AutoModelForCausalLM.from_pretrained(checkpoint_dir(args.run), dtype="float32").eval()
     wrapper = HFWithPast(model)
     rng = np.random.default_rng(0)
     parity = rng.integers(0, wrapper.vocab_size, size=(2, 16), dtype=np.int64)
@@ -75,11 +87,11 @@ def main() -> None:
             print(f"export {form}: {result.to_dict()['attention']}; parity max |diff| "
                   f"{max(result.max_abs_diff.values()):.2e}", flush=True)
             graphs[f"fp32 ({form})"] = path
-            for name in [r for r in args.recipes.split(",") if r]:
-                q = quantize(path, get_recipe(name), windows, path.with_name(f"{name}.{path.name}"),
+            for name, recipe in recipes.items():
+                q = quantize(path, recipe, windows, path.with_name(f"{name}.{path.name}"),
                              vnni=cpu_has_vnni(), probe_inputs=windows[:1], diagnostics=False)
                 if q.status != "ok":
-                    sys.exit(f"error: {name} on the {form} graph: {q.status} {q.problems}")
+                    fail(f"{name} on the {form} graph: {q.status} {q.problems}")
                 graphs[f"{name} ({form})"] = q.path
         del model, wrapper
         spec = SessionSpec(threads=args.threads)

@@ -42,3 +42,33 @@ def test_pertoken_kernel_benchmark_prints_both_tables():
     gemm_rows = [r for r in rows if " x " in r.split("|")[2]]
     assert len(gemm_rows) == 5 and all(float(r.split("|")[3]) > 0 and float(r.split("|")[4]) > 0 for r in gemm_rows)
     assert sum(r.startswith("| K = ") for r in rows) == 2
+
+
+def test_attention_fusion_benchmark_times_both_forms_of_a_checkpoint(tmp_path):
+    """A tiny llama checkpoint: exported as exported and fused (each through the parity gate),
+    quantized per token, timed side by side; the table has a ratio for each fused row."""
+    import pytest
+
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      max_position_embeddings=64)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "tiny")
+    script = ROOT / "benchmarks" / "attention_fusion.py"
+    run = subprocess.run([sys.executable, str(script), str(tmp_path / "tiny"), "--recipes", "pertoken-fused",
+                          "--rounds", "1", "--prompt", "8", "--new", "4", "--threads", "1"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    out = run.stdout
+    assert "export fused: com.microsoft.GroupQueryAttention in 2 of 2 layers" in out
+    assert "export as exported: as exported (standard ONNX operators)" in out
+    rows = {line.split("  ")[0]: line for line in out.splitlines() if line.startswith(("fp32 (", "pertoken-fused ("))}
+    assert len(rows) == 4 and rows["pertoken-fused (fused)"].rstrip().endswith("x")
+    assert "CPU:" in out and "threads: 1" in out
+
+    missing = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, cwd=ROOT,
+                             timeout=120)
+    assert missing.returncode == 2 and "no checkpoint/config.json" in missing.stderr
