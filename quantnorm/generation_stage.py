@@ -101,7 +101,9 @@ def generation_section(source, cfg, *, run_dir: Path, fp32_path: Path, recipes: 
                          "rounds": cfg.gen_rounds, "max_length": max_length,
                          "agreement_prompts": int(len(prompts)), "agreement_prompt_tokens": int(prompts.shape[1]),
                          "agreement_new_tokens": agreement_new, "cache": "float32, in ONNX Runtime between "
-                         "steps (I/O binding)", "threads": cfg.threads},
+                         "steps (I/O binding; where only GroupQueryAttention reads and writes it, one buffer "
+                         "the operator appends to in place, else a fresh present each step: each decode "
+                         "row's cache says which)", "threads": cfg.threads},
             "models": models}
 
 

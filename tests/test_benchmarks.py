@@ -46,7 +46,8 @@ def test_pertoken_kernel_benchmark_prints_both_tables():
 
 def test_attention_fusion_benchmark_times_both_forms_of_a_checkpoint(tmp_path):
     """A tiny llama checkpoint: exported as exported and fused (each through the parity gate),
-    quantized per token, timed side by side; the table has a ratio for each fused row."""
+    quantized per token, timed side by side (the fused graph with a fresh present per step and
+    with the shared buffer); the table has a ratio and the cache mode for each fused row."""
     import pytest
 
     transformers = pytest.importorskip("transformers")
@@ -66,7 +67,10 @@ def test_attention_fusion_benchmark_times_both_forms_of_a_checkpoint(tmp_path):
     assert "export fused: com.microsoft.GroupQueryAttention in 2 of 2 layers" in out
     assert "export as exported: as exported (standard ONNX operators)" in out
     rows = {line.split("  ")[0]: line for line in out.splitlines() if line.startswith(("fp32 (", "pertoken-fused ("))}
-    assert len(rows) == 4 and rows["pertoken-fused (fused)"].rstrip().endswith("x")
+    assert len(rows) == 6
+    assert rows["pertoken-fused (fused, shared buffer)"].rstrip().endswith("x  shared buffer")
+    assert rows["pertoken-fused (fused, present per step)"].rstrip().endswith("x  present per step")
+    assert rows["fp32 (as exported)"].rstrip().endswith("present per step")
     assert "CPU:" in out and "threads: 1" in out
 
     missing = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, cwd=ROOT,

@@ -337,3 +337,34 @@ def test_bad_graphs_and_prompts_are_one_line_errors(exported, tmp_path):
     whole = export_onnx(zoo_model("pre"), tmp_path / "whole.onnx", windows(2, 8, 257)).path
     with pytest.raises(ConfigError, match="not a with-past causal LM"):
         greedy_decode(whole, windows(1, 4, 257), 2)
+
+
+def test_a_fused_graph_keeps_its_cache_in_one_buffer_written_in_place(exported, tmp_path):
+    """The fused llama's cache is read and written only by GroupQueryAttention, so a decode
+    session binds one buffer per layer as its past and its present; the buffer grows when a step
+    needs room. Logits and cache equal those of the same graph run with a fresh present per step,
+    and the buffer itself holds the keys (ORT wrote into it). A graph of standard operators
+    cannot share (its Concat needs the past as long as the tokens so far)."""
+    from quantnorm.generation.decode import writes_cache_in_place
+
+    fused_path, _, model = exported("llama")
+    plain = export_with_past(HFWithPast(model), tmp_path / "plain.onnx", windows(2, 6, 300), fuse_attention=False)
+    assert writes_cache_in_place(fused_path, 2) and not writes_cache_in_place(plain.path, 2)
+    assert not DecodeSession(plain.path).shared
+    with pytest.raises(ConfigError, match="GroupQueryAttention"):
+        DecodeSession(plain.path, shared_cache=True)
+    prompts, tokens = windows(3, 5, 300, seed=8), windows(6, 3, 300, seed=9)
+    runs = []
+    for shared in (False, True):
+        runner = DecodeSession(fused_path, shared_cache=shared)
+        assert runner.shared is shared
+        runner.reset(3, tokens=2)   # smaller than the prompt: the buffer grows at the prompt and twice after
+        logits = [runner.step(prompts)] + [runner.step(t[:, None]) for t in tokens]
+        runs.append(logits + runner.cache())
+        if shared:
+            assert runner._buffers[0].shape[2] == 20 and np.abs(runner._buffers[0][:, :, :11]).min() > 0
+            assert not runner._buffers[0][:, :, 11:].any()
+    assert [a.shape for a in runs[0]] == [b.shape for b in runs[1]]
+    for a, b in zip(*runs):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+    assert DecodeSession(fused_path).shared   # the default where the graph allows

@@ -65,7 +65,7 @@ def agreement_prompts(eval_inputs: np.ndarray, max_length: int | None, *, n: int
 def _teacher_forced(runner: DecodeSession, prompts: np.ndarray, tokens: np.ndarray) -> np.ndarray:
     """Logits [n, new, vocab] predicting each of ``tokens`` after its prompt and the tokens before it."""
     sequence = np.concatenate([prompts, tokens[:, :-1]], axis=1)
-    runner.reset(len(sequence))
+    runner.reset(len(sequence), sequence.shape[1])
     # a copy: the prompt's own positions (most of the array for a short continuation) are let go
     return np.ascontiguousarray(runner.step(sequence)[:, prompts.shape[1] - 1:])
 

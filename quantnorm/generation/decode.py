@@ -13,8 +13,13 @@ and slices the logits where it does not.
 The cache stays in ONNX Runtime between steps: ``DecodeSession`` binds each step's ``present``
 outputs as ORT-allocated values (I/O binding, which the CPU provider supports) and binds those
 same values as the next step's ``past`` inputs, so no key or value is copied to numpy and back;
-only the logits are read out. (The graph itself concatenates past and new keys into a fresh
-present each step: a cache of fixed size updated in place is another graph.)
+only the logits are read out. A graph of standard operators concatenates past and new keys into
+a fresh present each step. A graph whose cache is read and written only by ONNX Runtime's
+``GroupQueryAttention`` (quantnorm's fused export) keeps it in one buffer instead, on the CPU: the
+same buffer [batch, kv_heads, capacity, head_dim] is bound as each layer's past and its present,
+and the operator writes the new keys in place after the ``attention_mask``'s length (what ONNX
+Runtime GenAI calls ``past_present_share_buffer``), so a step copies no cache at all. The buffer
+grows by doubling (up to the graph's ``max_length``) when a step needs more room.
 
 Prompts in a batch have equal length (windows of the evaluation split): the attention mask is
 all ones and positions run past, past + 1, ...
@@ -26,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 
 from ..errors import ConfigError
@@ -112,6 +118,47 @@ class PastLayout:
         return cls(n_layers, shape[1], shape[3], _ORT_FLOAT[first.type], max_length)
 
 
+GQA = "GroupQueryAttention"   # com.microsoft: past_key, past_value are inputs 3, 4; present outputs 1, 2
+FIRST_CAPACITY = 256            # positions of a shared cache buffer before it first grows
+
+
+def writes_cache_in_place(path: str | Path, n_layers: int) -> bool:
+    """Whether the graph at ``path`` can share one buffer for each layer's past and present: every
+    ``past_key_values.{i}.*`` is read, as its past, by a ``GroupQueryAttention`` node that writes
+    ``present.{i}.*`` (the graph's output, nothing between), and otherwise only by a ``Shape``
+    that leaves the length out. Anything else (a Concat, the past's length, a quantizer's node on
+    it) needs the past as long as the tokens so far."""
+    graph = onnx.load(str(path), load_external_data=False).graph
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    writer: dict[str, onnx.NodeProto] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+        for name in node.output:
+            writer[name] = node
+    for layer in range(n_layers):
+        past = [f"past_key_values.{layer}.key", f"past_key_values.{layer}.value"]
+        present = [f"present.{layer}.key", f"present.{layer}.value"]
+        node = writer.get(present[0])
+        if node is None or node.op_type != GQA or node.domain != "com.microsoft" or \
+                list(node.input[3:5]) != past or list(node.output[1:3]) != present:
+            return False
+        if any(other is not node and not _reads_no_length(other) for name in past for other in readers.get(name, [])):
+            return False
+    return True
+
+
+def _reads_no_length(node: onnx.NodeProto) -> bool:
+    """A ``Shape`` of a [batch, kv_heads, past, head_dim] past that leaves its length axis out
+    (the exporter reads the batch size off a past): the same in a buffer of any length."""
+    if node.op_type != "Shape" or node.domain not in ("", "ai.onnx"):
+        return False
+    attrs = {a.name: a.i for a in node.attribute}
+    start, end = attrs.get("start", 0) % 4, attrs.get("end", 4)
+    end = end % 4 if end < 0 else min(end, 4)
+    return end <= 2 or start >= 3
+
+
 def open_session(model, threads: int | None = 1, spec: SessionSpec | None = None) -> ort.InferenceSession:
     """``model``: an ``ort.InferenceSession`` (returned as is) or the path of an ONNX file (a
     session as ``spec`` says; None: the CPU provider with ``threads``)."""
@@ -121,13 +168,24 @@ def open_session(model, threads: int | None = 1, spec: SessionSpec | None = None
 
 
 class DecodeSession:
-    """A with-past graph and its cache, kept as ORT values between steps (see the module doc)."""
+    """A with-past graph and its cache, kept as ORT values between steps (see the module doc).
 
-    def __init__(self, model, *, threads: int | None = 1, spec: SessionSpec | None = None):
+    ``shared_cache``: None (default) shares one buffer for past and present where the graph allows
+    (``writes_cache_in_place``; a path on the CPU provider), False never, True requires it (a
+    ``ConfigError`` where the graph or provider does not allow it).
+    """
+
+    def __init__(self, model, *, threads: int | None = 1, spec: SessionSpec | None = None,
+                 shared_cache: bool | None = None):
         self.session = open_session(model, threads, spec)
         self.layout = PastLayout.of_session(self.session)
         # the cache stays where the provider computes it: host memory for the CPU, the GPU's for CUDA
         self.device = "cuda" if self.session.get_providers()[0] == CUDA else "cpu"
+        self.shared = shared_cache is not False and self._can_share(model)
+        if shared_cache and not self.shared:
+            raise ConfigError("a shared cache buffer needs a graph path on the CPU provider whose cache only "
+                              "GroupQueryAttention reads and writes, with its max_length stated (quantnorm's "
+                              "fused with-past export)")
         self.feeds = {i.name for i in self.session.get_inputs()}
         self.keeps_logits = LOGITS_TO_KEEP in self.feeds | {i.name for i in self.session.get_overridable_initializers()}
         self._keep_one = ort.OrtValue.ortvalue_from_numpy(np.ones(1, np.int64))
@@ -136,11 +194,35 @@ class DecodeSession:
         self.vocab = vocab if isinstance(vocab, int) and vocab > 0 else 1
         self.reset(1)
 
-    def reset(self, batch: int) -> None:
-        """Start over with an empty cache for ``batch`` sequences."""
+    def _can_share(self, model) -> bool:
+        return (not isinstance(model, ort.InferenceSession) and self.device == "cpu"
+                and self.layout.max_length is not None and writes_cache_in_place(model, self.layout.n_layers))
+
+    def reset(self, batch: int, tokens: int | None = None) -> None:
+        """Start over with an empty cache for ``batch`` sequences; ``tokens``: how many positions
+        the caller will feed in all, where known (a shared buffer is made that long at once)."""
         self.batch = batch
         self.length = 0
-        self.past = [ort.OrtValue.ortvalue_from_numpy(a) for a in self.layout.empty(batch)]
+        self._buffers: list[np.ndarray] = []
+        if self.shared:
+            self._grow(tokens or FIRST_CAPACITY)
+        else:
+            self.past = [ort.OrtValue.ortvalue_from_numpy(a) for a in self.layout.empty(batch)]
+
+    def _grow(self, positions: int) -> None:
+        """Shared buffers of at least ``positions`` (at most ``max_length``), the cache so far copied in."""
+        have = self._buffers[0].shape[2] if self._buffers else 0
+        if positions <= have:
+            return
+        layout = self.layout
+        capacity = min(layout.max_length, max(positions, 2 * have))
+        grown = [np.zeros((self.batch, layout.kv_heads, capacity, layout.head_dim), layout.dtype)
+                 for _ in range(2 * layout.n_layers)]
+        for new, old in zip(grown, self._buffers):
+            new[:, :, :self.length] = old[:, :, :self.length]
+        # ortvalue_from_numpy wraps the array's memory on the CPU: ORT writes the new keys into it
+        self._buffers = grown
+        self.past = [ort.OrtValue.ortvalue_from_numpy(a) for a in grown]
 
     def step(self, input_ids: np.ndarray, *, last_only: bool = False) -> np.ndarray:
         """Feed ``input_ids`` [batch, seq] after the cache, keep the present as the new cache;
@@ -153,6 +235,8 @@ class DecodeSession:
             raise ConfigError(f"{self.length + ids.shape[1]} tokens exceed the model's {max_length} positions "
                               f"(prompt plus new tokens): use a shorter prompt or fewer new tokens")
         total = self.length + ids.shape[1]
+        if self.shared:
+            self._grow(total)
         host = {INPUT_IDS: ids,   # kept referenced until the run: the binding holds their memory
                 ATTENTION_MASK: np.ones((self.batch, total), np.int64),
                 POSITION_IDS: np.ascontiguousarray(np.broadcast_to(np.arange(self.length, total), ids.shape))}
@@ -164,16 +248,25 @@ class DecodeSession:
             binding.bind_ortvalue_input(LOGITS_TO_KEEP, self._keep_one)
         for name, value in zip(past_names(self.layout.n_layers), self.past):
             binding.bind_ortvalue_input(name, value)
-        for name in self.outputs:
-            binding.bind_output(name, self.device)
+        if self.shared:   # each layer's present is its past: the operator appends in place
+            binding.bind_output(LOGITS, self.device)
+            for name, value in zip(present_names(self.layout.n_layers), self.past):
+                binding.bind_ortvalue_output(name, value)
+        else:
+            for name in self.outputs:
+                binding.bind_output(name, self.device)
         self.session.run_with_iobinding(binding)
         logits, *present = binding.get_outputs()
-        self.past, self.length = present, total
+        if not self.shared:
+            self.past = present
+        self.length = total
         logits = logits.numpy()
         return logits[:, -1:] if last_only and logits.shape[1] != 1 else logits
 
     def cache(self) -> list[np.ndarray]:
-        """The cache as numpy arrays (a copy), in ``past_names`` order."""
+        """The cache as numpy arrays (a copy), in ``past_names`` order, [batch, kv_heads, tokens so far, head_dim]."""
+        if self.shared:
+            return [a[:, :, :self.length].copy() for a in self._buffers]
         return [value.numpy() for value in self.past]
 
 
@@ -197,7 +290,7 @@ def greedy_decode(model, prompts: np.ndarray, max_new_tokens: int, *, threads: i
     if max_length is not None and prompts.shape[1] + max_new_tokens - 1 > max_length:
         raise ConfigError(f"a {prompts.shape[1]}-token prompt and {max_new_tokens} new tokens exceed the model's "
                           f"{max_length} positions: use a shorter prompt or fewer new tokens")
-    runner.reset(len(prompts))
+    runner.reset(len(prompts), prompts.shape[1] + max_new_tokens - 1)
     logits = runner.step(prompts, last_only=True)
     tokens = []
     while True:
@@ -269,13 +362,13 @@ def check_cache(model, windows: np.ndarray, prefill: int, *, whole=None, toleran
     cached_sum, own_whole_sum = 0.0, 0.0
     for lo in range(0, len(windows), batch_size):
         batch = windows[lo:lo + batch_size]
-        runner.reset(len(batch))
+        runner.reset(len(batch), batch.shape[1])
         # each step's NLL as it comes: never all positions' logits at once
         cached_sum += float(nll_rows(runner.step(batch[:, :prefill]), batch[:, 1:prefill + 1]).sum())
         for t in range(prefill, batch.shape[1] - 1):
             cached_sum += float(nll_rows(runner.step(batch[:, t:t + 1]), batch[:, t + 1:t + 2]).sum())
         if whole is None:
-            runner.reset(len(batch))
+            runner.reset(len(batch), batch.shape[1])
             own_whole_sum += float(nll_rows(runner.step(batch)[:, :-1], batch[:, 1:]).sum())
     n = windows.shape[0] * (windows.shape[1] - 1)
     whole_sum = own_whole_sum if whole_sum is None else whole_sum

@@ -12,6 +12,8 @@ warm-up generation; the row keeps the median over rounds:
 - ``token_ms_p50`` / ``token_ms_p90``: percentiles of the per-step times (every step of every round);
 - ``per_position_ms``: the median time of the step at each position (the plot's line: the cache
   grows, so later steps read more keys);
+- ``cache``: ``"shared buffer"`` where the graph's attention appends to one buffer in place
+  (``DecodeSession``), ``"present per step"`` where each step writes a fresh present;
 - ``peak_rss_mb``: the process's resident memory at its peak while the session was open and
   decoding, sampled every few milliseconds: the weights, ORT's arenas and the cache at its
   longest (``rss_increase_mb``: that peak less the resident memory before the session opened).
@@ -38,6 +40,7 @@ DEFAULT_PROMPT_TOKENS = 128
 DEFAULT_NEW_TOKENS = 128
 DEFAULT_BATCHES = (1, 4)
 DEFAULT_ROUNDS = 2
+CACHE_SHARED, CACHE_PER_STEP = "shared buffer", "present per step"
 _RSS_SAMPLE_S = 0.005
 
 
@@ -75,7 +78,7 @@ def decode_lengths(max_length: int | None, prompt_tokens: int = DEFAULT_PROMPT_T
 
 
 def _one_generation(runner: DecodeSession, prompts: np.ndarray, new_tokens: int) -> tuple[float, list[float]]:
-    runner.reset(len(prompts))
+    runner.reset(len(prompts), prompts.shape[1] + new_tokens)
     start = time.perf_counter()
     logits = runner.step(prompts, last_only=True)   # the next token's logits only, as llama.cpp's prompt
     prompt_s = time.perf_counter() - start
@@ -89,8 +92,9 @@ def _one_generation(runner: DecodeSession, prompts: np.ndarray, new_tokens: int)
 
 
 def decode_speed(path: str | Path, prompts: np.ndarray, *, new_tokens: int, spec: SessionSpec,
-                 rounds: int = DEFAULT_ROUNDS) -> dict:
-    """One row (see the module doc) for the with-past graph at ``path``, prompts [batch, prompt]."""
+                 rounds: int = DEFAULT_ROUNDS, shared_cache: bool | None = None) -> dict:
+    """One row (see the module doc) for the with-past graph at ``path``, prompts [batch, prompt];
+    ``shared_cache`` as ``DecodeSession`` takes it (None: one buffer where the graph allows)."""
     prompts = np.ascontiguousarray(prompts, dtype=np.int64)
     if prompts.ndim != 2 or new_tokens < 2 or rounds < 1:
         raise ConfigError(f"decode speed needs prompts [batch, prompt], new_tokens >= 2 and rounds >= 1, got "
@@ -103,16 +107,17 @@ def decode_speed(path: str | Path, prompts: np.ndarray, *, new_tokens: int, spec
         return {**row, "status": NOT_MEASURED + why}
     with _PeakRss() as memory:
         try:
-            runner = DecodeSession(path, spec=spec)
+            runner = DecodeSession(path, spec=spec, shared_cache=shared_cache)
         except ProviderUnavailable as exc:
             return {**row, "status": NOT_MEASURED + str(exc)}
         _one_generation(runner, prompts, min(new_tokens, 4))   # warm-up: allocations, kernels chosen
         timed = [_one_generation(runner, prompts, new_tokens) for _ in range(rounds)]
+        cache = CACHE_SHARED if runner.shared else CACHE_PER_STEP
         del runner
     prompt_s = float(np.median([t[0] for t in timed]))
     steps = np.asarray([t[1] for t in timed], dtype=np.float64)      # [rounds, new_tokens - 1]
     gen_s = float(np.median(steps.sum(axis=1)))
-    return {**row, "status": "measured", "rounds": rounds,
+    return {**row, "status": "measured", "rounds": rounds, "cache": cache,
             "prompt_s": round(prompt_s, 6), "prompt_tokens_per_s": round(batch * prompt / prompt_s, 2),
             "gen_tokens_per_s": round(batch * steps.shape[1] / gen_s, 2),
             "token_ms_p50": round(float(np.percentile(steps, 50)) * 1e3, 4),
