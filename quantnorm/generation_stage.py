@@ -66,7 +66,7 @@ def generation_section(source, cfg, *, run_dir: Path, fp32_path: Path, recipes: 
     # proof and the quantizer of the plain graph read files (Gemma 3: 1.1 GB held for nothing).
     past.release()
     release_memory()
-    max_length = DecodeSession(fp32_past, threads=cfg.threads).layout.max_length
+    max_length = DecodeSession(fp32_past, threads=cfg.threads, shared_cache=False).layout.max_length
     data = _within(data, max_length)
     prompt_tokens, new_tokens = decode_lengths(max_length, cfg.gen_prompt_tokens, cfg.gen_new_tokens)
     prompts, agreement_new = agreement_prompts(data.eval_inputs, max_length, n=cfg.agreement_prompts,

@@ -129,7 +129,7 @@ def decode_speed(path: str | Path, prompts: np.ndarray, *, new_tokens: int, spec
 
 def random_prompts(path: str | Path, batch: int, prompt_tokens: int, seed: int = 0) -> np.ndarray:
     """Seeded token ids [batch, prompt_tokens] within the graph's vocabulary (speed does not read them)."""
-    runner = DecodeSession(path)
+    runner = DecodeSession(path, shared_cache=False)   # only its vocabulary is read
     vocab = runner.session.get_outputs()[0].shape[-1]
     high = vocab if isinstance(vocab, int) and vocab > 0 else 256
     return np.random.default_rng(seed).integers(0, high, size=(batch, prompt_tokens), dtype=np.int64)
@@ -146,7 +146,7 @@ def decode_bench(models: dict[str, Path], specs: list[SessionSpec], batches: lis
     cells: dict[tuple, list[dict]] = {}
     lengths = {}
     for name, path in models.items():
-        layout = DecodeSession(path).layout   # a one-line ConfigError for a graph without a cache
+        layout = DecodeSession(path, shared_cache=False).layout   # a one-line ConfigError for a graph without a cache
         lengths[name] = decode_lengths(layout.max_length, prompt_tokens, new_tokens)
     for _ in range(rounds):
         for name, path in models.items():
