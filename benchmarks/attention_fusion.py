@@ -16,7 +16,9 @@ weight-only 8-bit with int8 activations), then every graph decodes a 128-token p
 tokens at batch 1 in ``--rounds`` interleaved rounds (``decode_speed``; each row keeps its best
 round: a neighbour's load only slows a round down). A fused graph is timed twice: with a fresh
 present written each step, and with one cache buffer per layer bound as both past and present,
-which the operator appends to in place (``DecodeSession``'s shared cache, the default). Prints the
+which the operator appends to in place (``DecodeSession``'s shared cache, the default); a
+weight-only recipe's fused graph a third time with its query, key and value projections packed
+into one ``MatMulNBits`` (``pack_qkv_projections``, as the generation stage writes it). Prints the
 CPU, its ISA flags, the threads, and per graph its node count, prompt and generation tokens/s,
 and generation against the same recipe as exported.
 """
@@ -24,6 +26,7 @@ and generation against the same recipe as exported.
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -33,6 +36,7 @@ import onnx
 
 from quantnorm.errors import QuantnormError
 from quantnorm.generation import HFWithPast, export_with_past
+from quantnorm.generation.graph_passes import pack_qkv_file
 from quantnorm.generation.speed import decode_speed
 from quantnorm.hardware import cpu_flags, cpu_has_vnni, cpu_model
 from quantnorm.measure.sessions import SessionSpec
@@ -97,12 +101,19 @@ def main() -> None:
                 if q.status != "ok":
                     fail(f"{name} on the {form} graph: {q.status} {q.problems}")
                 graphs[f"{name} ({form})"] = q.path
+                if fuse:   # the generation stage's next pass: q, k and v from one MatMulNBits
+                    packed = q.path.with_name(f"packed.{q.path.name}")
+                    shutil.copyfile(q.path, packed)
+                    if pack_qkv_file(packed):
+                        graphs[f"{name} (fused, packed qkv)"] = packed
         del model, wrapper
         spec = SessionSpec(threads=args.threads)
         # the fused graph twice: a fresh present each step, and one buffer the operator appends to
         timed = {}
         for key, path in graphs.items():
-            if key.endswith("(fused)"):
+            if key.endswith("(fused, packed qkv)"):
+                timed[key.replace("packed qkv)", "packed qkv, shared buffer)")] = (path, True)
+            elif key.endswith("(fused)"):
                 timed[key.replace("(fused)", "(fused, present per step)")] = (path, False)
                 timed[key.replace("(fused)", "(fused, shared buffer)")] = (path, True)
             else:

@@ -32,6 +32,7 @@ from .errors import ConfigError, ExportError, QuantnormError
 from .fileio import release_memory
 from .generation.agreement import agreement_prompts, fp32_continuation, generation_agreement
 from .generation.decode import DecodeSession, check_cache
+from .generation.graph_passes import pack_qkv_file
 from .generation.speed import decode_lengths, decode_speed
 from .measure.sessions import TENSORRT, SessionSpec, normalize_provider
 from .quantize import GPTQCodes, PreprocessCache, quantize
@@ -148,6 +149,7 @@ def _quantize_past(variants, name: str, recipe, fp32_past: Path, data, cfg, run_
                          "codes_reused": q.settings["gptq"].get("codes_reused", 0)}
     if q.status != "ok" or q.path is None:
         return {**entry, "problems": q.problems}
+    entry["packed_qkv_layers"] = pack_qkv_file(q.path)
     # the same graph scored whole: the cache's exactness, apart from what the recipe itself changes
     return {**entry, "path": q.path.name, "size_bytes": q.path.stat().st_size,
             "cache_check": _cache_check(q.path, data.eval_inputs, None, cfg)}

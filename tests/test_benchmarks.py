@@ -59,15 +59,18 @@ def test_attention_fusion_benchmark_times_both_forms_of_a_checkpoint(tmp_path):
                                       max_position_embeddings=64)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "tiny")
     script = ROOT / "benchmarks" / "attention_fusion.py"
-    run = subprocess.run([sys.executable, str(script), str(tmp_path / "tiny"), "--recipes", "pertoken-fused",
+    run = subprocess.run([sys.executable, str(script), str(tmp_path / "tiny"), "--recipes", "pertoken-fused,wo-int8-b32-acc4",
                           "--rounds", "1", "--prompt", "8", "--new", "4", "--threads", "1"],
                          capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     out = run.stdout
     assert "export fused: com.microsoft.GroupQueryAttention in 2 of 2 layers" in out
     assert "export as exported: as exported (standard ONNX operators)" in out
-    rows = {line.split("  ")[0]: line for line in out.splitlines() if line.startswith(("fp32 (", "pertoken-fused ("))}
-    assert len(rows) == 6
+    rows = {line.split("  ")[0]: line for line in out.splitlines()
+            if line.startswith(("fp32 (", "pertoken-fused (", "wo-int8-b32-acc4 ("))}
+    assert len(rows) == 10   # 3 graphs x 3 forms, and the weight-only graph with q, k, v packed
+    assert rows["wo-int8-b32-acc4 (fused, packed qkv, shared buffer)"].rstrip().endswith("x  shared buffer")
+    assert "pertoken-fused (fused, packed qkv, shared buffer)" not in rows   # MatMulNBits only
     assert rows["pertoken-fused (fused, shared buffer)"].rstrip().endswith("x  shared buffer")
     assert rows["pertoken-fused (fused, present per step)"].rstrip().endswith("x  present per step")
     assert rows["fp32 (as exported)"].rstrip().endswith("present per step")

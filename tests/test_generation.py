@@ -368,3 +368,46 @@ def test_a_fused_graph_keeps_its_cache_in_one_buffer_written_in_place(exported, 
     for a, b in zip(*runs):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
     assert DecodeSession(fused_path).shared   # the default where the graph allows
+
+
+def test_weight_only_query_key_and_value_are_packed_into_one_product(tmp_path):
+    """A weight-only recipe's fused llama: each layer's q, k and v MatMulNBits become one, read by
+    GroupQueryAttention as its packed input (key and value inputs empty), the reshapes between
+    them gone; the packed graph's logits and cache equal the unpacked graph's (the same codes and
+    scales per column), and its cache is still one shared buffer. A per-token graph has no
+    MatMulNBits to pack and is left as it is."""
+    from quantnorm.generation.graph_passes import pack_qkv_file
+    from quantnorm.quantize import get_recipe, quantize
+
+    # head size 16: the rotary embedding moves into the operator, so q, k and v reach it unrotated
+    fused_path = export_with_past(HFWithPast(hf_model("llama", head_dim=16)), tmp_path / "fused.onnx",
+                                  windows(2, 6, 300)).path
+    calib = windows(4, 8, 300, seed=3)
+    graphs = {}
+    for name in ("wo-int8-b32-acc4", "pertoken-fused"):
+        q = quantize(fused_path, get_recipe(name), calib, tmp_path / f"{name}.onnx", vnni=True,
+                     probe_inputs=calib[:1], diagnostics=False)
+        assert q.status == "ok", q.problems
+        graphs[name] = q.path
+    unpacked = tmp_path / "unpacked.onnx"
+    unpacked.write_bytes(graphs["wo-int8-b32-acc4"].read_bytes())
+    before = onnx.load(str(unpacked)).graph
+    assert pack_qkv_file(graphs["wo-int8-b32-acc4"]) == 2
+    assert pack_qkv_file(graphs["pertoken-fused"]) == 0
+    after = onnx.load(str(graphs["wo-int8-b32-acc4"])).graph
+    count = lambda g, op: sum(n.op_type == op for n in g.node)   # noqa: E731
+    assert count(after, "MatMulNBits") == count(before, "MatMulNBits") - 2 * 2
+    assert count(after, "Reshape") == count(before, "Reshape") - 2 * 6
+    for gqa in (n for n in after.node if n.op_type == "GroupQueryAttention"):
+        assert gqa.input[0].endswith("/qkv") and list(gqa.input[1:3]) == ["", ""]
+    assert not any(n.op_type == "Reshape" and n.input[0].startswith("linear") for n in after.node)
+    prompts, tokens = windows(2, 5, 300, seed=4), windows(4, 2, 300, seed=5)
+    runs = []
+    for path in (unpacked, graphs["wo-int8-b32-acc4"]):
+        runner = DecodeSession(path)
+        assert runner.shared
+        runner.reset(2, tokens=9)
+        runs.append([runner.step(prompts)] + [runner.step(t[:, None]) for t in tokens] + runner.cache())
+    for a, b in zip(*runs):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+    assert np.abs(runs[0][0]).max() > 0.1   # logits that say something
