@@ -2,8 +2,9 @@
 
 Each pass edits an ``onnx.ModelProto`` in place, changes nothing where its pattern is not found
 (it returns how many places it rewrote), and is checked afterwards by the export's parity gate
-against PyTorch, step by step with the cache. They run on the FP32 graph before any recipe
-quantizes it, so FP32 and every INT8 recipe run the same attention and head.
+against PyTorch, step by step with the cache. The first three run on the FP32 graph before any
+recipe quantizes it, so FP32 and every INT8 recipe run the same attention and head; the last is
+checked by the generation stage's cache proof on the graph it rewrote.
 
 - ``add_logits_to_keep``: the optional ``logits_to_keep`` input (decode.py), a ``Slice`` in
   front of the head, so a prompt step that needs one position's logits runs the head on one row
@@ -21,6 +22,10 @@ quantizes it, so FP32 and every INT8 recipe run the same attention and head.
   small model runs some 35 small operators per layer around two tiny matmuls; the operator does
   them in one kernel (what it buys: ``benchmarks/attention_fusion.py``). ONNX Runtime only: the
   export's ``fuse_attention=False`` keeps standard operators.
+- ``pack_qkv_projections``: the one pass that runs on a quantized graph (the generation stage,
+  after a weight-only recipe): the query, key and value ``MatMulNBits`` of a layer as one,
+  GroupQueryAttention's packed input. Quantizing the three on the FP32 graph first keeps every
+  recipe's codes, scales and node names as they are on the whole-window graph.
 """
 from __future__ import annotations
 
