@@ -18,7 +18,7 @@ round: a neighbour's load only slows a round down). A fused graph is timed twice
 present written each step, and with one cache buffer per layer bound as both past and present,
 which the operator appends to in place (``DecodeSession``'s shared cache, the default); a
 weight-only recipe's fused graph a third time with its query, key and value projections packed
-into one ``MatMulNBits`` (``pack_qkv_projections``, as the generation stage writes it). Prints the
+into one ``MatMulNBits`` (``qkv_packing``, as the generation stage writes it). Prints the
 CPU, its ISA flags, the threads, and per graph its node count, prompt and generation tokens/s,
 and generation against the same recipe as exported.
 """
@@ -36,7 +36,7 @@ import onnx
 
 from quantnorm.errors import QuantnormError
 from quantnorm.generation import HFWithPast, export_with_past
-from quantnorm.generation.graph_passes import pack_qkv_file
+from quantnorm.generation.qkv_packing import pack_qkv_file
 from quantnorm.generation.speed import decode_speed
 from quantnorm.hardware import cpu_flags, cpu_has_vnni, cpu_model
 from quantnorm.measure.sessions import SessionSpec

@@ -32,7 +32,7 @@ from .errors import ConfigError, ExportError, QuantnormError
 from .fileio import release_memory
 from .generation.agreement import agreement_prompts, fp32_continuation, generation_agreement
 from .generation.decode import DecodeSession, check_cache
-from .generation.graph_passes import pack_qkv_file
+from .generation.qkv_packing import pack_qkv_file
 from .generation.speed import decode_lengths, decode_speed
 from .measure.sessions import TENSORRT, SessionSpec, normalize_provider
 from .quantize import GPTQCodes, PreprocessCache, quantize

@@ -376,7 +376,7 @@ def test_weight_only_query_key_and_value_are_packed_into_one_product(tmp_path):
     them gone; the packed graph's logits and cache equal the unpacked graph's (the same codes and
     scales per column), and its cache is still one shared buffer. A per-token graph has no
     MatMulNBits to pack and is left as it is."""
-    from quantnorm.generation.graph_passes import pack_qkv_file
+    from quantnorm.generation.qkv_packing import pack_qkv_file
     from quantnorm.quantize import get_recipe, quantize
 
     # head size 16: the rotary embedding moves into the operator, so q, k and v reach it unrotated
