@@ -96,7 +96,10 @@ def retime(run: Path, results: dict, rows: list, rounds: int) -> list:
     settings = (results.get("generation") or {}).get("settings") or {}
     prompt_tokens, new_tokens = decode_lengths(settings.get("max_length"), settings.get("prompt_tokens") or 128,
                                                settings.get("new_tokens") or 128)
-    graphs = {m.name: run / m.path for m in generation_models(results) if m.path and (run / m.path).is_file()}
+    models = [m for m in generation_models(results) if m.path and (run / m.path).is_file()
+              and (not m.entry.get("prompt_path") or (run / m.entry["prompt_path"]).is_file())]
+    graphs = {m.name: run / m.path for m in models}
+    prompt_graphs = {m.name: run / m.entry["prompt_path"] for m in models if m.entry.get("prompt_path")}
     files = {r["format"]: run / r["path"] for e in (results.get("engines") or {}).get("engines") or []
              if e.get("engine") == "llamacpp" for r in e.get("rows") or []
              if r.get("status") == "ok" and r.get("path") and (run / r["path"]).is_file()}
@@ -110,7 +113,8 @@ def retime(run: Path, results: dict, rows: list, rounds: int) -> list:
     for _ in range(rounds):
         for r in timed:
             if r.engine == QUANTNORM:
-                m = decode_speed(graphs[r.format], prompt, new_tokens=new_tokens, spec=spec, rounds=1)
+                m = decode_speed(graphs[r.format], prompt, new_tokens=new_tokens, spec=spec, rounds=1,
+                                 prompt_path=prompt_graphs.get(r.format))
                 got = (m["prompt_tokens_per_s"], m["gen_tokens_per_s"]) if m["status"] == "measured" else None
             else:
                 model = LlamaCppModel(files[r.format], r.format, threads=threads or 1,
@@ -142,14 +146,15 @@ def table(results: dict, run: Path | None = None, rounds: int = 0) -> tuple[list
              "speeds: the run's own (quantnorm's in its generation stage, llama.cpp's in its engine stage)", ""]
     versus = versus_llamacpp(rows)
     q8 = versus.q8 if versus else None
-    header = f"{'engine':<10} {'format or recipe':<40} {'KL mean':>9} {'prompt tok/s':>13} {'x Q8_0':>7} " \
+    width = max([40, *(len(r.format) for r in rows)])
+    header = f"{'engine':<10} {'format or recipe':<{width}} {'KL mean':>9} {'prompt tok/s':>13} {'x Q8_0':>7} " \
              f"{'gen tok/s':>10} {'x Q8_0':>7}"
     lines += [header, "-" * len(header)]
     for r in rows:
         if not r.ok:
-            lines.append(f"{r.engine:<10} {r.format:<40} {r.status}")
+            lines.append(f"{r.engine:<10} {r.format:<{width}} {r.status}")
             continue
-        lines.append(f"{r.engine:<10} {r.format:<40} {_fmt(r.kld, '9.4f')} {_fmt(r.prompt_tok_s, '13,.0f')} "
+        lines.append(f"{r.engine:<10} {r.format:<{width}} {_fmt(r.kld, '9.4f')} {_fmt(r.prompt_tok_s, '13,.0f')} "
                      f"{_fmt(_ratio(r, q8, 'prompt_tok_s'), '7.2f')} {_fmt(r.gen_tok_s, '10.1f')} "
                      f"{_fmt(_ratio(r, q8, 'gen_tok_s'), '7.2f')}")
     lines.append("")

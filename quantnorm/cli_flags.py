@@ -41,6 +41,25 @@ def _threshold(flag: str, what: str):  # a policy threshold; not given (None): t
     return click.option(flag, type=float, default=None, help=f"{what} [default: {default if default else 'off'}]")
 
 
+# Generation's settings beside --generation: the decode-speed rows, agreement, the split deployment.
+GENERATION_OPTIONS = [
+    click.option("--gen-batches", default="1,4", show_default=True,
+                 help="Generation: batch sizes of the decode-speed rows."),
+    click.option("--gen-tokens", default="128,128", show_default=True,
+                 help="Generation: prompt tokens and new tokens of the decode-speed rows (cut to the model's "
+                      "positions when they do not fit)."),
+    click.option("--agreement", default="16,64", show_default=True,
+                 help="Generation agreement: prompts (from the evaluation split) and greedy new tokens each."),
+    click.option("--prefill-recipe", default=None, metavar="RECIPE",
+                 help="Generation: also deploy each weight-only recipe of the run split in two graphs: the "
+                      "prompt through RECIPE's with-past graph (per-token INT8: an integer GEMM, fast at many "
+                      "rows), the new tokens through the weight-only graph (fast at one row), one cache "
+                      "between them. A row per pair, named WEIGHT_ONLY+prefill-RECIPE: cache check, "
+                      "agreement and decode speed as deployed, the size of both files. RECIPE must be among "
+                      "--recipes. [default: none]"),
+]
+
+
 def evaluate_options(func):
     """The flags of an EvaluateConfig, shared by ``evaluate`` and ``sweep`` (a sweep hands every cell
     the one configuration they build); ``evaluate_config`` turns them into it."""
@@ -97,13 +116,7 @@ def evaluate_options(func):
                      help="Causal models: export each recipe with a KV cache and measure generation as deployed: "
                           "prompt and generation tokens/s, per-token p50/p90, peak memory, and greedy generations "
                           "against FP32's. [default: on for evaluate, off for sweep]"),
-        click.option("--gen-batches", default="1,4", show_default=True,
-                     help="Generation: batch sizes of the decode-speed rows."),
-        click.option("--gen-tokens", default="128,128", show_default=True,
-                     help="Generation: prompt tokens and new tokens of the decode-speed rows (cut to the model's "
-                          "positions when they do not fit)."),
-        click.option("--agreement", default="16,64", show_default=True,
-                     help="Generation agreement: prompts (from the evaluation split) and greedy new tokens each."),
+        *GENERATION_OPTIONS,
         click.option("--engines", default=None,
                      help="Comma-separated other inference engines to measure beside the recipes, on the same "
                           "checkpoint, windows and threads, scored against the same FP32 model: llamacpp "
@@ -158,7 +171,8 @@ def generation_fields(f: dict, default: bool) -> dict:
                                      param_hint=flag)
     return {"generation": default if f["generation"] is None else f["generation"],
             "gen_batches": _int_csv(f["gen_batches"], "--gen-batches"), "gen_prompt_tokens": prompt_new[0],
-            "gen_new_tokens": prompt_new[1], "agreement_prompts": agreement[0], "agreement_new_tokens": agreement[1]}
+            "gen_new_tokens": prompt_new[1], "agreement_prompts": agreement[0], "agreement_new_tokens": agreement[1],
+            "gen_prefill_recipe": f["prefill_recipe"] or None}
 
 
 # The parameter names evaluate_options adds, read off a command it decorates (one list, not two).

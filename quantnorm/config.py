@@ -73,6 +73,10 @@ class EvaluateConfig:
     gen_rounds: int = 2
     agreement_prompts: int = 16         # generation agreement: prompts from the evaluation split
     agreement_new_tokens: int = 64
+    # A split deployment beside each weight-only recipe: prompts through this recipe's with-past
+    # graph (per-token INT8: an integer GEMM, fast at many rows), the new tokens through the
+    # weight-only graph (fast at one row), the cache shared; None: none.
+    gen_prefill_recipe: str | None = None
     # Other engines measured beside the recipes (quantnorm.engines: "llamacpp"), and the llama.cpp
     # types made from a GGUF checkpoint.
     engines: tuple[str, ...] = ()
@@ -105,6 +109,7 @@ class EvaluateConfig:
                                    ("--agreement-new-tokens", self.agreement_new_tokens, 1)):
             if value < least:
                 raise ConfigError(f"{flag} must be >= {least}, got {value}")
+        self._check_prefill_recipe()
         for name in self.engines:
             if name not in ENGINES:
                 raise ConfigError(f"--engines: unknown engine {name!r}: choose from {', '.join(sorted(ENGINES))}")
@@ -134,6 +139,30 @@ class EvaluateConfig:
         the report's verdict), as the policy names them."""
         return {"max_ppl_ratio": self.max_ppl_ratio, "max_kld": self.max_kld, "max_kld_p99": self.max_kld_p99,
                 "min_top1": self.min_top1}
+
+    def _check_prefill_recipe(self) -> None:
+        """``--prefill-recipe``: a registry recipe that quantizes activations (a prompt is many rows),
+        among the run's ``--recipes`` beside a weight-only recipe to generate with, when those are named."""
+        name = self.gen_prefill_recipe
+        if name is None:
+            return
+        flag = f"--prefill-recipe {name}"
+        if not self.generation:
+            raise ConfigError(f"{flag} needs generation: drop --no-generation (or pass --generation in a sweep)")
+        try:
+            mode = get_recipe(name).mode
+        except ConfigError as exc:
+            raise ConfigError(f"--prefill-recipe: {exc}") from None
+        if mode in ("weight-only", "fp16"):
+            raise ConfigError(f"{flag}: a {mode} recipe runs the prompt no faster than the weight-only graph; "
+                              f"name a per-token, dynamic or static recipe (e.g. rotated-pertoken-fused-gptq)")
+        if self.probe_picks_recipes:   # the probe may still change the set: the generation stage says what applied
+            return
+        if name not in self.recipes:
+            raise ConfigError(f"{flag}: it is not among --recipes; add it there (its with-past graph runs the prompts)")
+        if not any(n != AUTO and get_recipe(n).mode == "weight-only" for n in self.recipes):
+            raise ConfigError(f"{flag}: --recipes names no weight-only recipe to generate with (e.g. "
+                              f"rotated-wo-int8-b128-acc4-gptq)")
 
     def search_config(self):
         return SearchConfig(policy=self.policy(), pick=self.search_pick, space=self.search_space,

@@ -12,7 +12,10 @@ For a causal model source (``source.with_past(cfg)``; an encoder says why it has
    recorded for each (its graph through the cache against the same graph scored whole: exact for
    per-token and static recipes; per-tensor dynamic scales differ between a prompt and one row,
    so there it measures that difference);
-3. decode speed (``generation.speed``) of FP32 and every ok recipe, per provider and batch, and
+   with ``--prefill-recipe P``, each weight-only recipe W is also deployed split (``split_entries``):
+   the prompt through P's with-past graph, the new tokens through W's, one cache between them,
+   an entry ``W+prefill-P`` with its own cache proof;
+3. decode speed (``generation.speed``) of FP32 and every ok recipe (and split pair), per provider and batch, and
    generation agreement with FP32's greedy generations (``generation.agreement``).
 
 The section it returns is ``results["generation"]`` (read back by ``results.generation_models``).
@@ -87,16 +90,21 @@ def generation_section(source, cfg, *, run_dir: Path, fp32_path: Path, recipes: 
                    for name, recipe in recipes.items() if name in int8_paths]
     past.release()
     release_memory()
+    if cfg.gen_prefill_recipe is not None:
+        with stage("generation:split"):
+            models += split_entries(models, recipes, cfg.gen_prefill_recipe, data.eval_inputs, cfg, run_dir)
     with stage("generation:agreement"):
         reference = fp32_continuation(fp32_past, prompts, agreement_new, threads=cfg.threads)
         for entry in _bar(models[1:], "generation agreement", cfg):
             if entry["status"] == "ok":
-                entry["agreement"] = generation_agreement(run_dir / entry["path"], reference, threads=cfg.threads)
+                entry["agreement"] = generation_agreement(run_dir / entry["path"], reference, threads=cfg.threads,
+                                                          prompt_path=_prompt_path(entry, run_dir))
     with stage("generation:decode"):
         timed_prompts = speed_prompts(data.eval_inputs, prompt_tokens, max(cfg.gen_batches))
         for entry in _bar(models, "decode speed", cfg):
             if entry["status"] == "ok":
-                entry["decode"] = _decode_rows(run_dir / entry["path"], timed_prompts, new_tokens, cfg)
+                entry["decode"] = _decode_rows(run_dir / entry["path"], timed_prompts, new_tokens, cfg,
+                                               _prompt_path(entry, run_dir))
     return {"status": "measured", "export": exported.to_dict(run_dir),
             "settings": {"prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "batches": list(cfg.gen_batches),
                          "rounds": cfg.gen_rounds, "max_length": max_length,
@@ -156,6 +164,48 @@ def _quantize_past(variants, name: str, recipe, fp32_past: Path, data, cfg, run_
             "cache_check": _cache_check(q.path, data.eval_inputs, None, cfg)}
 
 
+def split_name(tokens: str, prompt: str) -> str:
+    """The name of a split deployment's row: the weight-only recipe that generates, and the prompt's."""
+    return f"{tokens}+prefill-{prompt}"
+
+
+def split_entries(models: list[dict], recipes: dict, prompt: str, eval_inputs: np.ndarray, cfg,
+                  run_dir: Path) -> list[dict]:
+    """A ``generation.models`` entry per weight-only recipe of the run, deployed split with the
+    ``prompt`` recipe's graph running the prefill (``DecodeSession(prompt_model=...)``); its
+    ``path`` is the token graph, ``prompt_path`` the prompt graph, ``size_bytes`` both files.
+    A prompt recipe or weight-only recipe the run lacks gives an entry that says so."""
+    by_name = {m["name"]: m for m in models}
+    tokens = [name for name, recipe in recipes.items() if recipe.mode == "weight-only" and name in by_name]
+    if not tokens:
+        return [{"name": split_name("weight-only", prompt), "status": "not applicable: the run has no weight-only "
+                 "recipe to generate with (add one to --recipes, e.g. rotated-wo-int8-b128-acc4-gptq)"}]
+    first = by_name.get(prompt)
+    if first is None or first["status"] != "ok":
+        why = "is not among the run's recipes" if first is None else f"has no with-past graph ({first['status']})"
+        return [{"name": split_name(name, prompt), "status": f"not applicable: the prompt recipe {prompt} {why}"}
+                for name in tokens]
+    out = []
+    for name in tokens:
+        entry = {"name": split_name(name, prompt), "split": {"tokens": name, "prompt": prompt}}
+        second = by_name[name]
+        if second["status"] != "ok":
+            out.append({**entry, "status": f"not applicable: {name} has no with-past graph ({second['status']})"})
+            continue
+        # the prefill on the prompt graph, then a token at a time on the token graph, against the
+        # token graph's own whole windows: what writing the cache with the other graph costs
+        windows = np.asarray(eval_inputs)[:CACHE_CHECK_WINDOWS]
+        check = check_cache(run_dir / second["path"], windows, max(1, windows.shape[1] // 2),
+                            tolerance=CACHE_TOLERANCE, threads=cfg.threads, prompt_model=run_dir / first["path"])
+        out.append({**entry, "status": "ok", "path": second["path"], "prompt_path": first["path"],
+                    "size_bytes": second["size_bytes"] + first["size_bytes"], "cache_check": check.to_dict()})
+    return out
+
+
+def _prompt_path(entry: dict, run_dir: Path) -> Path | None:
+    return run_dir / entry["prompt_path"] if entry.get("prompt_path") else None
+
+
 def speed_prompts(eval_inputs: np.ndarray, prompt_tokens: int, batch: int) -> np.ndarray:
     """``batch`` prompts of ``prompt_tokens`` tokens: evaluation text, windows joined end to end
     when one window is shorter than the prompt, rows cycling through the windows."""
@@ -165,7 +215,7 @@ def speed_prompts(eval_inputs: np.ndarray, prompt_tokens: int, batch: int) -> np
     return np.ascontiguousarray(tokens[:need].reshape(batch, prompt_tokens))
 
 
-def _decode_rows(path: Path, prompts: np.ndarray, new_tokens: int, cfg) -> list[dict]:
+def _decode_rows(path: Path, prompts: np.ndarray, new_tokens: int, cfg, prompt_path: Path | None = None) -> list[dict]:
     rows = []
     for provider in cfg.provider_list():
         for batch in cfg.gen_batches:
@@ -174,5 +224,6 @@ def _decode_rows(path: Path, prompts: np.ndarray, new_tokens: int, cfg) -> list[
                 continue
             spec = SessionSpec(provider=normalize_provider(provider), threads=cfg.threads,
                                graph_optimization_level=cfg.graph_optimization_level)
-            rows.append(decode_speed(path, prompts[:batch], new_tokens=new_tokens, spec=spec, rounds=cfg.gen_rounds))
+            rows.append(decode_speed(path, prompts[:batch], new_tokens=new_tokens, spec=spec, rounds=cfg.gen_rounds,
+                                     prompt_path=prompt_path))
     return rows

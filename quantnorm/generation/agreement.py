@@ -66,6 +66,11 @@ def _teacher_forced(runner: DecodeSession, prompts: np.ndarray, tokens: np.ndarr
     """Logits [n, new, vocab] predicting each of ``tokens`` after its prompt and the tokens before it."""
     sequence = np.concatenate([prompts, tokens[:, :-1]], axis=1)
     runner.reset(len(sequence), sequence.shape[1])
+    if runner.split:   # as it generates: the prompt on the prompt graph, the continuation on the token graph
+        first = runner.step(prompts, last_only=True)
+        if tokens.shape[1] == 1:
+            return np.ascontiguousarray(first)
+        return np.concatenate([first, runner.step(tokens[:, :-1], tokens_graph=True)], axis=1)
     # a copy: the prompt's own positions (most of the array for a short continuation) are let go
     return np.ascontiguousarray(runner.step(sequence)[:, prompts.shape[1] - 1:])
 
@@ -86,9 +91,11 @@ def fp32_continuation(fp32_path, prompts: np.ndarray, new_tokens: int, *, thread
     return Continuation(prompts, _greedy(runner, prompts, new_tokens), runner)
 
 
-def generation_agreement(candidate_path, reference: Continuation, *, threads: int | None = 1) -> dict:
-    """The candidate's agreement with FP32's continuation (see the module doc)."""
-    runner = DecodeSession(candidate_path, threads=threads)
+def generation_agreement(candidate_path, reference: Continuation, *, threads: int | None = 1,
+                         prompt_path=None) -> dict:
+    """The candidate's agreement with FP32's continuation (see the module doc); ``prompt_path``:
+    a split deployment's prompt graph (``DecodeSession``)."""
+    runner = DecodeSession(candidate_path, threads=threads, prompt_model=prompt_path)
     new = reference.tokens.shape[1]
     return agreement_of(_greedy(runner, reference.prompts, new), lambda p, t: _teacher_forced(runner, p, t),
                         reference, step=max(1, _chunk(runner, reference.prompts, new) // 2))  # two models' logits

@@ -154,6 +154,10 @@ def pick_model(results: dict, recipe: str, run_dir: Path) -> GenerationModel:
         known = [r.name for r in recipes(results)]
         why = "has no with-past graph" if name in known else "is not a recipe of this run"
         raise ConfigError(f"--recipe {recipe}: {name} {why}; the run's with-past graphs: {', '.join(have) or 'none'}")
+    if isinstance(model.entry.get("split"), dict):   # GenAI would need a pipeline of two models: not written
+        pair = model.entry["split"]
+        raise ConfigError(f"--recipe {recipe}: a split deployment is two graphs and a bundle holds one: bundle its "
+                          f"token graph (--recipe {pair.get('tokens')}) or its prompt graph (--recipe {pair.get('prompt')})")
     if not model.ok or not model.path:
         raise ConfigError(f"--recipe {recipe}: the with-past graph of {name} is {model.status}; "
                           f"the run's usable ones: {', '.join(have) or 'none'}")

@@ -21,11 +21,17 @@ and the operator writes the new keys in place after the ``attention_mask``'s len
 Runtime GenAI calls ``past_present_share_buffer``), so a step copies no cache at all. The buffer
 grows by doubling (up to the graph's ``max_length``) when a step needs more room.
 
+A split deployment (``prompt_model``) runs the prompt, a step of many rows, through a second
+graph of the same model (a per-token INT8 graph: an integer GEMM that is fast at many rows) and
+the new tokens through the first (a weight-only graph: fast at one row); both read and write the
+same cache, so a step on either continues the other's.
+
 Prompts in a batch have equal length (windows of the evaluation split): the attention mask is
 all ones and positions run past, past + 1, ...
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -167,32 +173,63 @@ def open_session(model, threads: int | None = 1, spec: SessionSpec | None = None
     return make_session(Path(model), spec or SessionSpec(threads=threads))
 
 
+class _Graph:
+    """One session of a ``DecodeSession`` and what a step needs to know of its inputs."""
+
+    def __init__(self, session: ort.InferenceSession):
+        self.session = session
+        self.feeds = {i.name for i in session.get_inputs()}
+        # an overridable initializer: bind_cpu_input does not see it, so the name is looked up there too
+        self.keeps_logits = LOGITS_TO_KEEP in self.feeds | {i.name for i in session.get_overridable_initializers()}
+
+
 class DecodeSession:
     """A with-past graph and its cache, kept as ORT values between steps (see the module doc).
 
     ``shared_cache``: None (default) shares one buffer for past and present where the graph allows
     (``writes_cache_in_place``; a path on the CPU provider), False never, True requires it (a
-    ``ConfigError`` where the graph or provider does not allow it).
+    ``ConfigError`` where the graph or provider does not allow it). ``prompt_model``: a second
+    with-past graph of the same model (same layers, heads and head size) that runs every step of
+    more than one row (the split deployment of the module doc); the buffer is shared only where
+    both graphs allow it.
     """
 
     def __init__(self, model, *, threads: int | None = 1, spec: SessionSpec | None = None,
-                 shared_cache: bool | None = None):
+                 shared_cache: bool | None = None, prompt_model=None):
+        if prompt_model is not None:   # two thread pools taking turns: neither may spin while the other runs
+            spec = dataclasses.replace(spec or SessionSpec(threads=threads), stop_spinning=True)
         self.session = open_session(model, threads, spec)
         self.layout = PastLayout.of_session(self.session)
+        self.tokens_graph = _Graph(self.session)
+        self.prompt_graph = self.tokens_graph
+        if prompt_model is not None:
+            prompt_session = open_session(prompt_model, threads, spec)
+            layout = PastLayout.of_session(prompt_session, "the prompt graph")
+            if (layout.n_layers, layout.kv_heads, layout.head_dim, layout.dtype) != \
+                    (self.layout.n_layers, self.layout.kv_heads, self.layout.head_dim, self.layout.dtype):
+                raise ConfigError(f"the prompt graph's cache ({layout.n_layers} layers x {layout.kv_heads} heads x "
+                                  f"{layout.head_dim}, {np.dtype(layout.dtype).name}) is not the token graph's "
+                                  f"({self.layout.n_layers} x {self.layout.kv_heads} x {self.layout.head_dim}, "
+                                  f"{np.dtype(self.layout.dtype).name}): both must be exports of one model")
+            self.prompt_graph = _Graph(prompt_session)
         # the cache stays where the provider computes it: host memory for the CPU, the GPU's for CUDA
         self.device = "cuda" if self.session.get_providers()[0] == CUDA else "cpu"
-        self.shared = shared_cache is not False and self._can_share(model)
+        self.shared = shared_cache is not False and self._can_share(model) and \
+            (prompt_model is None or self._can_share(prompt_model))
         if shared_cache and not self.shared:
             raise ConfigError("a shared cache buffer needs a graph path on the CPU provider whose cache only "
                               "GroupQueryAttention reads and writes, with its max_length stated (quantnorm's "
                               "fused with-past export)")
-        self.feeds = {i.name for i in self.session.get_inputs()}
-        self.keeps_logits = LOGITS_TO_KEEP in self.feeds | {i.name for i in self.session.get_overridable_initializers()}
         self._keep_one = ort.OrtValue.ortvalue_from_numpy(np.ones(1, np.int64))
         self.outputs = [LOGITS, *present_names(self.layout.n_layers)]
         vocab = next(o.shape[-1] for o in self.session.get_outputs() if o.name == LOGITS)
         self.vocab = vocab if isinstance(vocab, int) and vocab > 0 else 1
         self.reset(1)
+
+    @property
+    def split(self) -> bool:
+        """Whether prompts run through a graph of their own."""
+        return self.prompt_graph is not self.tokens_graph
 
     def _can_share(self, model) -> bool:
         return (not isinstance(model, ort.InferenceSession) and self.device == "cpu"
@@ -224,9 +261,11 @@ class DecodeSession:
         self._buffers = grown
         self.past = [ort.OrtValue.ortvalue_from_numpy(a) for a in grown]
 
-    def step(self, input_ids: np.ndarray, *, last_only: bool = False) -> np.ndarray:
+    def step(self, input_ids: np.ndarray, *, last_only: bool = False, tokens_graph: bool = False) -> np.ndarray:
         """Feed ``input_ids`` [batch, seq] after the cache, keep the present as the new cache;
-        return the logits [batch, seq, vocab] as numpy ([batch, 1, vocab] with ``last_only``)."""
+        return the logits [batch, seq, vocab] as numpy ([batch, 1, vocab] with ``last_only``).
+        A step of more than one row runs on the prompt graph unless ``tokens_graph`` says otherwise
+        (teacher forcing a continuation as a split deployment would generate it)."""
         ids = np.ascontiguousarray(input_ids, dtype=np.int64)
         if ids.ndim != 2 or ids.shape[0] != self.batch or ids.shape[1] < 1:
             raise ConfigError(f"a step takes input_ids [{self.batch}, seq >= 1], got {list(ids.shape)}")
@@ -234,17 +273,18 @@ class DecodeSession:
         if max_length is not None and self.length + ids.shape[1] > max_length:
             raise ConfigError(f"{self.length + ids.shape[1]} tokens exceed the model's {max_length} positions "
                               f"(prompt plus new tokens): use a shorter prompt or fewer new tokens")
+        graph = self.tokens_graph if ids.shape[1] == 1 or tokens_graph else self.prompt_graph
         total = self.length + ids.shape[1]
         if self.shared:
             self._grow(total)
         host = {INPUT_IDS: ids,   # kept referenced until the run: the binding holds their memory
                 ATTENTION_MASK: np.ones((self.batch, total), np.int64),
                 POSITION_IDS: np.ascontiguousarray(np.broadcast_to(np.arange(self.length, total), ids.shape))}
-        binding = self.session.io_binding()
+        binding = graph.session.io_binding()
         for name, array in host.items():
-            if name in self.feeds:
+            if name in graph.feeds:
                 binding.bind_cpu_input(name, array)
-        if last_only and self.keeps_logits:   # an overridable initializer: bind_cpu_input does not see it
+        if last_only and graph.keeps_logits:
             binding.bind_ortvalue_input(LOGITS_TO_KEEP, self._keep_one)
         for name, value in zip(past_names(self.layout.n_layers), self.past):
             binding.bind_ortvalue_input(name, value)
@@ -255,7 +295,7 @@ class DecodeSession:
         else:
             for name in self.outputs:
                 binding.bind_output(name, self.device)
-        self.session.run_with_iobinding(binding)
+        graph.session.run_with_iobinding(binding)
         logits, *present = binding.get_outputs()
         if not self.shared:
             self.past = present
@@ -339,14 +379,16 @@ def _whole_nll_sum(session: ort.InferenceSession, windows: np.ndarray, batch_siz
 
 
 def check_cache(model, windows: np.ndarray, prefill: int, *, whole=None, tolerance: float = 1e-4,
-                batch_size: int = 8, threads: int | None = 1) -> CacheCheck:
+                batch_size: int = 8, threads: int | None = 1, prompt_model=None) -> CacheCheck:
     """Score ``windows`` [n, seq] through the cache (prefill ``prefill`` tokens, then one token at
     a time, teacher-forced, the cache carried between steps) and whole, and return both NLLs.
 
     ``whole``: the whole-window graph (input ``input_ids`` -> ``logits``) or its path; None scores
     the windows whole with the with-past graph itself (one step after an empty past). Exact in
     FP32 and for per-token recipes; a per-tensor dynamic recipe's scales differ between a prompt
-    and one row, so its two NLLs need not agree (PITFALLS.md 20).
+    and one row, so its two NLLs need not agree (PITFALLS.md 20). ``prompt_model``: a split
+    deployment's prompt graph (``DecodeSession``) runs the prefill; the windows scored whole are
+    then the token graph's (the cache written by one graph, read by the other: what it costs).
     """
     windows = np.ascontiguousarray(windows, dtype=np.int64)
     if windows.ndim != 2 or len(windows) < 1:
@@ -357,7 +399,7 @@ def check_cache(model, windows: np.ndarray, prefill: int, *, whole=None, toleran
     # One graph in memory at a time (two FP32 copies of a checkpoint, each with its arena, are most
     # of the generation stage's peak): the whole-window graph scores first and is let go.
     whole_sum = None if whole is None else _whole_nll_sum(open_session(whole, threads), windows, batch_size)
-    runner = DecodeSession(model, threads=threads)
+    runner = DecodeSession(model, threads=threads, prompt_model=prompt_model)
     batch_size = rows_within_budget(windows.shape[1], runner.vocab, batch_size)
     cached_sum, own_whole_sum = 0.0, 0.0
     for lo in range(0, len(windows), batch_size):
@@ -369,7 +411,7 @@ def check_cache(model, windows: np.ndarray, prefill: int, *, whole=None, toleran
             cached_sum += float(nll_rows(runner.step(batch[:, t:t + 1]), batch[:, t + 1:t + 2]).sum())
         if whole is None:
             runner.reset(len(batch), batch.shape[1])
-            own_whole_sum += float(nll_rows(runner.step(batch)[:, :-1], batch[:, 1:]).sum())
+            own_whole_sum += float(nll_rows(runner.step(batch, tokens_graph=True)[:, :-1], batch[:, 1:]).sum())
     n = windows.shape[0] * (windows.shape[1] - 1)
     whole_sum = own_whole_sum if whole_sum is None else whole_sum
     return CacheCheck(cached_sum / n, whole_sum / n, prefill, list(windows.shape), tolerance)

@@ -92,9 +92,11 @@ def _one_generation(runner: DecodeSession, prompts: np.ndarray, new_tokens: int)
 
 
 def decode_speed(path: str | Path, prompts: np.ndarray, *, new_tokens: int, spec: SessionSpec,
-                 rounds: int = DEFAULT_ROUNDS, shared_cache: bool | None = None) -> dict:
+                 rounds: int = DEFAULT_ROUNDS, shared_cache: bool | None = None,
+                 prompt_path: str | Path | None = None) -> dict:
     """One row (see the module doc) for the with-past graph at ``path``, prompts [batch, prompt];
-    ``shared_cache`` as ``DecodeSession`` takes it (None: one buffer where the graph allows)."""
+    ``shared_cache`` as ``DecodeSession`` takes it (None: one buffer where the graph allows);
+    ``prompt_path``: a split deployment's prompt graph (the prefill runs there, both held open)."""
     prompts = np.ascontiguousarray(prompts, dtype=np.int64)
     if prompts.ndim != 2 or new_tokens < 2 or rounds < 1:
         raise ConfigError(f"decode speed needs prompts [batch, prompt], new_tokens >= 2 and rounds >= 1, got "
@@ -107,7 +109,7 @@ def decode_speed(path: str | Path, prompts: np.ndarray, *, new_tokens: int, spec
         return {**row, "status": NOT_MEASURED + why}
     with _PeakRss() as memory:
         try:
-            runner = DecodeSession(path, spec=spec, shared_cache=shared_cache)
+            runner = DecodeSession(path, spec=spec, shared_cache=shared_cache, prompt_model=prompt_path)
         except ProviderUnavailable as exc:
             return {**row, "status": NOT_MEASURED + str(exc)}
         _one_generation(runner, prompts, min(new_tokens, 4))   # warm-up: allocations, kernels chosen

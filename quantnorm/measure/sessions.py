@@ -91,6 +91,10 @@ class SessionSpec:
     provider: str = CPU
     graph_optimization_level: str = "ORT_ENABLE_ALL"
     threads: int | None = None
+    # Two sessions that take turns in one process (a split deployment's prompt and token graphs)
+    # each have a thread pool whose workers spin after a run; on a 2-core CPU the idle one's
+    # spinning took a third of the other's prefill. True: workers stop spinning when a run returns.
+    stop_spinning: bool = False
 
     def __post_init__(self) -> None:
         # Frozen: store the canonical spellings through object.__setattr__.
@@ -105,8 +109,9 @@ class SessionSpec:
         return [self.provider, *_FALLBACK_CHAIN[self.provider]]
 
     def to_dict(self) -> dict:
-        return {"provider": self.provider, "graph_optimization_level": self.graph_optimization_level,
-                "threads": self.threads}
+        out = {"provider": self.provider, "graph_optimization_level": self.graph_optimization_level,
+               "threads": self.threads}
+        return {**out, "stop_spinning": True} if self.stop_spinning else out
 
     def session_options(self) -> ort.SessionOptions:
         opts = ort.SessionOptions()
@@ -118,6 +123,8 @@ class SessionSpec:
         # Errors only: ORT's warnings (e.g. "some nodes were not assigned to the preferred EP")
         # are reported by node_placement as numbers instead.
         opts.log_severity_level = 3
+        if self.stop_spinning:
+            opts.add_session_config_entry("session.force_spinning_stop", "1")
         return opts
 
 

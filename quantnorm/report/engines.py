@@ -1,7 +1,8 @@
 """The run report's engines section: quantnorm's models beside what a user would deploy instead.
 
 One table per run: FP32 and every recipe that ran (``results["recipes"]``, with its generation
-agreement and batch-1 CPU decode speed from ``results["generation"]`` and its file size), then each
+agreement and batch-1 CPU decode speed from ``results["generation"]`` and its file size), each
+split deployment (``--prefill-recipe``: the worse of its two graphs' accuracy), then each
 format of each other engine (``results["engines"]``, read through ``results.engine_rows``: made
 from the same checkpoint, scored on the same windows against the same FP32 baseline, with the same
 threads). Whether a row meets the accuracy goal is the run's own acceptance policy
@@ -89,6 +90,24 @@ def quantnorm_rows(results: dict) -> list[Row]:
         decode = _decode_b1(results, r.name)
         rows.append(Row(QUANTNORM, None, r.name, r.status, r.accuracy, agreement, decode.get("prompt_tokens_per_s"),
                         decode.get("gen_tokens_per_s"), results_file.file_size(results, r.name)))
+    return rows + _split_rows(results, {r.format: r for r in rows})
+
+
+def _split_rows(results: dict, by_name: dict[str, Row]) -> list[Row]:
+    """A split deployment (``--prefill-recipe``) per ok pair: its two graphs' whole-window accuracy,
+    each metric the worse of the two (its tokens come from both), both files' size, its own
+    agreement and speed."""
+    rows = []
+    for m in results_file.generation_models(results):
+        pair = m.entry.get("split")
+        if not m.ok or not isinstance(pair, dict) or not {pair.get("tokens"), pair.get("prompt")} <= set(by_name):
+            continue
+        a, b = by_name[pair["tokens"]].accuracy, by_name[pair["prompt"]].accuracy
+        worse = {metric: (min if op == ">=" else max)(a[metric], b[metric]) for _, metric, op in ACCURACY_LIMITS
+                 if _finite(a.get(metric)) and _finite(b.get(metric))}
+        decode = _decode_b1(results, m.name)
+        rows.append(Row(QUANTNORM, None, m.name, m.status, worse, (m.agreement or {}).get("identical_before_divergence"),
+                        decode.get("prompt_tokens_per_s"), decode.get("gen_tokens_per_s"), m.entry.get("size_bytes")))
     return rows
 
 

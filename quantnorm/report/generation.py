@@ -39,6 +39,12 @@ def generation(results: dict) -> list[str]:
           f"step at a time, median of {s.get('rounds')} rounds after a warm-up, threads "
           f"{s.get('threads') or 'ORT default'} (the CPU is the hardware section's).", ""]
     models = results_file.generation_models(results)
+    pairs = [m.entry["split"] for m in models if m.ok and isinstance(m.entry.get("split"), dict)]
+    if pairs:
+        L += [f"Split deployments (`--prefill-recipe {pairs[0].get('prompt')}`): `W+prefill-P` runs each prompt "
+              "through P's with-past graph and the new tokens through W's, one cache between them; both graphs are "
+              "held (its memory and size are both files'), and its cache check is the pair through the cache "
+              "against W's graph scored whole.", ""]
     L += _speed_tables(models)
     L += _agreement_table(models, s)
     skipped = [m for m in models if not m.ok]
