@@ -15,6 +15,7 @@ import pytest
 from onnx import numpy_helper
 
 from quantnorm.cli import main
+from quantnorm.errors import ConfigError
 from quantnorm.export import write_onnx_dir
 from quantnorm.feeds import is_with_past, window_feeder
 from quantnorm.generation import ZooWithPast, export_with_past
@@ -69,12 +70,12 @@ def zoo_run(tmp_path_factory) -> Path:
     from quantnorm.quantize import ort_backend
 
     out = tmp_path_factory.mktemp("gen-zoo") / "run"
-    recipes = "static-minmax-matmul,dynamic,pertoken-fused-gptq,online-rotated-pertoken-fused,smoothquant"
+    recipes = "static-minmax-matmul,dynamic,pertoken-fused-gptq,online-rotated-pertoken-fused,smoothquant,wo-int8-b32-acc4"
     preprocess = ort_backend._preprocess
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(ort_backend, "_preprocess", lambda src, dst: PREPROCESSED.append(src.name) or preprocess(src, dst))
         assert main(["evaluate", "--placement", "pre", "--norm", "rms", *TINY, *FAST, *GEN, "--out", str(out),
-                     "--recipes", recipes, "--providers", "cpu,cuda"]) == 0
+                     "--recipes", recipes, "--prefill-recipe", "pertoken-fused-gptq", "--providers", "cpu,cuda"]) == 0
     return out
 
 
@@ -83,7 +84,7 @@ def test_zoo_every_recipe_generates_through_its_cache(zoo_run):
     models = _check_models(results, ("static-minmax-matmul", "pertoken-fused-gptq", "online-rotated-pertoken-fused",
                                      "smoothquant"))
     assert set(models) == {"fp32", "static-minmax-matmul", "dynamic", "pertoken-fused-gptq",
-                           "online-rotated-pertoken-fused", "smoothquant"}
+                           "online-rotated-pertoken-fused", "smoothquant", "wo-int8-b32-acc4", SPLIT}
     # each recipe quantized its own transformed with-past model
     assert models["online-rotated-pertoken-fused"].entry["quantized_from"] == "model.fp32.rotated-online.past.onnx"
     assert models["smoothquant"].entry["quantized_from"] == "model.fp32.smoothquant.past.onnx"
@@ -101,6 +102,58 @@ def test_zoo_every_recipe_generates_through_its_cache(zoo_run):
     report = (zoo_run / "report.md").read_text()
     assert "## Generation (KV cache)" in report and "### Generation agreement" in report
     assert "| `pertoken-fused-gptq` | 1 |" in report and (zoo_run / "plots" / "token_latency.png").is_file()
+
+
+SPLIT = "wo-int8-b32-acc4+prefill-pertoken-fused-gptq"
+
+
+def test_a_split_deployment_prefills_on_one_graph_and_generates_on_the_other(zoo_run):
+    """--prefill-recipe: the prompt's logits are the prompt graph's, each new token's the token
+    graph's reading the cache the prompt graph wrote; the row is scored and sized as both."""
+    from quantnorm.generation import DecodeSession
+    from quantnorm.generation.bundle import pick_model
+    from quantnorm.report.engines import quantnorm_rows
+
+    results = _results(zoo_run)
+    split = _check_models(results, ())[SPLIT].entry
+    tokens, prompt = (zoo_run / "model.int8.wo-int8-b32-acc4.past.onnx", zoo_run / "model.int8.pertoken-fused-gptq.past.onnx")
+    assert split["split"] == {"tokens": "wo-int8-b32-acc4", "prompt": "pertoken-fused-gptq"}
+    assert (split["path"], split["prompt_path"]) == (tokens.name, prompt.name)
+    assert split["size_bytes"] == tokens.stat().st_size + prompt.stat().st_size
+    assert split["cache_check"]["relative_diff"] < 1e-2   # the cache written by another graph of the same model
+
+    ids = windows(2, 10, 256)
+    runner = DecodeSession(tokens, prompt_model=prompt, shared_cache=False)
+    assert runner.split and all(s.get_session_options().get_session_config_entry("session.force_spinning_stop") == "1"
+                                for s in (runner.tokens_graph.session, runner.prompt_graph.session))
+    runner.reset(2)
+    first, second = runner.step(ids[:, :8]), runner.step(ids[:, 8:9])
+    alone = DecodeSession(prompt, shared_cache=False)
+    alone.reset(2)
+    np.testing.assert_array_equal(first, alone.step(ids[:, :8]))
+    session = ort.InferenceSession(str(tokens))
+    feed = {"input_ids": ids[:, 8:9], "attention_mask": np.ones((2, 9), np.int64), "position_ids": np.full((2, 1), 8)}
+    feed.update(zip([f"past_key_values.{i // 2}.{('key', 'value')[i % 2]}" for i in range(2 * runner.layout.n_layers)],
+                    alone.cache()))
+    feed = {k: v for k, v in feed.items() if k in {i.name for i in session.get_inputs()}}
+    np.testing.assert_allclose(second, session.run(["logits"], feed)[0], rtol=1e-5, atol=1e-5)
+    assert not np.allclose(second, alone.step(ids[:, 8:9]), atol=1e-7)   # not the prompt graph's step
+
+    row = next(r for r in quantnorm_rows(results) if r.format == SPLIT)
+    kl = {r["name"]: r["accuracy"]["kld_mean"] for r in results["recipes"]}
+    assert row.kld == max(kl["wo-int8-b32-acc4"], kl["pertoken-fused-gptq"]) and row.size_bytes == split["size_bytes"]
+    assert row.prompt_tok_s > 0 and row.agreement is not None
+    with pytest.raises(ConfigError, match="a split deployment is two graphs"):
+        pick_model(results, SPLIT, zoo_run)
+    assert f"| `{SPLIT}` | 1 |" in (zoo_run / "report.md").read_text()
+
+
+def test_a_split_needs_graphs_of_one_model(zoo_run, tmp_path):
+    from quantnorm.generation import DecodeSession
+
+    other = export_with_past(ZooWithPast(zoo_model("pre")), tmp_path / "other.onnx", windows(2, 6, 256)).path
+    with pytest.raises(ConfigError, match="the prompt graph's cache .* is not the token graph's"):
+        DecodeSession(zoo_run / "model.fp32.past.onnx", prompt_model=other)
 
 
 def test_the_with_past_graph_reads_the_whole_window_gptq_codes(zoo_run):
@@ -144,6 +197,10 @@ def test_no_generation_leaves_the_section_out(tmp_path):
     (["--agreement", "0,8"], "--agreement-prompts must be >= 1"),
     (["--gen-batches", "0"], "--gen-batches must be >= 1"),
     (["--gen-tokens", "12,1"], "--gen-new-tokens must be >= 2"),
+    (["--recipes", "dynamic", "--prefill-recipe", "dynamic"], "names no weight-only recipe to generate with"),
+    (["--recipes", "dynamic,wo-int8-b32", "--prefill-recipe", "wo-int8-b32"], "name a per-token, dynamic or static"),
+    (["--recipes", "dynamic,wo-int8-b32", "--prefill-recipe", "pertoken"], "it is not among --recipes"),
+    (["--recipes", "dynamic,wo-int8-b32", "--prefill-recipe", "dynamic", "--no-generation"], "needs generation"),
 ])
 def test_bad_generation_flags_are_one_line(tmp_path, capsys, flags, message):
     out = tmp_path / "run"
