@@ -23,6 +23,7 @@ from quantnorm.generation import (
     past_names,
     present_names,
 )
+from quantnorm.generation.agreement import fp32_continuation, generation_agreement
 from quantnorm.models import PLACEMENTS, CausalLM, ModelConfig
 
 transformers = pytest.importorskip("transformers")  # the hf extra; .ci/run installs it
@@ -237,6 +238,11 @@ def test_the_operator_rotates_where_the_head_size_allows(tmp_path, name, overrid
         runs.append(logits + runner.cache())
     for a, b in zip(*runs):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)
+    # split in two graphs (the prompt on the standard operators, the tokens on the fused operator,
+    # one cache), three prompts at once: the same model, so FP32's own continuation, token for token
+    reference = fp32_continuation(plain.path, windows(3, 5, 300, seed=8), 4)
+    agreement = generation_agreement(fused.path, reference, prompt_path=plain.path)
+    assert agreement["identical_before_divergence"] == 1.0 and agreement["kl_mean"] < 1e-6
 
 
 def test_a_wrong_head_grouping_fails_the_export(monkeypatch, tmp_path):

@@ -66,11 +66,11 @@ def _teacher_forced(runner: DecodeSession, prompts: np.ndarray, tokens: np.ndarr
     """Logits [n, new, vocab] predicting each of ``tokens`` after its prompt and the tokens before it."""
     sequence = np.concatenate([prompts, tokens[:, :-1]], axis=1)
     runner.reset(len(sequence), sequence.shape[1])
-    if runner.split:   # as it generates: the prompt on the prompt graph, the continuation on the token graph
-        first = runner.step(prompts, last_only=True)
-        if tokens.shape[1] == 1:
-            return np.ascontiguousarray(first)
-        return np.concatenate([first, runner.step(tokens[:, :-1], tokens_graph=True)], axis=1)
+    if runner.split:   # as it generates: the prompt on the prompt graph, then a token per step on the token graph
+        # (one row per step also because ORT's GroupQueryAttention takes several rows after a past at batch 1 only)
+        steps = [runner.step(prompts, last_only=True)]
+        steps += [runner.step(tokens[:, t:t + 1]) for t in range(tokens.shape[1] - 1)]
+        return np.concatenate(steps, axis=1)
     # a copy: the prompt's own positions (most of the array for a short continuation) are let go
     return np.ascontiguousarray(runner.step(sequence)[:, prompts.shape[1] - 1:])
 

@@ -265,7 +265,7 @@ class DecodeSession:
         """Feed ``input_ids`` [batch, seq] after the cache, keep the present as the new cache;
         return the logits [batch, seq, vocab] as numpy ([batch, 1, vocab] with ``last_only``).
         A step of more than one row runs on the prompt graph unless ``tokens_graph`` says otherwise
-        (teacher forcing a continuation as a split deployment would generate it)."""
+        (the token graph scoring whole windows after an empty cache)."""
         ids = np.ascontiguousarray(input_ids, dtype=np.int64)
         if ids.ndim != 2 or ids.shape[0] != self.batch or ids.shape[1] < 1:
             raise ConfigError(f"a step takes input_ids [{self.batch}, seq >= 1], got {list(ids.shape)}")
