@@ -222,7 +222,7 @@ def _ratio_text(mine: float | None, theirs: float | None, goal: float | None = N
 @dataclass(frozen=True)
 class VersusLlamaCpp:
     """quantnorm's best row at llama.cpp Q8_0's KL or lower (None: no recipe is as accurate): the one
-    that meets both speed goals, else the generation goal, else the fastest generation; against Q8_0
+    that meets the most speed goals (of one, the generation goal first), then the fastest generation; against Q8_0
     (and Q4_K_M when measured), as ratios of tokens/s measured in the same run."""
 
     q8: Row
@@ -253,9 +253,9 @@ def versus_llamacpp(rows: list[Row]) -> VersusLlamaCpp | None:
     ours = [r for r in rows if r.engine == QUANTNORM and not r.reference and r.ok and r.kld is not None
             and r.kld <= q8.kld and _finite(r.gen_tok_s)]
     q4 = by_format.get("Q4_K_M")
-    # the row that meets both goals, else the generation goal, else the fastest generation (ties: fastest)
+    # the row that meets the most goals (the generation goal first among rows meeting one), then the fastest
     versus = [VersusLlamaCpp(q8, q4, r) for r in ours]
-    return max(versus, key=lambda v: (v.gen_met and v.prompt_met, v.gen_met, v.ours.gen_tok_s),
+    return max(versus, key=lambda v: (v.gen_met + v.prompt_met, v.gen_met, v.ours.gen_tok_s),
                default=VersusLlamaCpp(q8, q4, None))
 
 
