@@ -30,7 +30,8 @@ def _unusual_evaluate() -> EvaluateConfig:
         eval_batch_size=5, parity_windows=2, probe_windows=6, outliers=False, progress=False, sq_alpha=0.35,
         max_ppl_ratio=1.02, min_top1=0.97, max_kld=0.004, max_kld_p99=0.05, search_pick="first", search_space=("dynamic",),
         search_budget_min=12.5, exclude=("head/*", "blocks.0.mlp.down/*"), generation=True, gen_batches=(2,), gen_prompt_tokens=32,
-        gen_new_tokens=16, gen_rounds=3, agreement_prompts=5, agreement_new_tokens=12, engines=("llamacpp",),
+        gen_new_tokens=16, gen_rounds=3, agreement_prompts=5, agreement_new_tokens=12, gen_prefill_recipe="dynamic",
+        engines=("llamacpp",),
         llamacpp_types=("Q8_0",), probe_picks_recipes=True,
     )
 
