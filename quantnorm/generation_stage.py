@@ -128,12 +128,13 @@ def _bar(items: list, what: str, cfg):
     return tqdm(items, desc=what, unit="model", disable=not cfg.progress, leave=False)
 
 
-def _cache_check(path: Path, eval_inputs: np.ndarray, whole: Path | None, cfg) -> dict:
-    """The cache proof on the first evaluation windows: prefill half, then one token at a time,
-    against ``whole`` (the FP32 whole-window graph) or, None, the same graph scored whole."""
+def _cache_check(path: Path, eval_inputs: np.ndarray, whole: Path | None, cfg, prompt_model: Path | None = None) -> dict:
+    """The cache proof on the first evaluation windows: prefill half (on ``prompt_model`` where a
+    split deployment gives one), then one token at a time, against ``whole`` (the FP32
+    whole-window graph) or, None, the same graph scored whole."""
     windows = np.asarray(eval_inputs)[:CACHE_CHECK_WINDOWS]
     return check_cache(path, windows, max(1, windows.shape[1] // 2), whole=whole, tolerance=CACHE_TOLERANCE,
-                       threads=cfg.threads).to_dict()
+                       threads=cfg.threads, prompt_model=prompt_model).to_dict()
 
 
 def _quantize_past(variants, name: str, recipe, fp32_past: Path, data, cfg, run_dir: Path, vnni: bool,
@@ -194,11 +195,9 @@ def split_entries(models: list[dict], recipes: dict, prompt: str, eval_inputs: n
             continue
         # the prefill on the prompt graph, then a token at a time on the token graph, against the
         # token graph's own whole windows: what writing the cache with the other graph costs
-        windows = np.asarray(eval_inputs)[:CACHE_CHECK_WINDOWS]
-        check = check_cache(run_dir / second["path"], windows, max(1, windows.shape[1] // 2),
-                            tolerance=CACHE_TOLERANCE, threads=cfg.threads, prompt_model=run_dir / first["path"])
+        check = _cache_check(run_dir / second["path"], eval_inputs, None, cfg, prompt_model=run_dir / first["path"])
         out.append({**entry, "status": "ok", "path": second["path"], "prompt_path": first["path"],
-                    "size_bytes": second["size_bytes"] + first["size_bytes"], "cache_check": check.to_dict()})
+                    "size_bytes": second["size_bytes"] + first["size_bytes"], "cache_check": check})
     return out
 
 
