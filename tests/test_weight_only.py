@@ -190,13 +190,14 @@ FAST = ["--batches", "1", "--iters", "2", "--calib-samples", "8", "--quiet", "--
 GEN = ["--gen-tokens", "12,8", "--gen-batches", "1", "--agreement", "4,8"]
 RECIPES_RUN = ["wo-int8-b32", "wo-int4-b32", "wo-int4-b32-acc4", "wo-int4-b32-gptq", "online-rotated-wo-int4-b32-acc4",
                "rotated-wo-int4-b32"]
+EMB8 = "wo-int8-b32-emb8"   # the token embedding in 8 bits too (tests/test_embedding.py), through the cache
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("wo") / "run"
     assert main(["evaluate", "--placement", "pre", "--norm", "rms", *TINY, *FAST, *GEN, "--out", str(out),
-                 "--recipes", ",".join([*RECIPES_RUN, "auto"]), "--search-space", "wo-int4-b32,wo-int8-b32",
+                 "--recipes", ",".join([*RECIPES_RUN, EMB8, "auto"]), "--search-space", "wo-int4-b32,wo-int8-b32",
                  "--max-ppl-ratio", "1.003", "--search-pick", "first"]) == 0
     results = json.loads((out / "results.json").read_text())
     validate(results)
@@ -231,9 +232,17 @@ def test_the_search_takes_weight_only_recipes(run):
 def test_with_past_graphs_quantize_and_decode(run):
     models = {m.name: m for m in generation_models(run["results"])}
     # every ok recipe of the run, the search's pick included, on the with-past graph
-    assert set(models) == {"fp32", *RECIPES_RUN[:5], "auto:wo-int8-b32"}
-    for name in [*RECIPES_RUN[:5], "auto:wo-int8-b32"]:
+    assert set(models) == {"fp32", *RECIPES_RUN[:5], EMB8, "auto:wo-int8-b32"}
+    for name in [*RECIPES_RUN[:5], EMB8, "auto:wo-int8-b32"]:
         m = models[name]
         assert m.ok, m.entry
         assert nbits_nodes(run["dir"] / m.path) and m.cache_check["relative_diff"] <= 1e-4
         assert m.agreement["prompts"] == 4 and all(r["gen_tokens_per_s"] > 0 for r in m.decode)
+    # the 8-bit table in both graphs, a smaller file, and accuracy within reach of the float table's
+    for path in (run["dir"] / models[EMB8].path, run["dir"] / f"model.int8.{EMB8}.onnx"):
+        assert [n.op_type for n in onnx.load(str(path)).graph.node].count("GatherBlockQuantized") == 1
+    assert models[EMB8].entry["size_bytes"] < models["wo-int8-b32"].entry["size_bytes"]
+    entries = {r["name"]: r for r in run["results"]["recipes"]}
+    assert entries[EMB8]["settings"]["embedding"]["dtype"] == "int8"
+    kl = entries[EMB8]["accuracy"]["kld_mean"], entries["wo-int8-b32"]["accuracy"]["kld_mean"]
+    assert kl[0] != kl[1] and kl[0] < kl[1] + 2e-3, kl

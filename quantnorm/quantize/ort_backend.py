@@ -51,6 +51,7 @@ from ..transforms.gptq import (
     windows_digest,
 )
 from ..transforms.rotation import ONLINE_ROTATION_MARKER
+from .embedding import quantize_embedding
 from .fp16 import convert_fp16
 from .ort_weights import ort_quantizes_weights_fast
 from .pertoken import ACT_QMAX, ACT_ZERO_POINT, EPS, quantize_per_token, weight_qmax
@@ -173,18 +174,20 @@ def quantize(fp32_path: Path, recipe: Recipe, calib_inputs: np.ndarray | None, o
                 if diagnostics else None
             if blocks is not None:
                 settings["activation_blocks"] = blocks
-            problems = sanity_check(q_path, probe_inputs)
+            problems = []
         elif recipe.mode == "pertoken":
             settings.update(_quantize_pertoken(pre_path, q_path, recipe, to_quantize, normed, calib_inputs, settings,
                                                cache.gptq_codes, fp32_path.name))
-            problems = sanity_check(q_path, probe_inputs)
+            problems = []
         else:
             problems, made = _static_quantize(pre_path, q_path, recipe, settings, calib_inputs, to_quantize,
                                               excluded, carriers, calib_batch_size, progress, cache)
             if not made:
                 return QuantizeResult(recipe.name, None, settings, f"broken: {problems[0]}", problems)
-            # The sanity problems name the damage (an inf scale), the warnings only hint at it: first.
-            problems = sanity_check(q_path, probe_inputs) + problems
+        if recipe.embedding_bits:
+            settings["embedding"] = quantize_embedding(q_path)
+        # The sanity problems name the damage (an inf scale), the quantizer's warnings only hint at it: first.
+        problems = sanity_check(q_path, probe_inputs) + problems
         with atomic_path(out_path, suffix=".onnx") as final_tmp:
             _move(q_path, final_tmp)
     status = "ok" if not problems else f"broken: {problems[0]}"

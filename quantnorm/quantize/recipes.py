@@ -90,6 +90,9 @@ class Recipe:
     # weight-only only: symmetric codes (one scale per block, the default zero point; llama.cpp's
     # Q4_0/Q8_0) or asymmetric ones (a scale and a uint8 zero point per block; Q4_1's kind).
     weight_symmetric: bool = True
+    # The token embedding table: None keeps it float32 (every quantizer here takes MatMuls only);
+    # 8 stores it as int8 per block of 32 (quantize/embedding.py; names ending EMBEDDING_SUFFIX).
+    embedding_bits: int | None = None
 
     def __post_init__(self) -> None:
         # The name goes into file names (model.int8.<name>.onnx) and results.json.
@@ -100,6 +103,9 @@ class Recipe:
         if self.op_scope not in OP_SCOPES:
             raise ConfigError(f"recipe {self.name}: op_scope must be one of {', '.join(OP_SCOPES)}, got {self.op_scope!r}")
         self._check_weight_only()
+        if self.embedding_bits not in (None, 8) or (self.embedding_bits and self.mode == "fp16"):
+            raise ConfigError(f"recipe {self.name}: embedding_bits is None (float32) or 8 (int8 blocks), on an "
+                              f"integer recipe, got {self.embedding_bits!r}")
         if self.mode == "fp16" and (self.per_channel or self.symmetric_activations or self.reduce_range is not False
                                     or self.op_scope != "all"):
             raise ConfigError(f"recipe {self.name}: an fp16 variant converts the whole graph (op_scope 'all') and "
@@ -193,6 +199,12 @@ class Recipe:
         on a CPU without VNNI, with the same 8-bit codes a VNNI CPU runs (quantize.pertoken)."""
         return self.reduce_range == "auto" and not vnni and (self.mode == "pertoken" or self.carriers == "pertoken")
 
+    def embedding_setting(self) -> str:
+        """What the recipe does with the token embedding table (the quantizer records what it found)."""
+        if self.embedding_bits:
+            return "int8, one scale per block of 32 along the hidden axis (GatherBlockQuantized)"
+        return "float32 (a Gather: the weight quantizers take MatMuls only)"
+
     def op_types(self) -> list[str]:
         """The op types handed to ONNX Runtime: MatMul, or its whole default list for this mode."""
         if self.mode == "fp16":
@@ -232,6 +244,7 @@ class Recipe:
             "symmetric_activations": self.symmetric_activations,
             "symmetric_weights": True,
             "excluded_nodes": list(self.excluded),
+            "embedding": self.embedding_setting(),
         }
         if self.calibration == "percentile":
             out["percentile"] = self.percentile
@@ -262,7 +275,7 @@ class Recipe:
                                    f"int8, one scale per block of {self.block_size} along K, at run time "
                                    "(accuracy_level 4)"),
                "weight_rounding": self.weight_rounding, "head": "quantized" if self.quantize_head else "float32",
-               "embedding": "float32 (a Gather: the quantizer takes MatMuls only)",
+               "embedding": self.embedding_setting(),
                "calibration": "GPTQ's X^T X on the calibration windows" if self.weight_rounding == "gptq" else None,
                "per_channel": True, "reduce_range": False, "op_scope": self.op_scope, "op_types": self.op_types(),
                "weight_matmuls_only": True, "excluded_nodes": list(self.excluded)}
@@ -283,6 +296,8 @@ class Recipe:
             parts.append("every Linear's input Hadamard-rotated online (any placement)")
         if self.excluded:
             parts.append(f"{len(self.excluded)} node pattern(s) kept in FP32")
+        if self.embedding_bits:
+            parts.append("the token embedding in int8 blocks of 32")
         return ", ".join(parts)
 
     def describe(self) -> str:
@@ -327,6 +342,8 @@ class Recipe:
             parts.append("the MatMuls whose inputs carry a massive activation (probe) quantized per token")
         if self.excluded:
             parts.append(f"{len(self.excluded)} node pattern(s) kept in FP32")
+        if self.embedding_bits:
+            parts.append("the token embedding in int8 blocks of 32")
         return ", ".join(parts)
 
 
@@ -464,18 +481,27 @@ MASSIVE_DEFAULT_RECIPES: tuple[str, ...] = (
 
 
 ALPHA_SEPARATOR = "@"   # smoothquant@0.7: a SmoothQuant recipe at another migration strength
+# <recipe>-emb8: that recipe with the token embedding in int8 blocks (Recipe.embedding_bits)
+EMBEDDING_SUFFIX = "-emb8"
 
 
 def get_recipe(name: str) -> Recipe:
     """The registry's recipe; ``<smoothquant recipe>@ALPHA`` is that recipe at migration strength
     ALPHA in [0, 1] (so a search space or a recipe list can hold several alphas side by side)."""
+    if name.endswith(EMBEDDING_SUFFIX) and len(name) > len(EMBEDDING_SUFFIX):
+        recipe = get_recipe(name.removesuffix(EMBEDDING_SUFFIX))
+        if recipe.mode == "fp16" or recipe.embedding_bits:
+            raise ConfigError(f"recipe {name!r}: {EMBEDDING_SUFFIX} quantizes the embedding of an integer recipe "
+                              f"once ({recipe.name} is {'fp16' if recipe.mode == 'fp16' else 'one already'})")
+        return replace(recipe, name=recipe.name + EMBEDDING_SUFFIX, embedding_bits=8)
     base, sep, alpha = name.partition(ALPHA_SEPARATOR)
     try:
         recipe = RECIPES[base] if base in RECIPES or not WEIGHT_ONLY_NAME.fullmatch(base) else weight_only(base)
     except KeyError:
         raise ConfigError(f"unknown recipe {name!r}: choose one of {', '.join(RECIPES)} (SmoothQuant recipes also "
                           f"as NAME{ALPHA_SEPARATOR}ALPHA, e.g. smoothquant{ALPHA_SEPARATOR}0.7; weight-only ones "
-                          "as [rotated-|online-rotated-]wo-int<4|8>-b<block>[-asym][-acc4][-gptq|-hqq][-fphead])") from None
+                          "as [rotated-|online-rotated-]wo-int<4|8>-b<block>[-asym][-acc4][-gptq|-hqq][-fphead]; any "
+                          f"integer recipe with its token embedding in int8 as NAME{EMBEDDING_SUFFIX})") from None
     if not sep:
         return recipe
     if recipe.smoothquant_alpha is None:
