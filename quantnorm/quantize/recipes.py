@@ -82,7 +82,7 @@ class Recipe:
     norm_inputs: str = "pertoken"
     # weight-only only: bits per weight (WEIGHT_ONLY_BITS), weights per scale along K
     # (WEIGHT_ONLY_BLOCKS), MatMulNBits' accuracy_level (ACCURACY_LEVELS), and whether the LM head
-    # is quantized too (False: kept float32; a tied embedding is a Gather and always stays float).
+    # is quantized too (False: kept float32; the embedding is a Gather: see embedding_bits).
     weight_bits: int | None = None
     block_size: int | None = None
     accuracy_level: int = 0

@@ -19,7 +19,8 @@ The codes come from three roundings on the same kind of grid:
 - ``hqq``: ORT's HQQ quantizer (4 bits; uint4 codes with a float scale and zero point per block).
 
 The LM head (the weight MatMul the ``logits`` output is computed from) is quantized or kept
-float as the recipe says; the embedding is a Gather and stays float (the quantizer takes MatMuls).
+float as the recipe says; the embedding is a Gather, float unless the recipe's name ends ``-emb8``
+(``quantize.embedding``, after this module, for every kind of recipe).
 """
 
 from __future__ import annotations
