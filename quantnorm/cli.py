@@ -322,7 +322,8 @@ def report(run_dir):
 @click.argument("run_dir", type=click.Path(path_type=Path))
 @click.option("--recipe", required=True,
               help="Whose with-past model: a recipe the run measured generation for, auto (the search's pick of "
-                   "--recipes auto) or fp32.")
+                   "--recipes auto), fp32, or a split deployment W+prefill-P (evaluate --prefill-recipe: both "
+                   "graphs, as GenAI's decoder-pipeline).")
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="The bundle directory (new or empty).")
 @click.option("--force", is_flag=True, help="Replace an earlier bundle at --out.")
 def bundle(run_dir, recipe, out, force):

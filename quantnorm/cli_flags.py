@@ -55,7 +55,8 @@ GENERATION_OPTIONS = [
                       "prompt through RECIPE's with-past graph (per-token INT8: an integer GEMM, fast at many "
                       "rows), the new tokens through the weight-only graph (fast at one row), one cache "
                       "between them. A row per pair, named WEIGHT_ONLY+prefill-RECIPE: cache check, "
-                      "agreement and decode speed as deployed, the size of both files. RECIPE must be among "
+                      "agreement and decode speed as deployed, the size of both files (`quantnorm bundle` "
+                      "writes the pair as ONNX Runtime GenAI's decoder-pipeline). RECIPE must be among "
                       "--recipes. [default: none]"),
 ]
 

@@ -20,7 +20,7 @@ import transformers  # the dev extra
 
 from quantnorm.cli import main
 from quantnorm.generation import DecodeSession, HFWithPast, export_with_past, greedy_decode
-from quantnorm.generation.bundle import GGUF_CHECKPOINT_DIR, MANIFEST_FILE, write_bundle
+from quantnorm.generation.bundle import GGUF_CHECKPOINT_DIR, MANIFEST_FILE, PROMPT_MODEL_FILE, write_bundle
 from quantnorm.quantize import get_recipe, quantize
 from quantnorm.runs import past_onnx_file
 
@@ -145,6 +145,43 @@ def copy_run(tiny_run, root: Path) -> Path:
     shutil.copytree(checkpoint, root / "ckpt")
     shutil.copytree(run, root / "run")
     return root / "run"
+
+
+def test_a_split_deployment_is_a_two_model_pipeline_over_one_cache(tiny_run, tmp_path):
+    """``W+prefill-P`` bundles as ONNX Runtime GenAI's decoder-pipeline: the prompt on P's graph, each
+    new token on W's, one cache; the runtime's tokens are quantnorm's split decode loop's."""
+    copy_run(tiny_run, tmp_path)
+    name, graphs = "dynamic+prefill-fp32", {n: tmp_path / "run" / past_onnx_file(n) for n in ("fp32", "dynamic")}
+    split = {"name": name, "status": "ok", "path": "../run/" + graphs["dynamic"].name,
+             "prompt_path": "../run/" + graphs["fp32"].name, "split": {"tokens": "dynamic", "prompt": "fp32"}}
+    run = write_run(tmp_path / "split", results_for("hf:../ckpt", [*ok_models("../run/"), split]))
+    made = write_bundle(run, name, tmp_path / "bundle")
+    out = made.path
+    assert (out / PROMPT_MODEL_FILE).read_bytes() == graphs["fp32"].read_bytes()
+    assert (out / "model.onnx").read_bytes() == graphs["dynamic"].read_bytes()
+    model = made.genai_config["model"]
+    assert model["type"] == "decoder-pipeline" and "filename" not in model["decoder"]
+    (phase_p, prompt), (phase_t, tokens) = (next(iter(m.items())) for m in model["decoder"]["pipeline"])
+    assert (phase_p, prompt["filename"], prompt["run_on_prompt"], prompt["run_on_token_gen"]) == \
+        ("prompt", PROMPT_MODEL_FILE, True, False)
+    assert (phase_t, tokens["filename"], tokens["run_on_prompt"], tokens["run_on_token_gen"]) == \
+        ("tokens", "model.onnx", False, True)
+    assert tokens["inputs"][-1] == "past_key_values.1.value" and tokens["outputs"][-1] == "present.1.value"
+    manifest = json.loads((out / MANIFEST_FILE).read_text())
+    assert (manifest["prompt_file"], manifest["split"]) == (PROMPT_MODEL_FILE, {"tokens": "dynamic", "prompt": "fp32"})
+
+    # the prompt runs on the prompt graph: its logits are FP32's, not the token graph's
+    generator = og.Generator(og.Model(str(out)), og.GeneratorParams(og.Model(str(out))))
+    generator.append_tokens(np.array([PROMPTS[0]], dtype=np.int32))
+    logits = np.asarray(generator.get_output("logits"))
+    fp32, int8 = (DecodeSession(graphs[n]).step(np.array([PROMPTS[0]])) for n in ("fp32", "dynamic"))
+    np.testing.assert_allclose(logits, fp32, rtol=0, atol=1e-5)
+    assert np.abs(logits - int8).max() > 1e-4
+    for prompt in PROMPTS:
+        runner = DecodeSession(out / "model.onnx", prompt_model=out / PROMPT_MODEL_FILE)
+        expected = [int(t) for t in greedy_decode(runner, np.array([prompt]), NEW)[0]]
+        expected = expected[:expected.index(EOS) + 1] if EOS in expected else expected
+        assert len(expected) >= 4 and genai_greedy(out, prompt, NEW) == expected
 
 
 def test_auto_takes_the_search_pick_through_the_cli(tiny_run, tmp_path, capsys):

@@ -5,8 +5,8 @@
 Bundles ``--recipe`` of the run (``quantnorm bundle``, into a temporary directory), loads the
 bundle with ``onnxruntime_genai.Model``, encodes each prompt with the bundle's own tokenizer
 (``og.Tokenizer``), generates greedily with ``og.Generator`` and compares the tokens with
-quantnorm's own decode loop on the same with-past graph (cut after an end-of-sequence token, where
-the runtime stops). Writes ``bundle_check.json`` into the run directory (what
+quantnorm's own decode loop on the same with-past graph (a split deployment's two graphs, each in
+its phase; cut after an end-of-sequence token, where the runtime stops). Writes ``bundle_check.json`` into the run directory (what
 tools/publish_real_models.py quotes) and prints one line per prompt. Exit 0 when every prompt's
 tokens are identical, 1 when one differs, 2 on bad input.
 
@@ -26,8 +26,8 @@ import numpy as np
 
 from quantnorm.errors import QuantnormError
 from quantnorm.fileio import write_json_atomic
-from quantnorm.generation import greedy_decode
-from quantnorm.generation.bundle import write_bundle
+from quantnorm.generation import DecodeSession, greedy_decode
+from quantnorm.generation.bundle import MODEL_FILE, PROMPT_MODEL_FILE, write_bundle
 
 # Two prompts a small instruction-tuned or base model continues with text of its own.
 PROMPTS = ("The three most common uses of a hash table are", "def fibonacci(n):\n    \"\"\"Return the n-th")
@@ -53,8 +53,13 @@ def genai_greedy(og, model, prompt: list[int], new_tokens: int) -> tuple[list[in
     return [int(t) for t in generator.get_sequence(0)][len(prompt):], seconds
 
 
-def quantnorm_greedy(graph: Path, prompt: list[int], new_tokens: int, stop: set[int], threads: int) -> list[int]:
-    tokens = [int(t) for t in greedy_decode(graph, np.array([prompt]), new_tokens, threads=threads)[0]]
+def quantnorm_greedy(bundle: Path, prompt: list[int], new_tokens: int, stop: set[int], threads: int) -> list[int]:
+    """quantnorm's decode loop on the bundle's graph (a split bundle's: the prompt on prompt.onnx,
+    each new token on model.onnx, as the runtime's pipeline runs them)."""
+    split = (bundle / PROMPT_MODEL_FILE).is_file()
+    runner = DecodeSession(bundle / MODEL_FILE, threads=threads,
+                           prompt_model=bundle / PROMPT_MODEL_FILE if split else None)
+    tokens = [int(t) for t in greedy_decode(runner, np.array([prompt]), new_tokens)[0]]
     end = next((i for i, t in enumerate(tokens) if t in stop), None)
     return tokens if end is None else tokens[:end + 1]
 
@@ -70,7 +75,7 @@ def check(run_dir: Path, recipe: str, new_tokens: int, threads: int) -> dict:
         rows = []
         for text in PROMPTS:
             prompt = [int(t) for t in tokenizer.encode(text)]
-            ours = quantnorm_greedy(bundle.path / "model.onnx", prompt, new_tokens, stop, threads)
+            ours = quantnorm_greedy(bundle.path, prompt, new_tokens, stop, threads)
             theirs, seconds = genai_greedy(og, model, prompt, new_tokens)
             rows.append({"prompt": text, "prompt_tokens": len(prompt), "tokens_genai": theirs,
                          "tokens_quantnorm": ours, "identical": theirs == ours,

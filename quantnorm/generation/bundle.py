@@ -3,6 +3,7 @@
 ``write_bundle(run_dir, recipe, out_dir)`` writes::
 
     model.onnx               the recipe's with-past graph (``model.onnx.data`` beside it past 2 GB)
+    prompt.onnx              a split deployment's prompt graph (``W+prefill-P``: model.onnx is W's)
     genai_config.json        what ONNX Runtime GenAI reads to load and drive it
     config.json              the checkpoint's
     generation_config.json   the checkpoint's, or one made from config.json's special token ids
@@ -23,7 +24,11 @@ builder's config, and why:
 - ``context_length`` and ``search.max_length`` are the longest past + sequence the graph is
   exact for (its ``quantnorm.max_length`` metadata: the positions, or one less than a sliding
   window), so the runtime never asks for a length the graph was not proved at;
-- the inputs are the graph's own: ``attention_mask`` and ``position_ids`` only where it has them.
+- the inputs are the graph's own: ``attention_mask`` and ``position_ids`` only where it has them;
+- a split deployment is the runtime's ``"decoder-pipeline"``: two pipeline models over one KV
+  cache the runtime owns, the prompt graph with ``run_on_prompt`` only and the token graph with
+  ``run_on_token_gen`` only (its ``decoder_only_pipeline.cpp``: a step of more than one new
+  token is the prompt, the rule ``DecodeSession`` follows), each naming its inputs and outputs.
 
 The bundle is built in a temporary directory beside ``out_dir`` and renamed into place, so a
 failure leaves nothing; every check (the run, the recipe, its graph, the tokenizer, the output
@@ -56,6 +61,7 @@ AUTO = "auto"
 AUTO_PREFIX = "auto:"        # the search's pick: the recipe entry ``auto:<recipe>`` (evaluate.run_search)
 FP32 = "fp32"
 MODEL_FILE = "model.onnx"
+PROMPT_MODEL_FILE = "prompt.onnx"   # a split deployment's prompt graph, beside the token graph's model.onnx
 GENAI_CONFIG_FILE = "genai_config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 CONFIG_FILE = "config.json"
@@ -94,18 +100,30 @@ def write_bundle(run_dir: str | os.PathLike, recipe: str, out_dir: str | os.Path
     model = pick_model(results, recipe, run_dir)
     graph = run_dir / model.path
     layout, inputs = _check_graph(graph, model.name)
+    prompt_graph, pipeline = None, None
+    if model.entry.get("prompt_path"):
+        prompt_graph = run_dir / model.entry["prompt_path"]
+        prompt_layout, prompt_inputs = _check_graph(prompt_graph, f"{model.name} (its prompt graph)")
+        if (prompt_layout.n_layers, prompt_layout.kv_heads, prompt_layout.head_dim) != \
+                (layout.n_layers, layout.kv_heads, layout.head_dim):
+            raise ConfigError(f"--recipe {recipe}: the prompt graph's cache ({prompt_layout.n_layers} layers x "
+                              f"{prompt_layout.kv_heads} heads x {prompt_layout.head_dim}) is not the token graph's "
+                              f"({layout.n_layers} x {layout.kv_heads} x {layout.head_dim}): run evaluate again")
+        pipeline = {PROMPT_MODEL_FILE: prompt_inputs, MODEL_FILE: inputs}
     checkpoint = checkpoint_dir(results, run_dir)
     config = _read_json(checkpoint / CONFIG_FILE, "the checkpoint's config")
     generation = _read_json(checkpoint / GENERATION_CONFIG_FILE, "the checkpoint's generation config") \
         if (checkpoint / GENERATION_CONFIG_FILE).is_file() else None
     tokenizer = tokenizer_files(checkpoint)
     _check_out_dir(out_dir, run_dir, force)
-    genai = genai_config(config, layout, inputs, generation)
+    genai = genai_config(config, layout, inputs, generation, pipeline=pipeline)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.{os.getpid()}-", suffix=".tmp", dir=out_dir.parent))
     try:
         _copy_model(graph, tmp / MODEL_FILE)
+        if prompt_graph is not None:
+            _copy_model(prompt_graph, tmp / PROMPT_MODEL_FILE)
         for name in (CONFIG_FILE, *tokenizer):
             shutil.copyfile(checkpoint / name, tmp / name)
         if generation is not None:
@@ -120,6 +138,8 @@ def write_bundle(run_dir: str | os.PathLike, recipe: str, out_dir: str | os.Path
                                           "model": model.name,
                                           "status": model.status, "graph": model.path, "file": MODEL_FILE,
                                           "max_length": genai["model"]["context_length"],
+                                          **({"prompt_file": PROMPT_MODEL_FILE, "split": model.entry["split"],
+                                              "prompt_graph": model.entry["prompt_path"]} if pipeline else {}),
                                           "runtime": "onnxruntime-genai (genai_config.json)"})
         files = sorted(p.name for p in tmp.iterdir())
         _replace_dir(tmp, out_dir)
@@ -154,16 +174,18 @@ def pick_model(results: dict, recipe: str, run_dir: Path) -> GenerationModel:
         known = [r.name for r in recipes(results)]
         why = "has no with-past graph" if name in known else "is not a recipe of this run"
         raise ConfigError(f"--recipe {recipe}: {name} {why}; the run's with-past graphs: {', '.join(have) or 'none'}")
-    if isinstance(model.entry.get("split"), dict):   # GenAI would need a pipeline of two models: not written
-        pair = model.entry["split"]
-        raise ConfigError(f"--recipe {recipe}: a split deployment is two graphs and a bundle holds one: bundle its "
-                          f"token graph (--recipe {pair.get('tokens')}) or its prompt graph (--recipe {pair.get('prompt')})")
     if not model.ok or not model.path:
         raise ConfigError(f"--recipe {recipe}: the with-past graph of {name} is {model.status}; "
                           f"the run's usable ones: {', '.join(have) or 'none'}")
-    if not (run_dir / model.path).is_file():
-        raise ConfigError(f"--recipe {recipe}: {run_dir / model.path} (the with-past graph of {name}) is missing: "
-                          f"run `quantnorm evaluate` again")
+    split = isinstance(model.entry.get("split"), dict)
+    if split and not model.entry.get("prompt_path"):
+        raise ConfigError(f"--recipe {recipe}: {run_dir / RESULTS_FILE} names no prompt graph for this split "
+                          f"deployment: run `quantnorm evaluate` again")
+    for path, what in [(model.path, "with-past graph"), *([(model.entry["prompt_path"], "prompt graph")] if split
+                                                         else [])]:
+        if not (run_dir / path).is_file():
+            raise ConfigError(f"--recipe {recipe}: {run_dir / path} (the {what} of {name}) is missing: "
+                              f"run `quantnorm evaluate` again")
     return model
 
 
@@ -259,8 +281,10 @@ def generation_config(config: dict) -> dict:
 
 
 def genai_config(config: dict, layout: PastLayout, inputs: set[str],
-                 generation: dict | None = None) -> dict:
-    """ONNX Runtime GenAI's genai_config.json for the graph (see the module doc for the choices)."""
+                 generation: dict | None = None, *, pipeline: dict[str, set[str]] | None = None) -> dict:
+    """ONNX Runtime GenAI's genai_config.json for the graph (see the module doc for the choices);
+    ``pipeline``: a split deployment's two files (``PROMPT_MODEL_FILE``, ``MODEL_FILE``) and each
+    graph's input names."""
     text = _text_config(config)
     positions = text.get("max_position_embeddings") or text.get("n_positions")
     context = layout.max_length or positions
@@ -284,6 +308,11 @@ def genai_config(config: dict, layout: PastLayout, inputs: set[str],
                **{key: int(value) for key, value in sizes.items() if value},
                "num_hidden_layers": layout.n_layers, "num_key_value_heads": layout.kv_heads}
     model = {**tokens, "context_length": int(context), "decoder": decoder, "type": "decoder"}
+    if pipeline:
+        del decoder["filename"]
+        decoder["pipeline"] = [{name: _pipeline_model(file, pipeline[file], layout.n_layers, prompt=name == "prompt")}
+                               for name, file in (("prompt", PROMPT_MODEL_FILE), ("tokens", MODEL_FILE))]
+        model["type"] = "decoder-pipeline"
     if text.get("vocab_size"):
         model["vocab_size"] = int(text["vocab_size"])
     search = {"diversity_penalty": 0.0, "do_sample": False, "early_stopping": True, "length_penalty": 1.0,
@@ -291,6 +320,16 @@ def genai_config(config: dict, layout: PastLayout, inputs: set[str],
               "num_return_sequences": 1, "past_present_share_buffer": False, "repetition_penalty": 1.0,
               "temperature": 1.0, "top_k": 50, "top_p": 1.0}
     return {"model": model, "search": search}
+
+
+def _pipeline_model(file: str, inputs: set[str], n_layers: int, *, prompt: bool) -> dict:
+    """One model of a ``decoder-pipeline``: its file, the names it reads and writes (the runtime binds
+    the shared cache by these), and the phase it runs in."""
+    cache = [f"past_key_values.{i}.{part}" for i in range(n_layers) for part in ("key", "value")]
+    present = [f"present.{i}.{part}" for i in range(n_layers) for part in ("key", "value")]
+    feeds = [INPUT_IDS, *(n for n in (ATTENTION_MASK, POSITION_IDS) if n in inputs)]
+    return {"filename": file, "inputs": feeds + cache, "outputs": [LOGITS, *present],
+            "run_on_prompt": prompt, "run_on_token_gen": not prompt}
 
 
 # ---------------------------------------------------------------------------------------------
