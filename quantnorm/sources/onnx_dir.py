@@ -426,7 +426,9 @@ class OnnxDirSource:
             "source": {"kind": "onnx", "path": portable_path(self.dir.resolve(), self.run_dir), "file": ONNX_FILE,
                        "sha256": _file_sha256(source_file), "bytes": source_file.stat().st_size,
                        "baseline": "the exported FP32 graph, inputs bound" if self.bundle is None else
-                       f"the bundle's {self.bundle.get('model')} model as given (already quantized by quantnorm)",
+                       f"the bundle's {self.bundle.get('model')} model as given (already quantized by quantnorm)"
+                       + (f"; a split deployment: only its token graph ({ONNX_FILE}) is read back, not its prompt "
+                          f"graph ({self.bundle['prompt_file']})" if self.bundle.get("prompt_file") else ""),
                        **({"bundle": self.bundle} if self.bundle is not None else {})},
             "architecture": str(c.get("model_type") or "unknown"),
             "architectures": list(c.get("architectures") or []),
