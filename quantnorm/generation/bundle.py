@@ -55,7 +55,16 @@ from ..providers import CPU
 from ..results import HF_PREFIX, GenerationModel, generation_models, recipes, source_kind
 from ..results import load as load_results
 from ..runs import REPORT_FILE, RESULTS_FILE
-from .decode import ATTENTION_MASK, INPUT_IDS, LOGITS, POSITION_IDS, PastLayout
+from .decode import (
+    ATTENTION_MASK,
+    INPUT_IDS,
+    LOGITS,
+    POSITION_IDS,
+    PastLayout,
+    check_one_cache,
+    past_names,
+    present_names,
+)
 
 AUTO = "auto"
 AUTO_PREFIX = "auto:"        # the search's pick: the recipe entry ``auto:<recipe>`` (evaluate.run_search)
@@ -104,11 +113,7 @@ def write_bundle(run_dir: str | os.PathLike, recipe: str, out_dir: str | os.Path
     if model.entry.get("prompt_path"):
         prompt_graph = run_dir / model.entry["prompt_path"]
         prompt_layout, prompt_inputs = _check_graph(prompt_graph, f"{model.name} (its prompt graph)")
-        if (prompt_layout.n_layers, prompt_layout.kv_heads, prompt_layout.head_dim) != \
-                (layout.n_layers, layout.kv_heads, layout.head_dim):
-            raise ConfigError(f"--recipe {recipe}: the prompt graph's cache ({prompt_layout.n_layers} layers x "
-                              f"{prompt_layout.kv_heads} heads x {prompt_layout.head_dim}) is not the token graph's "
-                              f"({layout.n_layers} x {layout.kv_heads} x {layout.head_dim}): run evaluate again")
+        check_one_cache(layout, prompt_layout)
         pipeline = {PROMPT_MODEL_FILE: prompt_inputs, MODEL_FILE: inputs}
     checkpoint = checkpoint_dir(results, run_dir)
     config = _read_json(checkpoint / CONFIG_FILE, "the checkpoint's config")
@@ -325,10 +330,8 @@ def genai_config(config: dict, layout: PastLayout, inputs: set[str],
 def _pipeline_model(file: str, inputs: set[str], n_layers: int, *, prompt: bool) -> dict:
     """One model of a ``decoder-pipeline``: its file, the names it reads and writes (the runtime binds
     the shared cache by these), and the phase it runs in."""
-    cache = [f"past_key_values.{i}.{part}" for i in range(n_layers) for part in ("key", "value")]
-    present = [f"present.{i}.{part}" for i in range(n_layers) for part in ("key", "value")]
     feeds = [INPUT_IDS, *(n for n in (ATTENTION_MASK, POSITION_IDS) if n in inputs)]
-    return {"filename": file, "inputs": feeds + cache, "outputs": [LOGITS, *present],
+    return {"filename": file, "inputs": feeds + past_names(n_layers), "outputs": [LOGITS, *present_names(n_layers)],
             "run_on_prompt": prompt, "run_on_token_gen": not prompt}
 
 

@@ -128,6 +128,17 @@ GQA = "GroupQueryAttention"   # com.microsoft: past_key, past_value are inputs 3
 FIRST_CAPACITY = 256            # positions of a shared cache buffer before it first grows
 
 
+def check_one_cache(tokens: PastLayout, prompt: PastLayout) -> None:
+    """A split deployment's two graphs must read and write one cache: a ConfigError where the prompt
+    graph's layers, heads, head size or dtype differ from the token graph's."""
+    if (prompt.n_layers, prompt.kv_heads, prompt.head_dim, prompt.dtype) != \
+            (tokens.n_layers, tokens.kv_heads, tokens.head_dim, tokens.dtype):
+        raise ConfigError(f"the prompt graph's cache ({prompt.n_layers} layers x {prompt.kv_heads} heads x "
+                          f"{prompt.head_dim}, {np.dtype(prompt.dtype).name}) is not the token graph's "
+                          f"({tokens.n_layers} x {tokens.kv_heads} x {tokens.head_dim}, "
+                          f"{np.dtype(tokens.dtype).name}): both must be exports of one model")
+
+
 def writes_cache_in_place(path: str | Path, n_layers: int) -> bool:
     """Whether the graph at ``path`` can share one buffer for each layer's past and present: every
     ``past_key_values.{i}.*`` is read, as its past, by a ``GroupQueryAttention`` node that writes
@@ -209,13 +220,7 @@ class DecodeSession:
         self.prompt_graph = self.tokens_graph
         if prompt_model is not None:
             prompt_session = open_session(prompt_model, threads, spec)
-            layout = PastLayout.of_session(prompt_session, "the prompt graph")
-            if (layout.n_layers, layout.kv_heads, layout.head_dim, layout.dtype) != \
-                    (self.layout.n_layers, self.layout.kv_heads, self.layout.head_dim, self.layout.dtype):
-                raise ConfigError(f"the prompt graph's cache ({layout.n_layers} layers x {layout.kv_heads} heads x "
-                                  f"{layout.head_dim}, {np.dtype(layout.dtype).name}) is not the token graph's "
-                                  f"({self.layout.n_layers} x {self.layout.kv_heads} x {self.layout.head_dim}, "
-                                  f"{np.dtype(self.layout.dtype).name}): both must be exports of one model")
+            check_one_cache(self.layout, PastLayout.of_session(prompt_session, "the prompt graph"))
             self.prompt_graph = _Graph(prompt_session)
         # the cache stays where the provider computes it: host memory for the CPU, the GPU's for CUDA
         self.device = "cuda" if self.session.get_providers()[0] == CUDA else "cpu"

@@ -296,13 +296,15 @@ class Recipe:
             parts.append("every Linear's input Hadamard-rotated online (any placement)")
         if self.excluded:
             parts.append(f"{len(self.excluded)} node pattern(s) kept in FP32")
-        if self.embedding_bits:
-            parts.append("the token embedding in int8 blocks of 32")
         return ", ".join(parts)
 
     def describe(self) -> str:
         """One line saying what the recipe does (``quantnorm recipes``), built from the fields so
         that a new recipe describes itself."""
+        text = self._describe_quantization()
+        return text + ", the token embedding in int8 blocks of 32" if self.embedding_bits else text
+
+    def _describe_quantization(self) -> str:
         if self.mode == "weight-only":
             return self._describe_weight_only()
         if self.mode == "fp16":
@@ -342,8 +344,6 @@ class Recipe:
             parts.append("the MatMuls whose inputs carry a massive activation (probe) quantized per token")
         if self.excluded:
             parts.append(f"{len(self.excluded)} node pattern(s) kept in FP32")
-        if self.embedding_bits:
-            parts.append("the token embedding in int8 blocks of 32")
         return ", ".join(parts)
 
 
