@@ -84,6 +84,17 @@ def _threads(results: dict) -> int | None:
     return ((results.get("generation") or {}).get("settings") or {}).get("threads") or hw.get("threads")
 
 
+def with_step_bytes(run: Path, results: dict, rows: list) -> list:
+    """``rows`` with the bytes a generation step reads filled in for quantnorm's rows whose run
+    predates the step profile, from their with-past graphs (the token graph of a split)."""
+    from quantnorm.generation.speed import weights_read_per_step
+    from quantnorm.results import generation_models
+
+    graphs = {m.name: run / m.path for m in generation_models(results) if m.path and (run / m.path).is_file()}
+    return [dataclasses.replace(r, step_bytes=weights_read_per_step(graphs[r.format]))
+            if r.engine == QUANTNORM and r.step_bytes is None and r.format in graphs else r for r in rows]
+
+
 def retime(run: Path, results: dict, rows: list, rounds: int) -> list:
     """``rows`` with prompt and generation tokens/s measured again in ``rounds`` interleaved rounds
     (see the module doc), at the run's prompt and new tokens; a row without a model file here
@@ -139,6 +150,8 @@ def table(results: dict, run: Path | None = None, rounds: int = 0) -> tuple[list
     flags = [f for f in ISA if f in (hw.get("cpu_flags") or [])]
     threads = _threads(results)
     rows = quantnorm_rows(results) + [r for r in engine_rows(results) if r.engine == "llamacpp"]
+    if run is not None:
+        rows = with_step_bytes(run, results, rows)
     if rounds > 0 and run is not None:
         rows = retime(run, results, rows, rounds)
     lines = [f"CPU: {hw.get('cpu', '?')}; ISA: {', '.join(flags) or 'none of ' + ', '.join(ISA)}; threads: "
@@ -149,7 +162,7 @@ def table(results: dict, run: Path | None = None, rounds: int = 0) -> tuple[list
     q8 = versus.q8 if versus else None
     width = max([40, *(len(r.format) for r in rows)])
     header = f"{'engine':<10} {'format or recipe':<{width}} {'KL mean':>9} {'prompt tok/s':>13} {'x Q8_0':>7} " \
-             f"{'gen tok/s':>10} {'x Q8_0':>7}"
+             f"{'gen tok/s':>10} {'x Q8_0':>7} {'step MB':>8} {'GB/s':>5}"
     lines += [header, "-" * len(header)]
     for r in rows:
         if not r.ok:
@@ -157,8 +170,11 @@ def table(results: dict, run: Path | None = None, rounds: int = 0) -> tuple[list
             continue
         lines.append(f"{r.engine:<10} {r.format:<{width}} {_fmt(r.kld, '9.4f')} {_fmt(r.prompt_tok_s, '13,.0f')} "
                      f"{_fmt(_ratio(r, q8, 'prompt_tok_s'), '7.2f')} {_fmt(r.gen_tok_s, '10.1f')} "
-                     f"{_fmt(_ratio(r, q8, 'gen_tok_s'), '7.2f')}")
-    lines.append("")
+                     f"{_fmt(_ratio(r, q8, 'gen_tok_s'), '7.2f')} "
+                     f"{_fmt(r.step_bytes / 1e6 if r.step_bytes else None, '8,.0f')} {_fmt(r.streamed_gb_s, '5.1f')}")
+    lines += ["", "step MB: what one generation step reads whole (a graph's weights but its token table and rotary "
+              "caches; llama.cpp: its file); GB/s: that x generation tokens/s, the rate a step streams its weights "
+              "at (near the machine's memory bandwidth, only fewer bytes make a step faster)", ""]
     if versus is None:
         return lines + ["no measured llama.cpp Q8_0 row: nothing to compare against (is llama-cpp-python installed? "
                         "the run's engines section says why)"], 2

@@ -15,7 +15,8 @@ For a causal model source (``source.with_past(cfg)``; an encoder says why it has
    with ``--prefill-recipe P``, each weight-only recipe W is also deployed split (``split_entries``):
    the prompt through P's with-past graph, the new tokens through W's, one cache between them,
    an entry ``W+prefill-P`` with its own cache proof;
-3. decode speed (``generation.speed``) of FP32 and every ok recipe (and split pair), per provider and batch, and
+3. decode speed (``generation.speed``) of FP32 and every ok recipe (and split pair), per provider and batch
+   (at batch 1 with a profile of the one-token step: kernel time per op type, the weight bytes it reads), and
    generation agreement with FP32's greedy generations (``generation.agreement``).
 
 The section it returns is ``results["generation"]`` (read back by ``results.generation_models``).
@@ -36,7 +37,7 @@ from .fileio import release_memory
 from .generation.agreement import agreement_prompts, fp32_continuation, generation_agreement
 from .generation.decode import DecodeSession, check_cache
 from .generation.qkv_packing import pack_qkv_file
-from .generation.speed import decode_lengths, decode_speed
+from .generation.speed import PROFILED_STEPS, decode_lengths, decode_speed
 from .measure.sessions import TENSORRT, SessionSpec, normalize_provider
 from .quantize import GPTQCodes, PreprocessCache, quantize
 from .runs import past_onnx_file
@@ -223,6 +224,7 @@ def _decode_rows(path: Path, prompts: np.ndarray, new_tokens: int, cfg, prompt_p
                 continue
             spec = SessionSpec(provider=normalize_provider(provider), threads=cfg.threads,
                                graph_optimization_level=cfg.graph_optimization_level)
+            # batch 1 also says where a step's time goes (the report's table of it)
             rows.append(decode_speed(path, prompts[:batch], new_tokens=new_tokens, spec=spec, rounds=cfg.gen_rounds,
-                                     prompt_path=prompt_path))
+                                     prompt_path=prompt_path, profile_steps=PROFILED_STEPS if batch == 1 else 0))
     return rows

@@ -166,8 +166,14 @@ def test_the_benchmark_against_llamacpp_reads_a_run_and_runs_one(engine_run, tin
     assert code == (2 if versus is None else 0 if versus.ours and versus.gen_met and versus.prompt_met else 1)
     q8 = _rows(results)["Q8_0"]["speed"]
     dynamic = next(m for m in generation_models(results) if m.name == "dynamic").decode[0]
-    line = next(x for x in out.splitlines() if x.startswith("quantnorm  dynamic"))
-    assert line.split()[-1] == f"{dynamic['gen_tokens_per_s'] / q8['gen_tok_s']:.2f}"
+    line = next(x for x in out.splitlines() if x.startswith("quantnorm  dynamic")).split()
+    assert line[-3] == f"{dynamic['gen_tokens_per_s'] / q8['gen_tok_s']:.2f}"
+    # what a step reads and the rate it streams it at: the graph's step profile, llama.cpp's file
+    step = dynamic["step_profile"]["weight_bytes"]
+    assert line[-2:] == [f"{step / 1e6:,.0f}", f"{step * dynamic['gen_tokens_per_s'] / 1e9:.1f}"]
+    q8_line = next(x for x in out.splitlines() if x.startswith("llamacpp   Q8_0")).split()
+    size = _rows(results)["Q8_0"]["size_bytes"]
+    assert q8_line[-2:] == [f"{size / 1e6:,.0f}", f"{size * q8['gen_tok_s'] / 1e9:.1f}"] and "step MB" in out
     assert "threads: 1" in out and "llamacpp   Q4_0" in out
 
     # --retime: every row timed again here, interleaved; the ratios are of the new figures
@@ -175,10 +181,10 @@ def test_the_benchmark_against_llamacpp_reads_a_run_and_runs_one(engine_run, tin
     out = capsys.readouterr().out
     assert "speeds: best of 1 interleaved rounds" in out
     cells = {" ".join(x.split()[:2]): x.split() for x in out.splitlines() if x.startswith(("quantnorm ", "llamacpp "))}
-    q8_gen = float(cells["llamacpp Q8_0"][-2])
+    q8_gen = float(cells["llamacpp Q8_0"][-4])
     dynamic = cells["quantnorm dynamic"]
-    assert abs(float(dynamic[-1]) - float(dynamic[-2]) / q8_gen) <= 0.006
-    assert float(dynamic[-2]) != pytest.approx(next(m for m in generation_models(results)
+    assert abs(float(dynamic[-3]) - float(dynamic[-4]) / q8_gen) <= 0.006
+    assert float(dynamic[-4]) != pytest.approx(next(m for m in generation_models(results)
                                                     if m.name == "dynamic").decode[0]["gen_tokens_per_s"], abs=1e-9)
 
     out_dir = tmp_path / "bench"

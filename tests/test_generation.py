@@ -417,3 +417,29 @@ def test_weight_only_query_key_and_value_are_packed_into_one_product(tmp_path):
     for a, b in zip(*runs):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
     assert np.abs(runs[0][0]).max() > 0.1   # logits that say something
+
+
+def test_a_step_reads_every_weight_but_the_token_table_and_rotary_caches(exported, tmp_path):
+    """``weights_read_per_step``: the bytes of every stored initializer except those a one-token
+    step reads a row of (the embedding under Gather; GroupQueryAttention's cos and sin caches where
+    the rotary embedding moved into the operator), counted here from the parsed graph."""
+    from quantnorm.generation.speed import step_profile, weights_read_per_step
+    from quantnorm.measure.sessions import SessionSpec
+
+    fused = export_with_past(HFWithPast(hf_model("llama", head_dim=16)), tmp_path / "rotary.onnx",
+                             windows(2, 6, 300)).path
+    for path in (exported("llama")[0], exported("pre")[0], fused):
+        graph = onnx.load(str(path)).graph
+        stored = {t.name: onnx.numpy_helper.to_array(t).nbytes for t in graph.initializer
+                  if t.HasField("raw_data") or t.data_location == onnx.TensorProto.EXTERNAL}
+        tables = {n.input[0] for n in graph.node if n.op_type == "Gather" and n.input[0] in stored}
+        caches = {n.input[i] for n in graph.node if n.op_type == "GroupQueryAttention" and len(n.input) > 8
+                  for i in (7, 8)}
+        assert tables and (caches or path != fused)
+        read_whole = {name for n in graph.node for name in n.input} - tables - caches
+        expected = sum(size for name, size in stored.items() if name in read_whole)
+        assert weights_read_per_step(path) == expected
+    profile = step_profile(fused, windows(1, 5, 300), steps=3, spec=SessionSpec(threads=1))
+    assert profile["steps"] == 3 and "GroupQueryAttention" in profile["op_ms"]
+    with pytest.raises(ConfigError, match="steps >= 1"):
+        step_profile(fused, windows(1, 5, 300), steps=0, spec=SessionSpec(threads=1))

@@ -55,11 +55,24 @@ def _check_models(results: dict, exact: tuple[str, ...], *, new_tokens: int = 12
             assert r["prompt_tokens_per_s"] > 0 and r["gen_tokens_per_s"] > 0 and r["peak_rss_mb"] > 0
             assert r["new_tokens"] == new_tokens and len(r["per_position_ms"]) == new_tokens - 1
             assert 0 < r["token_ms_p50"] <= r["token_ms_p90"]
+        _check_step_profile(m.name, cpu, new_tokens)
         if m.name != "fp32":
             a = m.agreement
             assert 0.0 <= a["identical_before_divergence"] <= 1.0 and 0 <= a["identical_prompts"] <= a["prompts"]
             assert 0.0 <= a["first_divergence_mean"] <= a["new_tokens"] and a["kl_mean"] >= 0.0
     return models
+
+
+def _check_step_profile(name: str, rows: list[dict], new_tokens: int) -> None:
+    """Batch 1 says where a one-token step's time goes; the batch-2 row has no profile."""
+    profile = rows[0]["step_profile"]
+    assert "step_profile" not in rows[1]
+    assert profile["steps"] == min(32, new_tokens - 1) and profile["batch"] == 1 and profile["nodes"] > 10
+    assert abs(sum(profile["op_ms"].values()) - profile["kernel_ms"]) < 1e-3 * len(profile["op_ms"])
+    assert 0 < profile["kernel_ms"] <= profile["run_ms"] and profile["weight_bytes"] > 0
+    assert list(profile["op_ms"].values()) == sorted(profile["op_ms"].values(), reverse=True)
+    if name.startswith("wo-"):   # a split's token graph is its weight-only one: the profile is of that graph
+        assert "MatMulNBits" in profile["op_ms"] and "MatMulIntegerToFloat" not in profile["op_ms"]
 
 
 PREPROCESSED: list[str] = []   # the FP32 models zoo_run pre-processed for quantization, in order
@@ -102,6 +115,8 @@ def test_zoo_every_recipe_generates_through_its_cache(zoo_run):
     report = (zoo_run / "report.md").read_text()
     assert "## Generation (KV cache)" in report and "### Generation agreement" in report
     assert "| `pertoken-fused-gptq` | 1 |" in report and (zoo_run / "plots" / "token_latency.png").is_file()
+    steps = report.split("### Where a one-token step's time goes, CPU (batch 1)")[1].split("###")[0]
+    assert all(f"| `{name}` |" in steps for name in models) and "streamed GB/s" in steps
 
 
 SPLIT = "wo-int8-b32-acc4+prefill-pertoken-fused-gptq"

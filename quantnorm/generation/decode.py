@@ -176,12 +176,15 @@ def _reads_no_length(node: onnx.NodeProto) -> bool:
     return end <= 2 or start >= 3
 
 
-def open_session(model, threads: int | None = 1, spec: SessionSpec | None = None) -> ort.InferenceSession:
+def open_session(model, threads: int | None = 1, spec: SessionSpec | None = None,
+                 profile_prefix: Path | None = None) -> ort.InferenceSession:
     """``model``: an ``ort.InferenceSession`` (returned as is) or the path of an ONNX file (a
-    session as ``spec`` says; None: the CPU provider with ``threads``)."""
+    session as ``spec`` says; None: the CPU provider with ``threads``; ORT's profiler on where
+    ``profile_prefix`` names its files)."""
     if isinstance(model, ort.InferenceSession):
         return model
-    return make_session(Path(model), spec or SessionSpec(threads=threads))
+    return make_session(Path(model), spec or SessionSpec(threads=threads), profile=profile_prefix is not None,
+                        profile_prefix=profile_prefix)
 
 
 class _Graph:
@@ -207,14 +210,15 @@ class DecodeSession:
     ``ConfigError`` where the graph or provider does not allow it). ``prompt_model``: a second
     with-past graph of the same model (same layers, heads and head size) that runs every step of
     more than one row (the split deployment of the module doc); the buffer is shared only where
-    both graphs allow it.
+    both graphs allow it. ``profile_prefix``: the token graph's session runs under ORT's profiler
+    (``session.end_profiling()`` returns its file).
     """
 
     def __init__(self, model, *, threads: int | None = 1, spec: SessionSpec | None = None,
-                 shared_cache: bool | None = None, prompt_model=None):
+                 shared_cache: bool | None = None, prompt_model=None, profile_prefix: Path | None = None):
         if prompt_model is not None:   # two thread pools taking turns: neither may spin while the other runs
             spec = dataclasses.replace(spec or SessionSpec(threads=threads), stop_spinning=True)
-        self.session = open_session(model, threads, spec)
+        self.session = open_session(model, threads, spec, profile_prefix)
         self.layout = PastLayout.of_session(self.session)
         self.tokens_graph = _Graph(self.session)
         self.prompt_graph = self.tokens_graph

@@ -16,22 +16,31 @@ warm-up generation; the row keeps the median over rounds:
   (``DecodeSession``), ``"present per step"`` where each step writes a fresh present;
 - ``peak_rss_mb``: the process's resident memory at its peak while the session was open and
   decoding, sampled every few milliseconds: the weights, ORT's arenas and the cache at its
-  longest (``rss_increase_mb``: that peak less the resident memory before the session opened).
+  longest (``rss_increase_mb``: that peak less the resident memory before the session opened);
+- ``step_profile`` (``profile_steps`` > 0): where a one-token step's time goes, from a separate
+  session under ORT's profiler (not a timed run): kernel milliseconds per op type per step, nodes
+  per step, and ``weight_bytes``, what a step reads whole (``weights_read_per_step``). That
+  times the generation tokens/s is the rate the step streams its weights at; near the machine's
+  memory bandwidth, only fewer bytes make a step faster.
 
 An unusable provider gives ``status: "not measured: <why>"`` and no figures.
 """
 
 from __future__ import annotations
 
+import tempfile
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import psutil
 
 from ..errors import ConfigError
+from ..measure.latency import kernel_us_by_op, profile_runs, read_profile
 from ..measure.sessions import ProviderUnavailable, SessionSpec, provider_status
+from ..onnx_wire import initializer_places, onnx_nodes
 from ..providers import short_provider
 from .decode import DecodeSession
 
@@ -42,6 +51,10 @@ DEFAULT_BATCHES = (1, 4)
 DEFAULT_ROUNDS = 2
 CACHE_SHARED, CACHE_PER_STEP = "shared buffer", "present per step"
 _RSS_SAMPLE_S = 0.005
+PROFILED_STEPS = 32
+# Initializers a one-token step reads a row of, not whole: a token table (the data and scales of a
+# Gather) and the rotary caches of GroupQueryAttention (its inputs 7 and 8).
+_ROW_READS = {"Gather": (0, 2), "GatherBlockQuantized": (0, 2), "GroupQueryAttention": (7, 8)}
 
 
 class _PeakRss:
@@ -93,10 +106,11 @@ def _one_generation(runner: DecodeSession, prompts: np.ndarray, new_tokens: int)
 
 def decode_speed(path: str | Path, prompts: np.ndarray, *, new_tokens: int, spec: SessionSpec,
                  rounds: int = DEFAULT_ROUNDS, shared_cache: bool | None = None,
-                 prompt_path: str | Path | None = None) -> dict:
+                 prompt_path: str | Path | None = None, profile_steps: int = 0) -> dict:
     """One row (see the module doc) for the with-past graph at ``path``, prompts [batch, prompt];
     ``shared_cache`` as ``DecodeSession`` takes it (None: one buffer where the graph allows);
-    ``prompt_path``: a split deployment's prompt graph (the prefill runs there, both held open)."""
+    ``prompt_path``: a split deployment's prompt graph (the prefill runs there, both held open);
+    ``profile_steps``: that many one-token steps profiled after the timing (``step_profile``)."""
     prompts = np.ascontiguousarray(prompts, dtype=np.int64)
     if prompts.ndim != 2 or new_tokens < 2 or rounds < 1:
         raise ConfigError(f"decode speed needs prompts [batch, prompt], new_tokens >= 2 and rounds >= 1, got "
@@ -119,6 +133,9 @@ def decode_speed(path: str | Path, prompts: np.ndarray, *, new_tokens: int, spec
     prompt_s = float(np.median([t[0] for t in timed]))
     steps = np.asarray([t[1] for t in timed], dtype=np.float64)      # [rounds, new_tokens - 1]
     gen_s = float(np.median(steps.sum(axis=1)))
+    if profile_steps > 0:
+        row["step_profile"] = step_profile(path, prompts, steps=min(profile_steps, new_tokens - 1), spec=spec,
+                                           shared_cache=shared_cache, prompt_path=prompt_path)
     return {**row, "status": "measured", "rounds": rounds, "cache": cache,
             "prompt_s": round(prompt_s, 6), "prompt_tokens_per_s": round(batch * prompt / prompt_s, 2),
             "gen_tokens_per_s": round(batch * steps.shape[1] / gen_s, 2),
@@ -127,6 +144,48 @@ def decode_speed(path: str | Path, prompts: np.ndarray, *, new_tokens: int, spec
             "per_position_ms": [round(float(v) * 1e3, 4) for v in np.median(steps, axis=0)],
             "peak_rss_mb": round(memory.peak / 2**20, 1),
             "rss_increase_mb": round((memory.peak - memory.before) / 2**20, 1)}
+
+
+def step_profile(path: str | Path, prompts: np.ndarray, *, steps: int, spec: SessionSpec,
+                 shared_cache: bool | None = None, prompt_path: str | Path | None = None) -> dict:
+    """Where a one-token step of the graph at ``path`` spends its time: ``steps`` steps after the
+    prompt, in a session of their own under ORT's profiler (after a short warm-up generation),
+    averaged per step. ``op_ms``: kernel milliseconds per op type (largest first); ``kernel_ms``
+    their sum; ``run_ms``: ORT's whole run per step (kernels, the executor between them, and the
+    profiler's own cost); ``nodes``: kernels run per step; ``weight_bytes``: what a step reads whole
+    (``weights_read_per_step``). Profiled times run a little over timed ones."""
+    if steps < 1:
+        raise ConfigError(f"a step profile needs steps >= 1, got {steps}")
+    with tempfile.TemporaryDirectory(prefix="quantnorm-step-profile-") as tmp:
+        runner = DecodeSession(path, spec=spec, shared_cache=shared_cache, prompt_model=prompt_path,
+                               profile_prefix=Path(tmp) / "ort")
+        _one_generation(runner, prompts, min(steps, 4))   # warm-up, as the timed rounds have
+        _one_generation(runner, prompts, steps + 1)       # the prompt, then `steps` one-token steps
+        events = read_profile(Path(runner.session.end_profiling()))
+        del runner
+    runs = profile_runs(events)[-steps:]   # the last runs of the token graph: the one-token steps
+    op_us: Counter = Counter()
+    for by_op in kernel_us_by_op(events, runs).values():
+        op_us.update(by_op)
+    kernels = sum(1 for e in events if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time")
+                  and any(r["ts"] <= e.get("ts", 0) <= r["ts"] + r.get("dur", 0) for r in runs))
+    n = len(runs)
+    return {"steps": n, "batch": len(prompts), "provider": spec.provider, "threads": spec.threads,
+            "run_ms": round(sum(r.get("dur", 0) for r in runs) / n / 1e3, 4),
+            "kernel_ms": round(sum(op_us.values()) / n / 1e3, 4),
+            "op_ms": {op: round(us / n / 1e3, 4) for op, us in op_us.most_common()},
+            "nodes": round(kernels / n), "weight_bytes": weights_read_per_step(path)}
+
+
+def weights_read_per_step(path: str | Path) -> int:
+    """Bytes of the initializers a one-token step of the graph at ``path`` reads whole: every
+    initializer except those read only a row at a time (a token table under a ``Gather`` or
+    ``GatherBlockQuantized``, GroupQueryAttention's rotary caches). A weight GEMV at one row
+    reads all of its weight, so this is the traffic a step cannot avoid."""
+    places = initializer_places(path)
+    whole = {name for op, inputs, _ in onnx_nodes(path) for index, name in enumerate(inputs)
+             if index not in _ROW_READS.get(op, ())}
+    return sum(place.end - place.start for name, place in places.items() if name in whole)
 
 
 def random_prompts(path: str | Path, batch: int, prompt_tokens: int, seed: int = 0) -> np.ndarray:

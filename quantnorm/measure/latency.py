@@ -166,28 +166,50 @@ def _placement_from_profile(profile: Path) -> tuple[dict[str, int], dict[str, di
     return node_providers, node_ops
 
 
+def read_profile(profile: Path) -> list[dict]:
+    """The events of an ORT profile (its JSON file); MeasureError naming the file when unreadable."""
+    try:
+        return json.loads(profile.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise MeasureError(f"cannot read ORT profile {profile}: {exc}") from exc
+
+
+def profile_runs(events: list[dict]) -> list[dict]:
+    """The profile's ``model_run`` events (one per ``session.run``), in time order."""
+    return sorted((e for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"),
+                  key=lambda e: e.get("ts", 0))
+
+
+def _kernel_events(events: list[dict]):
+    for event in events:
+        if event.get("cat") == "Node" and event.get("name", "").endswith("_kernel_time"):
+            yield event
+
+
+def kernel_us_by_op(events: list[dict], runs: list[dict]) -> dict[str, Counter]:
+    """Kernel microseconds per provider and op type, summed over the node events inside ``runs``."""
+    spans = [(r.get("ts", 0), r.get("ts", 0) + r.get("dur", 0)) for r in runs]
+    op_us: dict[str, Counter] = {}
+    for event in _kernel_events(events):
+        ts = event.get("ts", 0)
+        if any(start <= ts <= end for start, end in spans):
+            args = event.get("args", {})
+            op_us.setdefault(args.get("provider", "unknown"), Counter())[args.get("op_name", "unknown")] += \
+                event.get("dur", 0)
+    return op_us
+
+
 def _profile_facts(profile: Path) -> tuple[dict[str, int], dict[str, dict[str, int]], dict[str, dict[str, float]]]:
     """From an ORT profile: nodes per provider, nodes per provider and op type (every run in
     it), and kernel milliseconds per provider and op type in its last run (``model_run``)."""
-    try:
-        events = json.loads(profile.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise MeasureError(f"cannot read ORT profile {profile}: {exc}") from exc
-    runs = [e for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"]
-    last = max(runs, key=lambda e: e.get("ts", 0)) if runs else None
+    events = read_profile(profile)
+    runs = profile_runs(events)
     nodes: dict[str, tuple[str, str]] = {}
-    op_us: dict[str, Counter] = {}
-    for event in events:
-        name = event.get("name", "")
-        if event.get("cat") != "Node" or not name.endswith("_kernel_time"):
-            continue
+    for event in _kernel_events(events):
         args = event.get("args", {})
-        provider, op = args.get("provider", "unknown"), args.get("op_name", "unknown")
         # One entry per node even if a subgraph ran it several times.
-        nodes[name[: -len("_kernel_time")]] = (provider, op)
-        ts = event.get("ts", 0)
-        if last is None or last["ts"] <= ts <= last["ts"] + last.get("dur", 0):
-            op_us.setdefault(provider, Counter())[op] += event.get("dur", 0)
+        nodes[event["name"][: -len("_kernel_time")]] = (args.get("provider", "unknown"), args.get("op_name", "unknown"))
+    op_us = kernel_us_by_op(events, runs[-1:]) if runs else {}
     per_provider = Counter(provider for provider, _ in nodes.values())
     per_op: dict[str, Counter] = {}
     for provider, op in nodes.values():

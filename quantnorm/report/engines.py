@@ -48,6 +48,14 @@ class Row:
     gen_tok_s: float | None = None
     size_bytes: int | None = None
     reference: bool = False   # quantnorm's FP32: the baseline every row is scored against
+    # what one generation step reads whole: a with-past graph's step profile's weight bytes; an
+    # engine's file (llama.cpp's tied head reads the token table whole); None when not known
+    step_bytes: int | None = None
+
+    @property
+    def streamed_gb_s(self) -> float | None:
+        """The rate a generation step reads its weights at: step bytes x generation tokens/s."""
+        return self.step_bytes * self.gen_tok_s / 1e9 if self.step_bytes and self.gen_tok_s else None
 
     @property
     def ok(self) -> bool:
@@ -75,13 +83,17 @@ def _decode_b1(results: dict, name: str) -> dict:
     return rows[-1] if rows else {}
 
 
+def _step_bytes(decode: dict) -> int | None:
+    return (decode.get("step_profile") or {}).get("weight_bytes")
+
+
 def quantnorm_rows(results: dict) -> list[Row]:
     """FP32, then each recipe that ran, in the run's order."""
     fp32 = _decode_b1(results, results_file.FP32_VARIANT)
     rows = [Row(QUANTNORM, None, results_file.FP32_VARIANT, results_file.OK,
                 {"ppl_ratio": 1.0, "kld_mean": 0.0, "top1_agreement": 1.0}, None, fp32.get("prompt_tokens_per_s"),
                 fp32.get("gen_tokens_per_s"), results_file.file_size(results, results_file.FP32_VARIANT),
-                reference=True)]
+                reference=True, step_bytes=_step_bytes(fp32))]
     for r in results_file.recipes(results):
         if not r.ok or not r.accuracy:
             continue
@@ -89,7 +101,8 @@ def quantnorm_rows(results: dict) -> list[Row]:
         agreement = (gen.agreement or {}).get("identical_before_divergence") if gen else None
         decode = _decode_b1(results, r.name)
         rows.append(Row(QUANTNORM, None, r.name, r.status, r.accuracy, agreement, decode.get("prompt_tokens_per_s"),
-                        decode.get("gen_tokens_per_s"), results_file.file_size(results, r.name)))
+                        decode.get("gen_tokens_per_s"), results_file.file_size(results, r.name),
+                        step_bytes=_step_bytes(decode)))
     return rows + _split_rows(results, {r.format: r for r in rows})
 
 
@@ -107,7 +120,8 @@ def _split_rows(results: dict, by_name: dict[str, Row]) -> list[Row]:
                  if _finite(a.get(metric)) and _finite(b.get(metric))}
         decode = _decode_b1(results, m.name)
         rows.append(Row(QUANTNORM, None, m.name, m.status, worse, (m.agreement or {}).get("identical_before_divergence"),
-                        decode.get("prompt_tokens_per_s"), decode.get("gen_tokens_per_s"), m.entry.get("size_bytes")))
+                        decode.get("prompt_tokens_per_s"), decode.get("gen_tokens_per_s"), m.entry.get("size_bytes"),
+                        step_bytes=_step_bytes(decode)))
     return rows
 
 
@@ -117,7 +131,8 @@ def engine_rows(results: dict) -> list[Row]:
         speed, agreement = e.get("speed") or {}, e.get("agreement") or {}
         out.append(Row(str(e.get("engine")), e.get("version"), str(e.get("format")), str(e.get("status")),
                        e.get("accuracy") or {}, agreement.get("identical_before_divergence"),
-                       speed.get("prompt_tok_s"), speed.get("gen_tok_s"), e.get("size_bytes")))
+                       speed.get("prompt_tok_s"), speed.get("gen_tok_s"), e.get("size_bytes"),
+                       step_bytes=e.get("size_bytes")))
     return out
 
 

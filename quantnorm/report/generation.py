@@ -2,7 +2,8 @@
 
 Reads ``results["generation"]`` through ``results.generation_models``: decode speed per provider
 (prompt and generation tokens/s, per-token p50/p90, peak memory, the ratio to FP32 at the same
-batch), generation agreement with FP32's greedy tokens, the cache proof per model, and a plot of
+batch), where a one-token step's time goes (batch 1: kernel time per kind of op and the rate the
+step streams its weights at, beside llama.cpp's rows of the same run), generation agreement with FP32's greedy tokens, the cache proof per model, and a plot of
 per-token latency against position. A run without the section (older runs, ``--no-generation``)
 gets no lines; an encoder gets the sentence that says why it has none.
 """
@@ -15,6 +16,7 @@ from .. import results as results_file
 from ..measure.sessions import CPU, short_provider
 from .markdown import fmt, pct, table
 from .plots import plot_token_latency
+from .sections import kernel_time_split
 
 PLOT_FILE = "token_latency.png"
 
@@ -46,6 +48,7 @@ def generation(results: dict) -> list[str]:
               "held (its memory and size are both files'), and its cache check is the pair through the cache "
               "against W's graph scored whole.", ""]
     L += _speed_tables(models)
+    L += _step_tables(models, results_file.engine_rows(results))
     L += _agreement_table(models, s)
     skipped = [m for m in models if not m.ok]
     if skipped:
@@ -80,6 +83,51 @@ def _speed_tables(models: list) -> list[str]:
                     "token p90 ms", "peak RSS MiB", "RSS added MiB"], lines)
         L.append("")
     return L
+
+
+def _step_tables(models: list, engines: list[dict]) -> list[str]:
+    """Per provider, where a one-token step's time goes (batch 1 rows with a ``step_profile``)."""
+    by_provider: dict[str, list] = {}
+    for m in models:
+        for row in m.decode:
+            if row.get("status") == results_file.MEASURED and isinstance(row.get("step_profile"), dict):
+                by_provider.setdefault(row.get("provider"), []).append((m.name, row))
+    L: list[str] = []
+    for provider, rows in by_provider.items():
+        lines = []
+        for name, row in rows:
+            profile = row["step_profile"]
+            op_ms, total = profile.get("op_ms") or {}, profile.get("kernel_ms") or 0.0
+            split = kernel_time_split(op_ms)
+            streamed = profile.get("weight_bytes", 0) * row["gen_tokens_per_s"] / row["batch"]
+            top = ", ".join(f"{op} {ms:.2f}" for op, ms in list(op_ms.items())[:4])
+            lines.append([f"`{name}`", fmt(row["token_ms_p50"], ".2f"), _megabytes(profile.get("weight_bytes", 0)),
+                          fmt(streamed / 1e9, ".1f"), profile.get("nodes"), fmt(total, ".2f"),
+                          *[f"{ms:.2f} ({ms / total:.0%})" if total else "–" for ms in split.values()], top])
+        if provider == CPU:   # llama.cpp runs on the CPU: its file is what its step reads (see the note)
+            for e in engines:
+                speed = e.get("speed") or {}
+                if e.get("status") == results_file.OK and speed.get("gen_tok_s") and e.get("size_bytes"):
+                    lines.append([f"{e['engine']} {e['format']}", fmt(speed.get("token_ms_p50"), ".2f"),
+                                  _megabytes(e["size_bytes"]), fmt(e["size_bytes"] * speed["gen_tok_s"] / 1e9, ".1f"),
+                                  "", "not profiled", "", "", "", "", ""])
+        L += [f"### Where a one-token step's time goes, {short_provider(provider)} (batch 1)", "",
+              f"One session per model under ORT's profiler, {rows[0][1]['step_profile'].get('steps')} one-token steps "
+              "after the prompt, averaged per step (not a timed run: the profiler adds a little per node). Weights "
+              "read: every initializer the step reads whole (the token table and the rotary caches, read a row at a "
+              "time, left out); streamed = that x the timed generation tokens/s. Where that is near what the "
+              "machine's memory delivers, a step is bound by reading its weights and only fewer bytes make it faster; "
+              "the kernels other than the weight GEMMs are what a step spends besides. llama.cpp rows: its GGUF "
+              "file's size x its generation tokens/s (a tied head reads the token table whole, so the file is about "
+              "what a step reads; not profiled).", "",
+              *table(["model", "token p50 ms", "weights read MB", "streamed GB/s", "nodes", "kernel ms",
+                      "integer GEMMs", "float GEMMs", "(de)quantize", "other", "largest op types (ms)"], lines), ""]
+    return L
+
+
+def _megabytes(size: int) -> str:
+    mb = size / 1e6
+    return f"{mb:,.0f}" if mb >= 10 else f"{mb:.2g}"
 
 
 def _agreement_table(models: list, settings: dict) -> list[str]:
