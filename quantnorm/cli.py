@@ -276,7 +276,8 @@ def export(run_dir, opset, onnx_dir):
 @click.option("--decode", is_flag=True,
               help="Time generation instead (with-past graphs, e.g. a run's model.*.past.onnx): a --seq-token prompt, "
                    "then --new-tokens greedy tokens one step at a time with the KV cache kept in ONNX Runtime; prints "
-                   "prompt and generation tokens/s, per-token p50/p90 and peak memory.")
+                   "prompt and generation tokens/s, per-token p50/p90, peak memory, and what a step reads whole (step "
+                   "MB) and the rate it streams it at (GB/s).")
 @click.option("--new-tokens", type=click.IntRange(min=2), default=128, show_default=True,
               help="--decode: tokens generated after the prompt.")
 def bench(models, providers, batches, seq, iters, warmup, threads, opt_level, rounds, json_out, decode, new_tokens):

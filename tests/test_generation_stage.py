@@ -305,7 +305,15 @@ def test_bench_decode_times_with_past_graphs_and_refuses_others(zoo_run, tmp_pat
     assert [r["model"] for r in rows] == ["model.fp32.past.onnx", "model.int8.dynamic.past.onnx"]
     assert all(r["status"] == "measured" and len(r["round_gen_tokens_per_s"]) == 2 for r in rows)
     assert max(rows[0]["round_gen_tokens_per_s"]) == rows[0]["gen_tokens_per_s"]
-    assert "gen tok/s" in capsys.readouterr().out
+    from quantnorm.generation.speed import weights_read_per_step
+    out = capsys.readouterr().out
+    assert "gen tok/s" in out and "GB/s" in out
+    for row, name in zip(rows, ("model.fp32.past.onnx", "model.int8.dynamic.past.onnx")):
+        step = weights_read_per_step(zoo_run / name)
+        assert row["step_weight_bytes"] == step > 0
+        line = next(x for x in out.splitlines() if x.startswith(name)).split()
+        assert line[-2:] == [f"{step / 1e6:,.1f}", f"{step * row['gen_tokens_per_s'] / 1e9:.2f}"]
+    assert rows[1]["step_weight_bytes"] < rows[0]["step_weight_bytes"]   # int8 weights: fewer bytes than float
     assert main(["bench", "--decode", str(zoo_run / "model.fp32.onnx")]) == 2
     assert "not a with-past causal LM" in capsys.readouterr().err
 

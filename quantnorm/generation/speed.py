@@ -200,7 +200,8 @@ def decode_bench(models: dict[str, Path], specs: list[SessionSpec], batches: lis
                  new_tokens: int, rounds: int = 1) -> list[dict]:
     """``quantnorm bench --decode``: a ``decode_speed`` row per model x provider x batch, timed in
     ``rounds`` interleaved across the models (a neighbour's load hits them alike); each cell keeps
-    its round with the most generation tokens/s, and lists every round's figure."""
+    its round with the most generation tokens/s, and lists every round's figure. Each row also
+    carries ``step_weight_bytes`` (``weights_read_per_step``: what one step reads whole)."""
     if not models or not batches or min(batches) < 1 or rounds < 1:
         raise ConfigError(f"decode bench needs models, batches >= 1 and rounds >= 1, got {list(models)}, "
                           f"{batches}, {rounds}")
@@ -216,19 +217,22 @@ def decode_bench(models: dict[str, Path], specs: list[SessionSpec], batches: lis
                 for batch in batches:
                     row = decode_speed(path, random_prompts(path, batch, prompt), new_tokens=new, spec=spec, rounds=1)
                     cells.setdefault((name, spec.provider, batch), []).append(row)
+    step_bytes = {name: weights_read_per_step(path) for name, path in models.items()}
     out = []
     for (name, _, _), runs in cells.items():
         measured = [r for r in runs if r["status"] == "measured"]
         best = max(measured, key=lambda r: r["gen_tokens_per_s"]) if measured else runs[0]
-        out.append({"model": name, **best, "rounds": rounds,
+        out.append({"model": name, **best, "rounds": rounds, "step_weight_bytes": step_bytes[name],
                     "round_gen_tokens_per_s": [r.get("gen_tokens_per_s") for r in runs]})
     return out
 
 
 def decode_table(rows: list[dict]) -> list[str]:
-    """The rows as the terminal table ``quantnorm bench --decode`` prints."""
+    """The rows as the terminal table ``quantnorm bench --decode`` prints; ``step MB`` is what a step
+    reads whole and ``GB/s`` that x the steps per second (generation tokens/s / batch): the rate a
+    step streams its weights at."""
     lines = [f"{'model':<44} {'provider':<10} {'batch':>5} {'prompt':>6} {'new':>4} {'prompt tok/s':>12} "
-             f"{'gen tok/s':>10} {'p50 ms':>8} {'p90 ms':>8} {'peak MiB':>9}"]
+             f"{'gen tok/s':>10} {'p50 ms':>8} {'p90 ms':>8} {'peak MiB':>9} {'step MB':>8} {'GB/s':>6}"]
     for r in rows:
         head = f"{r['model']:<44} {short_provider(r['provider']):<10} {r['batch']:>5}"
         if r["status"] != "measured":
@@ -236,5 +240,6 @@ def decode_table(rows: list[dict]) -> list[str]:
             continue
         lines.append(f"{head} {r['prompt_tokens']:>6} {r['new_tokens']:>4} {r['prompt_tokens_per_s']:>12,.0f} "
                      f"{r['gen_tokens_per_s']:>10,.1f} {r['token_ms_p50']:>8.2f} {r['token_ms_p90']:>8.2f} "
-                     f"{r['peak_rss_mb']:>9,.0f}")
+                     f"{r['peak_rss_mb']:>9,.0f} {r['step_weight_bytes'] / 1e6:>8,.1f} "
+                     f"{r['step_weight_bytes'] * r['gen_tokens_per_s'] / r['batch'] / 1e9:>6.2f}")
     return lines
