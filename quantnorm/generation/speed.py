@@ -38,7 +38,7 @@ import numpy as np
 import psutil
 
 from ..errors import ConfigError
-from ..measure.latency import kernel_us_by_op, profile_runs, read_profile
+from ..measure.latency import kernel_events_in, kernel_us_by_op, profile_runs, read_profile
 from ..measure.sessions import ProviderUnavailable, SessionSpec, provider_status
 from ..onnx_wire import initializer_places, onnx_nodes
 from ..providers import short_provider
@@ -164,17 +164,16 @@ def step_profile(path: str | Path, prompts: np.ndarray, *, steps: int, spec: Ses
         events = read_profile(Path(runner.session.end_profiling()))
         del runner
     runs = profile_runs(events)[-steps:]   # the last runs of the token graph: the one-token steps
+    kernels = kernel_events_in(events, runs)
     op_us: Counter = Counter()
-    for by_op in kernel_us_by_op(events, runs).values():
+    for by_op in kernel_us_by_op(kernels).values():
         op_us.update(by_op)
-    kernels = sum(1 for e in events if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time")
-                  and any(r["ts"] <= e.get("ts", 0) <= r["ts"] + r.get("dur", 0) for r in runs))
     n = len(runs)
     return {"steps": n, "batch": len(prompts), "provider": spec.provider, "threads": spec.threads,
             "run_ms": round(sum(r.get("dur", 0) for r in runs) / n / 1e3, 4),
             "kernel_ms": round(sum(op_us.values()) / n / 1e3, 4),
             "op_ms": {op: round(us / n / 1e3, 4) for op, us in op_us.most_common()},
-            "nodes": round(kernels / n), "weight_bytes": weights_read_per_step(path)}
+            "nodes": round(len(kernels) / n), "weight_bytes": weights_read_per_step(path)}
 
 
 def weights_read_per_step(path: str | Path) -> int:

@@ -186,16 +186,19 @@ def _kernel_events(events: list[dict]):
             yield event
 
 
-def kernel_us_by_op(events: list[dict], runs: list[dict]) -> dict[str, Counter]:
-    """Kernel microseconds per provider and op type, summed over the node events inside ``runs``."""
+def kernel_events_in(events: list[dict], runs: list[dict]) -> list[dict]:
+    """The node kernel events that ran inside ``runs`` (``model_run`` events)."""
     spans = [(r.get("ts", 0), r.get("ts", 0) + r.get("dur", 0)) for r in runs]
+    return [e for e in _kernel_events(events) if any(start <= e.get("ts", 0) <= end for start, end in spans)]
+
+
+def kernel_us_by_op(kernels: list[dict]) -> dict[str, Counter]:
+    """Kernel microseconds per provider and op type, summed over ``kernels`` (``kernel_events_in``)."""
     op_us: dict[str, Counter] = {}
-    for event in _kernel_events(events):
-        ts = event.get("ts", 0)
-        if any(start <= ts <= end for start, end in spans):
-            args = event.get("args", {})
-            op_us.setdefault(args.get("provider", "unknown"), Counter())[args.get("op_name", "unknown")] += \
-                event.get("dur", 0)
+    for event in kernels:
+        args = event.get("args", {})
+        op_us.setdefault(args.get("provider", "unknown"), Counter())[args.get("op_name", "unknown")] += \
+            event.get("dur", 0)
     return op_us
 
 
@@ -209,7 +212,7 @@ def _profile_facts(profile: Path) -> tuple[dict[str, int], dict[str, dict[str, i
         args = event.get("args", {})
         # One entry per node even if a subgraph ran it several times.
         nodes[event["name"][: -len("_kernel_time")]] = (args.get("provider", "unknown"), args.get("op_name", "unknown"))
-    op_us = kernel_us_by_op(events, runs[-1:]) if runs else {}
+    op_us = kernel_us_by_op(kernel_events_in(events, runs[-1:]))
     per_provider = Counter(provider for provider, _ in nodes.values())
     per_op: dict[str, Counter] = {}
     for provider, op in nodes.values():
