@@ -3,7 +3,7 @@ nodes, in the forms ONNX Runtime's own fusions recognise.
 
 Why: at batch 1 a decode step runs thousands of small nodes, and each costs ONNX Runtime a few
 microseconds whatever its size; on a 135M-parameter model that overhead is as large as the
-weight GEMMs (``../shared/PITFALLS.md``; the issue-33 profiles). Three passes, each exact or
+weight GEMMs (``../shared/PITFALLS.md``; the issue-33 profiles). Five passes, each exact or
 within a rounding of the float result, and each applied to the FP32 graph too, so the FP32
 baseline and every INT8 recipe get the same graph:
 
@@ -18,6 +18,15 @@ baseline and every INT8 recipe get the same graph:
   ONNX Runtime fuses ``Pow -> ReduceMean -> Add -> Sqrt -> Div -> Mul(weight)`` into one
   ``SimplifiedLayerNormalization`` when the graph is loaded, and only in the ``Div`` form.
   The saved graph stays standard ONNX (``onnx.checker`` passes); the fusion happens in the session.
+- ``rmsnorm_before_transpose``: a norm over the last axis of a ``Transpose`` that keeps the last
+  axis (Gemma 3's q and k norms read the heads transposed) is computed on the Transpose's input
+  and transposed after. Exact. Without it ONNX Runtime's transpose optimizer moves the Transpose
+  itself and rewrites the ReduceMean's axes as a positive number, which its norm fusion then
+  refuses (it needs the input's rank, unknown there): 36 norms of six nodes each left unfused on
+  Gemma 3;
+- ``tanh_gelu_in_fused_order``: the exporter writes GELU's tanh form as ``x * (0.5 * (1 + tanh(.)))``;
+  ONNX Runtime fuses it into one ``FastGelu`` only as ``(0.5 * x) * (1 + tanh(.))``. The same
+  product (halving is exact in float): one node instead of nine per layer on Gemma 3.
 
 Graph inputs and outputs (an overridable initializer such as ``logits_to_keep``) are never merged, and nodes
 that draw random numbers or hold subgraphs are never merged.
@@ -28,18 +37,23 @@ from __future__ import annotations
 import hashlib
 from collections import defaultdict
 
+import numpy as np
 import onnx
+from onnx import numpy_helper
 
 _RANDOM_OPS = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike",
                          "Multinomial", "Bernoulli", "Dropout"})
 
 
 def simplify(model: onnx.ModelProto) -> dict[str, int]:
-    """All three passes on ``model`` in place; returns what each did (counts)."""
+    """All five passes on ``model`` in place, in this order; returns what each did (counts)."""
     shared = share_identical_initializers(model)
     merged = merge_common_subexpressions(model)
     divided = rmsnorm_as_division(model)
-    return {"initializers_shared": shared, "nodes_merged": merged, "rmsnorms_as_division": divided}
+    moved = rmsnorm_before_transpose(model)
+    gelus = tanh_gelu_in_fused_order(model)
+    return {"initializers_shared": shared, "nodes_merged": merged, "rmsnorms_as_division": divided,
+            "rmsnorms_before_transpose": moved, "tanh_gelus_in_fused_order": gelus}
 
 
 def _tensor_bytes(init: onnx.TensorProto) -> bytes:
@@ -155,3 +169,153 @@ def rmsnorm_as_division(model: onnx.ModelProto) -> int:
         del graph.node[:]
         graph.node.extend(kept)
     return len(dropped)
+
+
+def _readers(graph: onnx.GraphProto) -> dict[str, list[onnx.NodeProto]]:
+    readers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
+    for node in graph.node:
+        for name in node.input:
+            readers[name].append(node)
+    return readers
+
+
+def _constant_values(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
+    """Initializers (not graph inputs) and ``Constant`` outputs of at most 16 values, as arrays:
+    the scalars and axes the passes below read."""
+    inputs = {value.name for value in graph.input}
+    values = {init.name: numpy_helper.to_array(init) for init in graph.initializer
+              if init.name not in inputs and int(np.prod(init.dims)) <= 16 and not init.data_location}
+    for node in graph.node:
+        if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
+            values[node.output[0]] = numpy_helper.to_array(node.attribute[0].t)
+    return values
+
+
+def _other_input(node: onnx.NodeProto, name: str) -> str | None:
+    """The input of a two-input node that is not ``name`` (None where ``name`` is not one of them)."""
+    if len(node.input) != 2 or name not in node.input:
+        return None
+    return node.input[1] if node.input[0] == name else node.input[0]
+
+
+def _is_scalar(values: dict, name: str | None, expected: float) -> bool:
+    value = values.get(name) if name else None
+    return value is not None and value.size == 1 and float(value.reshape(-1)[0]) == expected
+
+
+def _only_reader(readers: dict, name: str, op_type: str) -> onnx.NodeProto | None:
+    users = readers.get(name, [])
+    return users[0] if len(users) == 1 and users[0].op_type == op_type else None
+
+
+def _reduced_axes(node: onnx.NodeProto, values: dict) -> list[int] | None:
+    """A ReduceMean's axes (its input from opset 18, its attribute before), None where not constant."""
+    if len(node.input) > 1 and node.input[1]:
+        axes = values.get(node.input[1])
+        return None if axes is None else [int(a) for a in axes.reshape(-1)]
+    attr = next((a for a in node.attribute if a.name == "axes"), None)
+    return None if attr is None else list(attr.ints)
+
+
+def _norm_on(x: str, readers: dict, values: dict, ranks: dict[str, int], last_axis: int) -> tuple | None:
+    """The RMSNorm in Div form reading ``x``: (Pow, Div, the norm's last node: its weight's Mul where
+    the weight is a constant of at most one axis (``ranks``: each initializer's), else the Div), or
+    None. The ReduceMean must reduce ``x``'s last axis alone (``-1`` or ``last_axis``), keeping it."""
+    users = readers.get(x, [])
+    pows = [n for n in users if n.op_type == "Pow" and n.input[0] == x and _is_scalar(values, n.input[1], 2.0)]
+    divs = [n for n in users if n.op_type == "Div" and n.input[0] == x]
+    if len(users) != 2 or len(pows) != 1 or len(divs) != 1:
+        return None
+    mean = _only_reader(readers, pows[0].output[0], "ReduceMean")
+    keepdims = next((a.i for a in mean.attribute if a.name == "keepdims"), 1) if mean is not None else 0
+    if mean is None or keepdims != 1 or _reduced_axes(mean, values) not in ([-1], [last_axis]):
+        return None
+    add = _only_reader(readers, mean.output[0], "Add")
+    sqrt = _only_reader(readers, add.output[0], "Sqrt") if add is not None else None
+    div = divs[0]
+    if sqrt is None or div.input[1] != sqrt.output[0]:
+        return None
+    mul = _only_reader(readers, div.output[0], "Mul")
+    weight = _other_input(mul, div.output[0]) if mul is not None else None
+    return pows[0], div, mul if weight is not None and ranks.get(weight, 2) <= 1 else div
+
+
+def rmsnorm_before_transpose(model: onnx.ModelProto) -> int:
+    """``norm(Transpose(x))`` -> ``Transpose(norm(x))`` where the Transpose keeps the last axis in
+    place, the norm (``rmsnorm_as_division``'s form) reduces that axis, and the Transpose's only
+    readers are the norm's Pow and Div; returns how many moved. Exact: the same arithmetic on
+    the same values, laid out afterwards."""
+    graph = model.graph
+    readers = _readers(graph)
+    values = _constant_values(graph)
+    ranks = {init.name: len(init.dims) for init in graph.initializer}
+    ranks.update({name: value.ndim for name, value in values.items()})
+    graph_outputs = {value.name for value in graph.output}
+    moved: list[tuple[onnx.NodeProto, onnx.NodeProto, onnx.NodeProto]] = []
+    for transpose in graph.node:
+        if transpose.op_type != "Transpose" or transpose.output[0] in graph_outputs:
+            continue
+        perm = next((list(a.ints) for a in transpose.attribute if a.name == "perm"), None)
+        if not perm or perm[-1] != len(perm) - 1:
+            continue
+        norm = _norm_on(transpose.output[0], readers, values, ranks, len(perm) - 1)
+        if norm is None:
+            continue
+        pow_node, div, last = norm
+        pow_node.input[0] = div.input[0] = transpose.input[0]
+        after = onnx.helper.make_node("Transpose", [f"{last.output[0]}/before_transpose"], [last.output[0]],
+                                      name=f"{last.name}/Transpose", perm=perm)
+        last.output[0] = after.input[0]
+        moved.append((transpose, last, after))
+    if moved:
+        dropped = {id(transpose) for transpose, _, _ in moved}
+        after_of = {id(last): after for _, last, after in moved}
+        kept = []
+        for node in graph.node:
+            if id(node) not in dropped:
+                kept.append(node)
+                if id(node) in after_of:
+                    kept.append(after_of[id(node)])
+        del graph.node[:]
+        graph.node.extend(kept)
+    return len(moved)
+
+
+def tanh_gelu_in_fused_order(model: onnx.ModelProto) -> int:
+    """``Mul(x, Mul(0.5, Add(Tanh(.), 1)))`` -> ``Mul(Mul(0.5, x), Add(Tanh(.), 1))`` where each
+    intermediate has that one reader; returns how many were rewritten. Exact: halving commutes with
+    the rounding of the product."""
+    graph = model.graph
+    readers = _readers(graph)
+    values = _constant_values(graph)
+    graph_outputs = {value.name for value in graph.output}
+    moves: dict[int, onnx.NodeProto] = {}   # the outer Mul -> the half, computed just before it
+    for tanh in graph.node:
+        if tanh.op_type != "Tanh":
+            continue
+        one_plus = _only_reader(readers, tanh.output[0], "Add")
+        if one_plus is None or not _is_scalar(values, _other_input(one_plus, tanh.output[0]), 1.0):
+            continue
+        half = _only_reader(readers, one_plus.output[0], "Mul")
+        scale = _other_input(half, one_plus.output[0]) if half is not None else None
+        if half is None or not _is_scalar(values, scale, 0.5) or half.output[0] in graph_outputs:
+            continue
+        outer = _only_reader(readers, half.output[0], "Mul")
+        x = _other_input(outer, half.output[0]) if outer is not None else None
+        if outer is None or x is None or x == half.output[0]:
+            continue
+        half.input[:] = [scale, x]                                  # 0.5 * x
+        outer.input[:] = [half.output[0], one_plus.output[0]]       # (0.5 * x) * (1 + tanh)
+        moves[id(outer)] = half
+    if moves:
+        halves = {id(half) for half in moves.values()}
+        kept = []
+        for node in graph.node:   # the half now reads x: placed right before its reader, after x
+            if id(node) in halves:
+                continue
+            if id(node) in moves:
+                kept.append(moves[id(node)])
+            kept.append(node)
+        del graph.node[:]
+        graph.node.extend(kept)
+    return len(moves)

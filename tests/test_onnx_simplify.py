@@ -10,16 +10,20 @@ from onnx import TensorProto, helper, numpy_helper
 from quantnorm.onnx_simplify import (
     merge_common_subexpressions,
     rmsnorm_as_division,
+    rmsnorm_before_transpose,
     share_identical_initializers,
     simplify,
+    tanh_gelu_in_fused_order,
 )
 
 D = 8
 
 
-def _run(model: onnx.ModelProto, feeds: dict, optimized: str | None = None) -> list[np.ndarray]:
+def _run(model: onnx.ModelProto, feeds: dict, optimized: str | None = None,
+         level: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_ALL) -> list[np.ndarray]:
     options = ort.SessionOptions()
     options.log_severity_level = 3
+    options.graph_optimization_level = level
     if optimized:
         options.optimized_model_filepath = optimized
     session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
@@ -129,3 +133,102 @@ def test_a_reciprocal_that_is_not_a_norms_scale_is_left_alone(reader):
         nodes.append(helper.make_node("Mul", ["inv", "inv"], ["inv2"], name="other"))
         model.graph.output.append(helper.make_tensor_value_info("inv2", TensorProto.FLOAT, None))
     assert rmsnorm_as_division(model) == 0
+
+
+def _op_types(path) -> list[str]:
+    return [n.op_type for n in onnx.load(str(path)).graph.node]
+
+
+def _transposed_norm_graph(perm=(0, 2, 1, 3), axis: int = -1, third_reader: bool = False) -> onnx.ModelProto:
+    """Gemma 3's k norm as exported: the heads transposed [b, s, h, d] -> [b, h, s, d], then RMSNorm
+    in Div form over ``axis`` with a weight of d values, read on by a Transpose back."""
+    inits = [numpy_helper.from_array(np.asarray(2.0, np.float32), "two"),
+             numpy_helper.from_array(np.asarray([axis], np.int64), "axes"),
+             numpy_helper.from_array(np.asarray(1e-6, np.float32), "eps"),
+             numpy_helper.from_array(np.linspace(0.5, 1.5, D).astype(np.float32), "weight")]
+    nodes = [helper.make_node("Transpose", ["x"], ["xt"], name="attn/Transpose", perm=list(perm)),
+             helper.make_node("Pow", ["xt", "two"], ["sq"], name="k_norm/Pow"),
+             helper.make_node("ReduceMean", ["sq", "axes"], ["ms"], name="k_norm/ReduceMean", keepdims=1),
+             helper.make_node("Add", ["ms", "eps"], ["var"], name="k_norm/Add"),
+             helper.make_node("Sqrt", ["var"], ["rms"], name="k_norm/Sqrt"),
+             helper.make_node("Div", ["xt", "rms"], ["normed"], name="k_norm/Div"),
+             helper.make_node("Mul", ["normed", "weight"], ["k"], name="k_norm/Mul"),
+             helper.make_node("Transpose", ["k"], ["y"], name="attn/Transpose_back", perm=list(perm))]
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", "s", 2, D])]
+    if third_reader:
+        nodes.append(helper.make_node("Neg", ["xt"], ["xt_neg"], name="other"))
+        outputs.append(helper.make_tensor_value_info("xt_neg", TensorProto.FLOAT, None))
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "s", 2, D])
+    return helper.make_model(helper.make_graph(nodes, "g", [x], outputs, inits),
+                             opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
+
+
+def test_a_norm_read_through_a_transpose_is_computed_first_and_onnx_runtime_fuses_it(tmp_path):
+    model = _transposed_norm_graph()
+    x = np.random.default_rng(3).standard_normal((2, 3, 2, D)).astype(np.float32) * 3
+    _run(model, {"x": x}, str(tmp_path / "before.onnx"))
+    # why the pass exists: ORT cancels the Transposes itself, but the axes it then writes stop its norm fusion
+    assert _op_types(tmp_path / "before.onnx") == ["Pow", "ReduceMean", "Add", "Sqrt", "Div", "Mul"]
+    (plain,) = _run(model, {"x": x}, level=ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
+    assert rmsnorm_before_transpose(model) == 1
+    onnx.checker.check_model(model)
+    assert [n.op_type for n in model.graph.node] == ["Pow", "ReduceMean", "Add", "Sqrt", "Div", "Mul", "Transpose",
+                                                     "Transpose"]
+    (moved,) = _run(model, {"x": x}, level=ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
+    np.testing.assert_array_equal(moved, plain)   # the same arithmetic, laid out afterwards
+    (fused,) = _run(model, {"x": x}, str(tmp_path / "after.onnx"))
+    np.testing.assert_allclose(fused, plain, rtol=1e-5, atol=1e-6)
+    assert _op_types(tmp_path / "after.onnx") == ["SimplifiedLayerNormalization"]   # and the Transposes cancel
+
+
+@pytest.mark.parametrize("case", ["last axis moves", "other axis reduced", "third reader"])
+def test_a_transpose_the_norm_does_not_commute_with_stays(case):
+    model = _transposed_norm_graph(perm=(0, 1, 3, 2) if case == "last axis moves" else (0, 2, 1, 3),
+                                   axis=1 if case == "other axis reduced" else -1, third_reader=case == "third reader")
+    before = model.SerializeToString()
+    assert rmsnorm_before_transpose(model) == 0
+    assert model.SerializeToString() == before
+
+
+def _tanh_gelu_graph(half_read_twice: bool = False) -> onnx.ModelProto:
+    """GELU's tanh form as torch's exporter writes it: x * (0.5 * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3))))."""
+    consts = {"three": 3.0, "c": 0.044715, "k": float(np.sqrt(2 / np.pi)), "one": 1.0, "half": 0.5}
+    inits = [numpy_helper.from_array(np.asarray(v, np.float32), n) for n, v in consts.items()]
+    nodes = [helper.make_node("Pow", ["x", "three"], ["cube"], name="act/Pow"),
+             helper.make_node("Mul", ["c", "cube"], ["cc"], name="act/Mul"),
+             helper.make_node("Add", ["x", "cc"], ["inner"], name="act/Add"),
+             helper.make_node("Mul", ["k", "inner"], ["arg"], name="act/Mul_1"),
+             helper.make_node("Tanh", ["arg"], ["t"], name="act/Tanh"),
+             helper.make_node("Add", ["t", "one"], ["onep"], name="act/Add_1"),
+             helper.make_node("Mul", ["half", "onep"], ["h"], name="act/Mul_2"),
+             helper.make_node("Mul", ["x", "h"], ["gelu"], name="act/Mul_3"),
+             helper.make_node("Neg", ["gelu"], ["y"], name="next")]   # ORT fuses no GELU that is a graph output
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", D])]
+    if half_read_twice:
+        nodes.append(helper.make_node("Neg", ["h"], ["h_neg"], name="other"))
+        outputs.append(helper.make_tensor_value_info("h_neg", TensorProto.FLOAT, None))
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", D])
+    return helper.make_model(helper.make_graph(nodes, "g", [x], outputs, inits),
+                             opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
+
+
+def test_tanh_gelu_is_reordered_into_the_form_onnx_runtime_fuses(tmp_path):
+    model = _tanh_gelu_graph()
+    x = np.random.default_rng(4).standard_normal((5, D)).astype(np.float32) * 4
+    (plain,) = _run(model, {"x": x}, str(tmp_path / "before.onnx"))
+    assert "FastGelu" not in _op_types(tmp_path / "before.onnx")   # why the pass exists
+    (unfused,) = _run(model, {"x": x}, level=ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
+    assert tanh_gelu_in_fused_order(model) == 1
+    onnx.checker.check_model(model)
+    (reordered,) = _run(model, {"x": x}, level=ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
+    np.testing.assert_array_equal(reordered, unfused)   # halving first: the same product
+    (fused,) = _run(model, {"x": x}, str(tmp_path / "after.onnx"))
+    np.testing.assert_allclose(fused, plain, rtol=1e-5, atol=1e-6)
+    assert _op_types(tmp_path / "after.onnx") == ["FastGelu", "Neg"]
+
+
+def test_a_half_read_elsewhere_is_left_alone():
+    model = _tanh_gelu_graph(half_read_twice=True)
+    before = model.SerializeToString()
+    assert tanh_gelu_in_fused_order(model) == 0
+    assert model.SerializeToString() == before
