@@ -83,6 +83,23 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+# The files that take longest (seconds of test time, 2-core CI, 2026-12: test_hf 124, test_generation
+# 105, test_generation_stage 102, test_sweep 78, test_gguf 47, test_quantize 45, test_engines 43),
+# longest first. Under `-n auto --dist loadfile` a worker runs whole files, so a long file the shuffle
+# happens to deal last keeps one worker busy while the other has nothing left: dealt first, the
+# short files even out the end. A stale list costs only that balance.
+HEAVY_FILES = ("test_hf.py", "test_generation.py", "test_generation_stage.py", "test_sweep.py", "test_gguf.py",
+               "test_quantize.py", "test_engines.py")
+
+
+def pytest_collection_modifyitems(items):
+    """The heavy files first, in HEAVY_FILES' order; every other file, and the tests inside each
+    file, stay in pytest-randomly's shuffled order (its hook runs before this one; the sort is
+    stable), so a seed still reproduces the whole order."""
+    rank = {name: i for i, name in enumerate(HEAVY_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
 # --- tiny Hugging Face checkpoints, built and exported once per session ------------------------
 # Several files detect, export and measure the same tiny checkpoints (tests/test_hf.py's table).
 # Each is saved once and exported once, on first use, whatever order the tests run in; the tests

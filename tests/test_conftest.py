@@ -1,4 +1,4 @@
-"""The strict-skip rule of tests/conftest.py, run on small inner sessions."""
+"""The strict-skip rule and the file order of tests/conftest.py, run on small inner sessions."""
 
 from pathlib import Path
 
@@ -42,3 +42,20 @@ def test_importorskip_is_refused_and_xfail_too(pytester, monkeypatch):
     assert result.ret == 1
     result.stdout.fnmatch_lines(["*skips refused*"])
     assert "no_such_module_xyz" in result.stdout.str() and "xfail: flaky" in result.stdout.str()
+
+
+def _collected_files(pytester, seed: int) -> list[str]:
+    result = pytester.runpytest_inprocess("--collect-only", "-q", "-p", "randomly", f"--randomly-seed={seed}",
+                                          "-p", "no:cacheprovider")
+    files = [line.split("::")[0] for line in result.outlines if "::" in line]
+    return [name for i, name in enumerate(files) if i == 0 or files[i - 1] != name]   # each file once, in order
+
+
+def test_heavy_files_are_dealt_first_and_the_rest_stay_shuffled(pytester):
+    pytester.makeconftest(CONFTEST)
+    three = "def test_1():\n    pass\n\ndef test_2():\n    pass\n\ndef test_3():\n    pass\n"
+    pytester.makepyfile(test_a=three, test_b=three, test_c=three, test_generation=three, test_hf=three)
+    orders = [_collected_files(pytester, seed) for seed in (1, 22, 333, 4444)]
+    assert all(order[:2] == ["test_hf.py", "test_generation.py"] for order in orders), orders
+    assert all(sorted(order[2:]) == ["test_a.py", "test_b.py", "test_c.py"] for order in orders), orders
+    assert len({tuple(order[2:]) for order in orders}) > 1, orders   # the shuffle still deals the others
