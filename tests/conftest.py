@@ -85,9 +85,9 @@ def pytest_sessionfinish(session, exitstatus):
 
 # The files that take longest (seconds of test time, 2-core CI, 2026-12: test_hf 124, test_generation
 # 105, test_generation_stage 102, test_sweep 78, test_gguf 47, test_quantize 45, test_engines 43),
-# longest first. Under `-n auto --dist loadfile` a worker runs whole files, so a long file the shuffle
-# happens to deal last keeps one worker busy while the other has nothing left: dealt first, the
-# short files even out the end. A stale list costs only that balance.
+# longest first. Under `-n auto --dist loadfile --no-loadscope-reorder` (.ci/run) a worker runs whole
+# files dealt in this order, so a long file dealt late keeps one worker busy while the other has
+# nothing left: dealt first, the short files even out the end. A stale list costs only that balance.
 HEAVY_FILES = ("test_hf.py", "test_generation.py", "test_generation_stage.py", "test_sweep.py", "test_gguf.py",
                "test_quantize.py", "test_engines.py")
 

@@ -1,5 +1,6 @@
 """The strict-skip rule and the file order of tests/conftest.py, run on small inner sessions."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -52,10 +53,14 @@ def _collected_files(pytester, seed: int) -> list[str]:
 
 
 def test_heavy_files_are_dealt_first_and_the_rest_stay_shuffled(pytester):
-    pytester.makeconftest(CONFTEST)
+    # file names of their own: an in-process inner session must not import this suite's own modules again
+    heavy = 'HEAVY_FILES = ("test_order_heavy.py", "test_order_long.py")\n'
+    pytester.makeconftest(re.sub(r"HEAVY_FILES = \(.*?\)\n", lambda _: heavy, CONFTEST, count=1, flags=re.DOTALL))
     three = "def test_1():\n    pass\n\ndef test_2():\n    pass\n\ndef test_3():\n    pass\n"
-    pytester.makepyfile(test_a=three, test_b=three, test_c=three, test_generation=three, test_hf=three)
+    pytester.makepyfile(test_order_a=three, test_order_b=three, test_order_c=three, test_order_long=three,
+                        test_order_heavy=three)
     orders = [_collected_files(pytester, seed) for seed in (1, 22, 333, 4444)]
-    assert all(order[:2] == ["test_hf.py", "test_generation.py"] for order in orders), orders
-    assert all(sorted(order[2:]) == ["test_a.py", "test_b.py", "test_c.py"] for order in orders), orders
+    assert all(order[:2] == ["test_order_heavy.py", "test_order_long.py"] for order in orders), orders
+    others = ["test_order_a.py", "test_order_b.py", "test_order_c.py"]
+    assert all(sorted(order[2:]) == others for order in orders), orders
     assert len({tuple(order[2:]) for order in orders}) > 1, orders   # the shuffle still deals the others
