@@ -5,7 +5,9 @@ Every error a user can fix becomes one line on stderr and exit code 2 (traceback
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shlex
 import signal
 import sys
@@ -494,14 +496,50 @@ def _raise_terminated(signum, frame):
     raise Terminated()
 
 
+def _send_sigterm_again() -> None:
+    if signal.getsignal(signal.SIGTERM) is _raise_terminated:   # still inside _sigterm_raises
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def _sigterm_raises():
+    """While inside, on the main thread: SIGTERM raises ``Terminated`` (restored on the way out)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    passed_on = sys.unraisablehook
+
+    def hook(unraisable):
+        if isinstance(unraisable.exc_value, Terminated):
+            # Python drops an exception raised in a finalizer or a weakref or gc callback (it only
+            # prints "Exception ignored in"), so a SIGTERM whose handler ran there would be lost and
+            # the run would go on to the end. Sent again a moment later, it lands in ordinary code.
+            timer = threading.Timer(0.01, _send_sigterm_again)
+            timer.daemon = True
+            timer.start()
+            return
+        passed_on(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        sys.unraisablehook = passed_on
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console entry point: one-line errors and exit code 2 for anything a user can fix."""
+    with _sigterm_raises():
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     global _invocation
     argv = sys.argv[1:] if argv is None else list(argv)
     _invocation = argv
     debug = "--debug" in argv
-    on_main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _raise_terminated) if on_main_thread else None
     try:
         result = cli.main(args=_resolve_packaged(argv), prog_name="quantnorm", standalone_mode=False)
         return result if isinstance(result, int) else 0
@@ -526,9 +564,6 @@ def main(argv: list[str] | None = None) -> int:
     except Terminated:
         click.echo("error: terminated (SIGTERM); nothing half-written was left", err=True)
         return 128 + signal.SIGTERM
-    finally:
-        if on_main_thread:
-            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
 if __name__ == "__main__":

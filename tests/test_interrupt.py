@@ -61,6 +61,39 @@ def test_sigterm_leaves_nothing_half_written(trained, moment):
     assert not (trained / "results.json").exists()
 
 
+# A SIGTERM whose handler runs inside a weakref callback: Python drops the exception raised there
+# (as it does in any finalizer or gc callback), so the run must be told again, in ordinary code.
+SIGTERM_IN_A_CALLBACK = """
+import os, signal, time, weakref
+from quantnorm.cli import Terminated, _sigterm_raises
+
+class Held:
+    pass
+
+def callback(ref):
+    os.kill(os.getpid(), signal.SIGTERM)
+    sum(range(1000))   # the handler runs here, in the callback, and its exception is dropped
+
+with _sigterm_raises():
+    try:
+        held = Held()
+        ref = weakref.ref(held, callback)
+        del held
+        for _ in range(300):   # 3 s
+            time.sleep(0.01)
+        print("went on")
+    except Terminated:
+        print("terminated")
+"""
+
+
+def test_a_sigterm_dropped_in_a_callback_is_sent_again():
+    done = subprocess.run([sys.executable, "-c", SIGTERM_IN_A_CALLBACK], env=ENV, capture_output=True, text=True,
+                          timeout=60)
+    assert done.stdout.strip() == "terminated", done.stdout + done.stderr
+    assert "Exception ignored" not in done.stderr, done.stderr
+
+
 def test_the_next_run_sweeps_what_a_sigkill_left(trained):
     done = _stop_when(trained, ".fp32-outputs-", signal.SIGKILL)
     assert done.returncode == -signal.SIGKILL
