@@ -496,14 +496,17 @@ def _raise_terminated(signum, frame):
     raise Terminated()
 
 
-def _send_sigterm_again() -> None:
-    if signal.getsignal(signal.SIGTERM) is _raise_terminated:   # still inside _sigterm_raises
-        os.kill(os.getpid(), signal.SIGTERM)
+def _send_again(signum: int) -> None:
+    """Deliver ``signum`` to this process again, if its raising handler is still the one installed."""
+    raising = _raise_terminated if signum == signal.SIGTERM else signal.default_int_handler
+    if signal.getsignal(signum) is raising:
+        os.kill(os.getpid(), signum)
 
 
 @contextlib.contextmanager
 def _sigterm_raises():
-    """While inside, on the main thread: SIGTERM raises ``Terminated`` (restored on the way out)."""
+    """While inside, on the main thread: SIGTERM raises ``Terminated`` (restored on the way out), and
+    a SIGTERM or Ctrl-C whose exception Python dropped is delivered again."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -511,15 +514,17 @@ def _sigterm_raises():
     passed_on = sys.unraisablehook
 
     def hook(unraisable):
-        if isinstance(unraisable.exc_value, Terminated):
-            # Python drops an exception raised in a finalizer or a weakref or gc callback (it only
-            # prints "Exception ignored in"), so a SIGTERM whose handler ran there would be lost and
-            # the run would go on to the end. Sent again a moment later, it lands in ordinary code.
-            timer = threading.Timer(0.01, _send_sigterm_again)
-            timer.daemon = True
-            timer.start()
+        signum = (signal.SIGTERM if isinstance(unraisable.exc_value, Terminated) else
+                  signal.SIGINT if isinstance(unraisable.exc_value, KeyboardInterrupt) else None)
+        if signum is None:
+            passed_on(unraisable)
             return
-        passed_on(unraisable)
+        # Python drops an exception raised in a finalizer or a weakref or gc callback (it only
+        # prints "Exception ignored in"), so a signal whose handler ran there would be lost and the
+        # run would go on to the end. Sent again a moment later, it lands in ordinary code.
+        timer = threading.Timer(0.01, _send_again, (signum,))
+        timer.daemon = True
+        timer.start()
 
     sys.unraisablehook = hook
     try:
