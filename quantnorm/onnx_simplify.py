@@ -142,10 +142,7 @@ def rmsnorm_as_division(model: onnx.ModelProto) -> int:
     many were rewritten. One rounding instead of two: within an ulp of the exported value."""
     graph = model.graph
     producer = {out: node for node in graph.node for out in node.output}
-    readers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
-    for node in graph.node:
-        for name in node.input:
-            readers[name].append(node)
+    readers = _readers(graph)
     graph_outputs = {value.name for value in graph.output}
     dropped: set[int] = set()
     for recip in graph.node:
