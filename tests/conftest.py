@@ -40,7 +40,9 @@ try:
 except (ImportError, AttributeError):   # another torch: its exporter as it comes
     pass
 
-pytest_plugins = ["pytester"]  # tests/test_conftest.py runs small inner sessions
+# pytester: tests/test_conftest.py runs small inner sessions; export_cache: repeated exports served
+# from a cache (tests/export_cache.py)
+pytest_plugins = ["pytester", "export_cache"]
 
 STRICT_SKIPS_ENV = "QUANTNORM_STRICT_SKIPS"
 ALLOWED_SKIP = re.compile(r"\b(GPU|CUDA)\b")
