@@ -20,7 +20,7 @@ class Scaled(torch.nn.Module):
 
 def _built(**kwargs) -> Scaled:
     torch.manual_seed(0)
-    return Scaled(**kwargs)
+    return Scaled(**kwargs).eval()
 
 
 ARGS = (torch.ones(2, 4),)
