@@ -1,7 +1,7 @@
 """The suite's cache of dynamo exports (tests only; the package never caches an export).
 
-A dynamo export of a tiny model takes ~4 s, and the suite exports ~150 of them; about a third
-repeat an export made earlier in the same run (the same tiny checkpoint, the same trained zoo model,
+A dynamo export of a tiny model takes ~4 s, and the suite exports ~150 of them; about a fifth (a
+third of their time) repeat an export made earlier in the same run (the same tiny checkpoint, the same trained zoo model,
 in several files or tests). ``torch.onnx.export(dynamo=True)`` is wrapped so that a call whose
 inputs were all seen before copies the file that call wrote instead of exporting again. Everything
 after the exporter (the graph passes, the parity gate against the live model, quantization) runs
