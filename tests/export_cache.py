@@ -195,6 +195,15 @@ def install(folder: Path) -> None:
 
 # --- the plugin (tests/conftest.py names it in pytest_plugins) -----------------------------------
 
+MODES = ("0", "1", "verify")
+
+
+def pytest_configure(config):
+    mode = os.environ.get(ENV, "1")
+    if mode not in MODES:
+        raise pytest.UsageError(f"{ENV}={mode!r} is not a setting: use 0 (off), 1 (on, the default) or verify "
+                                "(export afresh on every hit and compare)")
+
 def _run_root(config) -> Path:
     """This run's temporary root, shared by the xdist workers (each has a folder of its own in it)."""
     base = config._tmp_path_factory.getbasetemp()
