@@ -11,7 +11,8 @@ position on this CPU:
 
 - ``signed``: int8 codes (the u8 x s8 kernel: what the quantize stage writes on a VNNI CPU);
 - ``unsigned``: the same codes + 128 with a zero point of 128 (the u8 x u8 kernel: what it writes
-  on a CPU without VNNI; made here from the signed file, code for code).
+  on a CPU without VNNI, and what ``make_session`` runs there from a signed file; made here from
+  the signed file, code for code).
 
 On a VNNI CPU both rows match; without VNNI the signed row saturates (ORT's AVX2 u8 x s8 kernel
 sums pairs of products in int16) and the unsigned row should still match the VNNI figure. The goal
@@ -28,45 +29,27 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
 
 from quantnorm.hardware import cpu_flags, cpu_has_vnni, cpu_model
 from quantnorm.measure.accuracy import pair_stats, run_logits
 from quantnorm.measure.sessions import SessionSpec, make_session
-from quantnorm.quantize.pertoken import ACT_ZERO_POINT, unsigned_codes
 from quantnorm.sources.hf_loader import load_tokenizer
 from quantnorm.sources.tokenized import prepare_hf_data
+from quantnorm.unsigned_weights import to_unsigned
 
 
 def unsigned_copy(signed: Path, out: Path) -> int:
-    """``signed``'s per-token weights (int8 inputs of MatMulIntegerToFloat / MatMulInteger) as
-    uint8 codes + 128 with a per-column zero point of 128; returns how many were converted."""
+    """``signed`` with its int8 weight codes stored unsigned (``quantnorm.unsigned_weights``: what
+    a session on a CPU without VNNI runs); returns how many products were converted."""
     model = onnx.load(str(signed))
-    weights = {init.name: init for init in model.graph.initializer}
-    added, converted = [], 0
-    for node in model.graph.node:
-        if node.op_type not in ("MatMulIntegerToFloat", "MatMulInteger"):
-            continue
-        b = node.input[1]
-        codes = numpy_helper.to_array(weights[b])
-        if codes.dtype != np.int8:
-            continue
-        weights[b].CopyFrom(numpy_helper.from_array(unsigned_codes(codes), b))
-        zp_name = f"{b}/zero_point"
-        added.append(numpy_helper.from_array(np.full(codes.shape[-1], ACT_ZERO_POINT, np.uint8), zp_name))
-        slot = 5 if node.op_type == "MatMulIntegerToFloat" else 3   # b_zero_point
-        while len(node.input) <= slot:
-            node.input.append("")
-        node.input[slot] = zp_name
-        converted += 1
-    model.graph.initializer.extend(added)
+    converted = to_unsigned(model)
     onnx.save(model, str(out), save_as_external_data=True, location=out.name + ".data")
     return converted
 
 
 def kl_against(fp32_logits: list[np.ndarray], path: Path, windows: np.ndarray, targets: np.ndarray,
                threads: int) -> float:
-    session = make_session(path, SessionSpec(threads=threads))
+    session = make_session(path, SessionSpec(threads=threads), exact_int8=False)   # the file's own weights
     kls = [pair_stats(reference, got, targets[i:i + 1])[2]
            for i, (reference, got) in enumerate(zip(fp32_logits, run_logits(session, windows, batch_size=1)))]
     return float(np.mean(np.concatenate([np.ravel(k) for k in kls])))

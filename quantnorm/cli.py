@@ -329,12 +329,19 @@ def report(run_dir):
                    "graphs, as GenAI's decoder-pipeline).")
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="The bundle directory (new or empty).")
 @click.option("--force", is_flag=True, help="Replace an earlier bundle at --out.")
-def bundle(run_dir, recipe, out, force):
+@click.option("--int8-weights", type=click.Choice(["as-quantized", "unsigned"]), default="as-quantized",
+              show_default=True,
+              help="unsigned: store int8 weight codes (per-token recipes quantized on a VNNI CPU) as uint8, code + 128, "
+                   "exact on CPUs without VNNI too, where ONNX Runtime's u8 x s8 kernel saturates; slower on VNNI CPUs "
+                   "(the u8 x u8 kernel). as-quantized: the codes as the run wrote them.")
+def bundle(run_dir, recipe, out, force, int8_weights):
     """Bundle a run's with-past (KV cache) model for ONNX Runtime GenAI: model.onnx, genai_config.json,
     the checkpoint's config, generation config and tokenizer, and the run's report.md and results.json.
     Load it with onnxruntime_genai.Model(OUT). Needs a run of a checkpoint (--model) with generation."""
-    made = write_bundle(run_dir, recipe, out, force=force)
+    made = write_bundle(run_dir, recipe, out, force=force, unsigned_int8=int8_weights == "unsigned")
     click.echo(f"{made.path}: {made.name}, {len(made.files)} files (onnxruntime_genai.Model({str(made.path)!r}))")
+    if made.int8_weights:
+        click.echo(f"weights: {made.int8_weights}")
 
 
 @cli.command()

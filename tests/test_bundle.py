@@ -195,6 +195,38 @@ def test_auto_takes_the_search_pick_through_the_cli(tiny_run, tmp_path, capsys):
     assert (tmp_path / "b" / "model.onnx").read_bytes() == (tmp_path / "run" / past_onnx_file("dynamic")).read_bytes()
 
 
+def test_int8_codes_made_for_vnni_are_said_and_stored_for_every_cpu_on_request(tiny_run, tmp_path, capsys):
+    """The dynamic recipe quantized as on a VNNI CPU (8-bit int8 codes): the bundle says they are
+    exact with VNNI only; --int8-weights unsigned stores them as uint8 (code + 128), the same
+    integers on every CPU, and the runtime generates the same tokens from them."""
+    import onnx
+
+    from quantnorm.unsigned_weights import signed_weight_slots
+
+    run = copy_run(tiny_run, tmp_path)
+    graph = run / past_onnx_file("dynamic")
+    quantize(run / past_onnx_file("fp32"), get_recipe("dynamic"), None, graph, vnni=True,
+             probe_inputs=np.array([PROMPTS[0]]))
+    signed = len(signed_weight_slots(onnx.load(str(graph))))
+    assert signed > 0
+    assert main(["bundle", str(run), "--recipe", "dynamic", "--out", str(tmp_path / "as-is")]) == 0
+    assert f"weights: int8: {signed} products exact on CPUs with VNNI only" in capsys.readouterr().out
+    assert (tmp_path / "as-is" / "model.onnx").read_bytes() == graph.read_bytes()
+    assert main(["bundle", str(run), "--recipe", "dynamic", "--out", str(tmp_path / "b"), "--int8-weights",
+                 "unsigned"]) == 0
+    assert f"weights: uint8 (code + 128): {signed} products rewritten" in capsys.readouterr().out
+    bundled = tmp_path / "b" / "model.onnx"
+    assert signed_weight_slots(onnx.load(str(bundled))) == []
+    assert json.loads((tmp_path / "b" / MANIFEST_FILE).read_text())["int8_weights"].startswith("uint8")
+    ids = np.array([PROMPTS[1]])
+    np.testing.assert_array_equal(DecodeSession(bundled).step(ids), DecodeSession(graph).step(ids))
+    assert genai_greedy(tmp_path / "b", PROMPTS[1], NEW) == quantnorm_greedy(graph, PROMPTS[1], NEW)
+    # a run whose codes cannot saturate (7-bit, as quantized without VNNI) says nothing
+    assert main(["bundle", str(tiny_run[0]), "--recipe", "dynamic", "--out", str(tmp_path / "c")]) == 0
+    assert "weights:" not in capsys.readouterr().out
+    assert "int8_weights" not in json.loads((tmp_path / "c" / MANIFEST_FILE).read_text())
+
+
 def test_a_gguf_run_bundles_its_dequantized_checkpoint_with_a_made_generation_config(tiny_run, tmp_path):
     from quantnorm.sources.gguf import CHECKPOINT_DIR
 

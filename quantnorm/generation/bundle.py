@@ -55,6 +55,7 @@ from ..providers import CPU
 from ..results import HF_PREFIX, GenerationModel, generation_models, recipes, source_kind
 from ..results import load as load_results
 from ..runs import REPORT_FILE, RESULTS_FILE
+from ..unsigned_weights import has_signed_weight_ops, signed_weight_slots, to_unsigned
 from .decode import (
     ATTENTION_MASK,
     INPUT_IDS,
@@ -93,14 +94,17 @@ class Bundle:
     name: str                 # the generation model bundled: a recipe, "auto:<recipe>" or "fp32"
     files: list[str]
     genai_config: dict
+    int8_weights: str | None = None   # the manifest's word on the int8 weight codes (None: the graphs have none)
 
 
 def write_bundle(run_dir: str | os.PathLike, recipe: str, out_dir: str | os.PathLike, *,
-                 force: bool = False) -> Bundle:
+                 force: bool = False, unsigned_int8: bool = False) -> Bundle:
     """Bundle ``recipe``'s with-past model of the run at ``run_dir`` into ``out_dir`` (see the
     module doc). ``recipe``: a recipe the run has a with-past graph of, ``auto`` (the search's
     pick) or ``fp32``. ``force``: replace an earlier bundle at ``out_dir`` (a non-empty directory
-    that is not a bundle is never replaced). Bad input is a one-line QuantnormError, before
+    that is not a bundle is never replaced). ``unsigned_int8``: int8 weight codes multiplied with
+    uint8 activations stored as uint8 (``unsigned_weights``: exact on CPUs without VNNI too, where
+    ONNX Runtime's u8 x s8 kernel saturates; slower on VNNI CPUs). Bad input is a one-line QuantnormError, before
     anything is written."""
     run_dir, out_dir = Path(run_dir), Path(os.path.abspath(out_dir))   # abspath: "." has no name to rename
     if not run_dir.is_dir():
@@ -126,9 +130,13 @@ def write_bundle(run_dir: str | os.PathLike, recipe: str, out_dir: str | os.Path
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.{os.getpid()}-", suffix=".tmp", dir=out_dir.parent))
     try:
-        _copy_model(graph, tmp / MODEL_FILE)
+        signed = _copy_model(graph, tmp / MODEL_FILE, unsigned_int8)
         if prompt_graph is not None:
-            _copy_model(prompt_graph, tmp / PROMPT_MODEL_FILE)
+            signed += _copy_model(prompt_graph, tmp / PROMPT_MODEL_FILE, unsigned_int8)
+        int8_weights = None if not signed else (
+            f"uint8 (code + 128): {signed} products rewritten, exact on every CPU" if unsigned_int8 else
+            f"int8: {signed} products exact on CPUs with VNNI only (ONNX Runtime's u8 x s8 kernel saturates "
+            "without it); `quantnorm bundle --int8-weights unsigned` stores them for every CPU")
         for name in (CONFIG_FILE, *tokenizer):
             shutil.copyfile(checkpoint / name, tmp / name)
         if generation is not None:
@@ -145,12 +153,13 @@ def write_bundle(run_dir: str | os.PathLike, recipe: str, out_dir: str | os.Path
                                           "max_length": genai["model"]["context_length"],
                                           **({"prompt_file": PROMPT_MODEL_FILE, "split": model.entry["split"],
                                               "prompt_graph": model.entry["prompt_path"]} if pipeline else {}),
+                                          **({"int8_weights": int8_weights} if int8_weights else {}),
                                           "runtime": "onnxruntime-genai (genai_config.json)"})
         files = sorted(p.name for p in tmp.iterdir())
         _replace_dir(tmp, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return Bundle(out_dir, model.name, files, genai)
+    return Bundle(out_dir, model.name, files, genai, int8_weights)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -353,13 +362,21 @@ def _write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
 
 
-def _copy_model(src: Path, dst: Path) -> None:
+def _copy_model(src: Path, dst: Path, unsigned_int8: bool) -> int:
     """The graph as ``dst``: a plain copy, or, where its weights pass the external-data threshold
-    (or it keeps them outside already), loaded and saved again with them in ``<dst>.data``."""
-    if not external_data_locations(src) and not onnx_needs_external_data(src):
+    (or it keeps them outside already) or ``unsigned_int8`` rewrites them, loaded and saved again
+    (past the threshold with its weights in ``<dst>.data``). Returns how many integer products
+    read int8 weight codes in ``src`` (rewritten with ``unsigned_int8``)."""
+    model = None
+    signed = 0
+    if has_signed_weight_ops(src):
+        model = onnx.load(str(src))
+        signed = to_unsigned(model) if unsigned_int8 else len(signed_weight_slots(model))
+    if not (signed and unsigned_int8) and not external_data_locations(src) and not onnx_needs_external_data(src):
         shutil.copyfile(src, dst)
-        return
-    save_onnx(onnx.load(str(src)), dst)
+    else:
+        save_onnx(model if model is not None else onnx.load(str(src)), dst)
+    return signed
 
 
 def _replace_dir(tmp: Path, out_dir: Path) -> None:

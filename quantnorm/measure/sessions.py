@@ -25,9 +25,10 @@ import numpy as np
 import onnxruntime as ort
 
 from ..errors import ConfigError, MeasureError
-from ..fileio import atomic_path, release_memory
+from ..fileio import atomic_path, release_memory, save_onnx, serialized_size_estimate
 from ..hardware import available_cpus, cpu_flags, cpu_has_vnni, cpu_model, gpu_details, gpu_device_present, gpu_names
 from ..providers import CPU, CUDA, PROVIDERS, TENSORRT, short_provider
+from ..unsigned_weights import has_signed_weight_ops, to_unsigned
 
 # Providers tried after the requested one, for the nodes it cannot run. CPU always comes last;
 # TensorRT hands what it rejects to CUDA first (the usual ORT setup), so they stay on the GPU.
@@ -256,6 +257,10 @@ def _version(module: str) -> str | None:
     return getattr(mod, "__version__", None)
 
 
+UNSIGNED_AT_LOAD = ("int8 weight codes against uint8 activations run as uint8 (code + 128) in every CPU session: "
+                    "the same integers, without the u8 x s8 kernel's int16 saturation on a CPU without VNNI")
+
+
 def hardware_info(threads: int | None = None, *, probe_providers: bool = True) -> dict:
     """The ``hardware`` section of ``results.json``.
 
@@ -270,6 +275,7 @@ def hardware_info(threads: int | None = None, *, probe_providers: bool = True) -
         "cpu": cpu_model(),
         "cpu_flags": cpu_flags(),
         "vnni": cpu_has_vnni(),
+        **({} if cpu_has_vnni() else {"int8_weights": UNSIGNED_AT_LOAD}),
         "threads": threads if threads is not None else available_cpus(),
         "cpu_count": available_cpus(),
         "onnxruntime": ort.__version__,
@@ -304,12 +310,15 @@ def one_line(exc: BaseException) -> str:
 
 
 def make_session(path: str | os.PathLike, spec: SessionSpec, *, profile: bool = False,
-                 profile_prefix: str | os.PathLike | None = None) -> ort.InferenceSession:
+                 profile_prefix: str | os.PathLike | None = None, exact_int8: bool = True) -> ort.InferenceSession:
     """An ORT session for the model at ``path`` that really runs on ``spec.provider``.
 
     Raises MeasureError (one line naming the file) when the file is missing, truncated or not an
     ONNX model, and ProviderUnavailable when the provider cannot run here or ORT fell back to
     another one. ``profile`` turns on ORT's JSON profiler (files start with ``profile_prefix``).
+    ``exact_int8``: on a CPU without VNNI, int8 weight codes multiplied with uint8 activations
+    (a model quantized on a VNNI CPU) run as unsigned ones, the same integers without the u8 x s8
+    kernel's saturation (``unsigned_weights``); False runs the file's own codes.
     """
     path = Path(path)
     if not path.is_file():
@@ -331,8 +340,9 @@ def make_session(path: str | os.PathLike, spec: SessionSpec, *, profile: bool = 
         if profile_prefix is not None:
             opts.profile_file_prefix = str(profile_prefix)
     try:
-        # enable_fallback=0: a provider error raises instead of silently retrying on the CPU.
-        session = ort.InferenceSession(str(path), opts, providers=providers, enable_fallback=0)
+        with _session_source(path, exact_int8 and spec.provider == CPU and not cpu_has_vnni()) as source:
+            # enable_fallback=0: a provider error raises instead of silently retrying on the CPU.
+            session = ort.InferenceSession(source, opts, providers=providers, enable_fallback=0)
     except Exception as exc:
         kind = type(exc).__name__
         if kind in _MODEL_ERRORS or spec.provider == CPU:
@@ -345,6 +355,33 @@ def make_session(path: str | os.PathLike, spec: SessionSpec, *, profile: bool = 
     if not actual or actual[0] != spec.provider:
         raise ProviderUnavailable(f"{spec.provider} was requested for {path} but ONNX Runtime loaded {actual}")
     return session
+
+
+@contextmanager
+def _session_source(path: Path, unsigned: bool) -> Iterator[str | bytes]:
+    """What ORT loads: the file, or (``unsigned``, where the file has int8 weights against uint8
+    activations) the model with those stored unsigned: its bytes, or a temporary copy past 2 GB."""
+    model = None
+    if unsigned and has_signed_weight_ops(path):
+        import onnx
+
+        model = onnx.load(str(path))
+        if to_unsigned(model) == 0:
+            model = None
+    if model is None:
+        yield str(path)
+    elif serialized_size_estimate(model) < INT8_REWRITE_IN_MEMORY_BYTES:
+        yield model.SerializeToString()
+    else:
+        with tempfile.TemporaryDirectory(prefix="quantnorm-unsigned-") as tmp:
+            copy = Path(tmp) / path.name
+            save_onnx(model, copy)
+            del model
+            yield str(copy)
+
+
+# A rewritten model below this size is handed to ORT as bytes (protobuf's limit is 2 GiB).
+INT8_REWRITE_IN_MEMORY_BYTES = 1 << 30
 
 
 def tensorrt_options(path: str | os.PathLike) -> dict[str, str]:

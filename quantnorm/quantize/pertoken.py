@@ -41,6 +41,7 @@ from ..measure.fake_quant import ACT_QMAX, ACT_ZERO_POINT, EPS, fake_quantize_ro
 from ..measure.sqnr import model_by_reference
 from ..onnx_wire import TensorPlace, initializer_places, write_model_streaming
 from ..transforms.gptq import BLOCK, DAMP, GPTQCodes, gptq_quantize, output_error
+from ..unsigned_weights import unsigned_codes
 
 __all__ = ["ACT_QMAX", "ACT_ZERO_POINT", "EPS", "fake_quantize_rows", "quantize_per_token", "unsigned_codes",
            "weight_qmax", "weight_scales"]
@@ -66,11 +67,6 @@ def weight_scales(weight: np.ndarray, qmax: int) -> tuple[np.ndarray, np.ndarray
 
 
 _CHUNK_ELEMENTS = 1 << 22   # float32 temporaries of 16 MB
-
-
-def unsigned_codes(codes: np.ndarray) -> np.ndarray:
-    """int8 weight codes as the u8 x u8 kernel reads them: ``code + 128`` (zero point 128)."""
-    return (codes.astype(np.int16) + ACT_ZERO_POINT).astype(np.uint8)
 
 
 def weight_qmax(reduce_range: bool) -> int:
