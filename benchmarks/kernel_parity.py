@@ -18,6 +18,9 @@ On a VNNI CPU both rows match; without VNNI the signed row saturates (ORT's AVX2
 sums pairs of products in int16) and the unsigned row should still match the VNNI figure. The goal
 (issue 33): a recipe's KL without VNNI within 1.25x of its KL with VNNI. Prints the CPU and its
 flags (from /proc/cpuinfo: an emulator shows the CPU it emulates there only if told to).
+``--speed-rounds N`` times one window through both forms too (interleaved, median): what storing
+the codes unsigned costs (``quantnorm bundle --int8-weights unsigned``; the session rewrite on a
+CPU without VNNI).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -61,6 +65,9 @@ def main() -> int:
     parser.add_argument("--recipe", required=True, help="a recipe of that run (per-token: both weight forms)")
     parser.add_argument("--windows", type=int, default=8, help="evaluation windows scored (default 8)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--speed-rounds", type=int, default=0,
+                        help="also time one window through each weight form, interleaved rounds (default 0: off): "
+                             "what storing the codes unsigned costs on this CPU")
     args = parser.parse_args()
     if not (args.run / "results.json").is_file() or not (args.run / "checkpoint").is_dir():
         parser.error(f"{args.run}: not a finished `quantnorm evaluate --model` run (results.json and checkpoint/ "
@@ -89,10 +96,33 @@ def main() -> int:
             rows = [("signed (u8 x s8)", kl_against(reference, signed, windows, targets, args.threads)),
                     (f"unsigned (u8 x u8, {count} GEMMs)",
                      kl_against(reference, unsigned, windows, targets, args.threads))]
+            if args.speed_rounds > 0:
+                speeds = interleaved_ms({"signed": signed, "unsigned": unsigned}, windows[:1], args.threads,
+                                        args.speed_rounds)
     print(f"{args.recipe}, {len(windows)} windows of {windows.shape[1]} tokens, KL(FP32 || INT8) mean per position:")
     for name, kl in rows:
         print(f"  {name:34s} {kl:.6f}")
+    if count and args.speed_rounds > 0:
+        print(f"one window of {windows.shape[1]} tokens, batch 1, median of {args.speed_rounds} interleaved rounds: "
+              f"signed {speeds['signed']:.2f} ms, unsigned {speeds['unsigned']:.2f} ms, "
+              f"unsigned / signed {speeds['unsigned'] / speeds['signed']:.3f}")
     return 0
+
+
+def interleaved_ms(paths: dict[str, Path], window: np.ndarray, threads: int, rounds: int) -> dict[str, float]:
+    """Median ms of one run of ``window`` per model, the models taking turns each round (the files
+    as written: no rewrite at load)."""
+    sessions = {k: make_session(p, SessionSpec(threads=threads), exact_int8=False) for k, p in paths.items()}
+    feed = {next(iter(sessions.values())).get_inputs()[0].name: window}
+    for session in sessions.values():   # warm-up: first-run allocations and pre-packing
+        session.run(None, feed)
+    times: dict[str, list[float]] = {k: [] for k in sessions}
+    for _ in range(rounds):
+        for name, session in sessions.items():
+            start = time.perf_counter()
+            session.run(None, feed)
+            times[name].append((time.perf_counter() - start) * 1e3)
+    return {k: float(np.median(v)) for k, v in times.items()}
 
 
 if __name__ == "__main__":
