@@ -202,3 +202,13 @@ def test_hardware_says_so_without_vnni(monkeypatch):
     assert sessions.hardware_info(1, probe_providers=False)["int8_weights"] == sessions.UNSIGNED_AT_LOAD
     monkeypatch.setattr(sessions, "cpu_has_vnni", lambda: True)
     assert "int8_weights" not in sessions.hardware_info(1, probe_providers=False)
+
+
+def test_the_run_report_says_so_without_vnni(monkeypatch):
+    from quantnorm.report.sections import hardware
+
+    monkeypatch.setattr(sessions, "cpu_has_vnni", lambda: False)
+    lines = "\n".join(hardware({"hardware": sessions.hardware_info(1, probe_providers=False)}))
+    assert f"| int8 weights | {sessions.UNSIGNED_AT_LOAD} |" in lines
+    monkeypatch.setattr(sessions, "cpu_has_vnni", lambda: True)
+    assert "int8 weights" not in "\n".join(hardware({"hardware": sessions.hardware_info(1, probe_providers=False)}))

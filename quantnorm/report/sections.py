@@ -30,6 +30,7 @@ def hardware(results: dict) -> list[str]:
         ["threads", hw.get("threads") or "ORT default"], ["GPU", hw.get("gpu") or "none"],
         ["providers available", ", ".join(hw.get("providers_available", []))],
         ["onnxruntime / torch / onnx", f"{hw.get('onnxruntime')} / {hw.get('torch')} / {hw.get('onnx')}"],
+        *([["int8 weights", hw["int8_weights"]]] if hw.get("int8_weights") else []),
     ])
 
 
