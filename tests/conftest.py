@@ -85,13 +85,13 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
-# The files that take longest (seconds of test time, 2-core CI, 2026-12: test_hf 124, test_generation
-# 105, test_generation_stage 102, test_sweep 78, test_gguf 47, test_quantize 45, test_engines 43),
-# longest first. Under `-n auto --dist loadfile --no-loadscope-reorder` (.ci/run) a worker runs whole
+# The files that take longest (seconds of test time, 2 workers on 2 cores, 2026-12-06:
+# test_generation_stage 167, test_hf 145, test_generation 92, test_sweep 89, test_gguf 87, test_engines
+# 69, test_benchmarks 65, test_quantize 55), longest first. Under `-n auto --dist loadfile --no-loadscope-reorder` (.ci/run) a worker runs whole
 # files dealt in this order, so a long file dealt late keeps one worker busy while the other has
 # nothing left: dealt first, the short files even out the end. A stale list costs only that balance.
-HEAVY_FILES = ("test_hf.py", "test_generation.py", "test_generation_stage.py", "test_sweep.py", "test_gguf.py",
-               "test_quantize.py", "test_engines.py")
+HEAVY_FILES = ("test_generation_stage.py", "test_hf.py", "test_generation.py", "test_sweep.py", "test_gguf.py",
+               "test_engines.py", "test_benchmarks.py", "test_quantize.py")
 
 
 def pytest_collection_modifyitems(items):

@@ -41,8 +41,8 @@ def warnings_for(results: dict) -> list[str]:
         out.append("This CPU has no VNNI: ONNX Runtime's u8s8 INT8 kernels can saturate (AVX2 path), so where "
                    "`reduce_range` is auto the per-token recipes store their 8-bit weight codes as uint8 (the u8u8 "
                    "kernel, exact here: the same integers a VNNI CPU computes) and ONNX Runtime's quantizer "
-                   "uses 7-bit weights; a model quantized on a VNNI CPU with int8 codes ran here with them stored "
-                   "as uint8 (`quantnorm.unsigned_weights`: the same integers); accuracy was measured under the same "
+                   "uses 7-bit weights; a model quantized on a VNNI CPU with 8-bit int8 codes runs here with them "
+                   "stored as uint8 (`quantnorm.unsigned_weights`: the same integers); accuracy was measured under the same "
                    "session options as deployment.")
     for r in results_file.recipes(results):
         if not r.ok:
