@@ -212,3 +212,21 @@ def test_the_run_report_says_so_without_vnni(monkeypatch):
     assert f"| int8 weights | {sessions.UNSIGNED_AT_LOAD} |" in lines
     monkeypatch.setattr(sessions, "cpu_has_vnni", lambda: True)
     assert "int8 weights" not in "\n".join(hardware({"hardware": sessions.hardware_info(1, probe_providers=False)}))
+
+
+def test_a_model_past_the_in_memory_limit_loads_from_a_temporary_copy_that_goes(tmp_path, monkeypatch):
+    import tempfile
+
+    a = np.full((2, K), 255, np.uint8)
+    path = _matmul_integer(tmp_path / "signed.onnx", np.full((K, N), 127, np.int8), a_zero_point=0)
+    monkeypatch.setattr(sessions, "cpu_has_vnni", lambda: False)
+    monkeypatch.setattr(sessions, "INT8_REWRITE_IN_MEMORY_BYTES", 0)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    saved = []
+    save = sessions.save_onnx
+    monkeypatch.setattr(sessions, "save_onnx", lambda model, to: saved.append(to) or save(model, to))
+    session = make_session(path, SessionSpec())
+    assert len(saved) == 1 and saved[0].parent.parent == tmp_path / "tmp"
+    np.testing.assert_array_equal(session.run(None, {"a": a})[0], a.astype(np.int64) @ np.full((K, N), 127))
+    assert list((tmp_path / "tmp").iterdir()) == []   # the copy is gone once the session holds the weights
