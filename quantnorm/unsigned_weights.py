@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .onnx_wire import onnx_nodes
+from .onnx_wire import onnx_nodes, raw_initializers
 
 if TYPE_CHECKING:
     import onnx
@@ -62,16 +62,32 @@ class WeightSlot:
     zero_point: int     # the input index of their zero point (may be absent: 0)
 
 
+# Codes within +-64 cannot saturate: 2 * 255 * 64 = 32,640 fits int16 (ONNX Runtime's quantizer
+# keeps 7-bit weights without VNNI for this reason: reduce_range).
+SAFE_CODE = 64
+
+
+def _codes_past_safe(codes: np.ndarray) -> bool:
+    return codes.size > 0 and (int(codes.min()) < -SAFE_CODE or int(codes.max()) > SAFE_CODE)
+
+
 def has_signed_weight_ops(path: str | os.PathLike) -> bool:
-    """Whether the file has a node that may read int8 weights (read without parsing its weights)."""
-    return any(op in SIGNED_WEIGHT_OPS for op, _, _ in onnx_nodes(path))
+    """Whether a node of the file that may multiply uint8 activations reads int8 weight codes past
+    +-64: the nodes and the codes read from the file as it lies (no weight is parsed or copied),
+    so a session of a file that needs no rewrite never loads it twice. Codes in a typed field
+    instead of raw bytes are not read (every writer here stores raw bytes)."""
+    weight_inputs = {inputs[_INTEGER_PRODUCTS[op][0] if op in _INTEGER_PRODUCTS else 0]
+                     for op, inputs, _ in onnx_nodes(path) if op in SIGNED_WEIGHT_OPS}
+    with raw_initializers(path) as found:
+        return any(data_type == _INT8 and _codes_past_safe(np.frombuffer(view, np.int8))
+                   for name, (_, data_type, view) in found.items() if name in weight_inputs)
 
 
 def _8bit_tensors(graph: onnx.GraphProto) -> tuple[dict[str, int], dict[str, int]]:
-    """(initializer name -> data type, tensor name -> data type) of the 8-bit tensors the graph's
-    nodes make: what an integer product's activations are."""
+    """(initializer name -> data type, tensor name -> data type of the initializers, graph inputs
+    and the 8-bit tensors the graph's nodes make): what an integer product's activations are."""
     inits = {i.name: i.data_type for i in graph.initializer}
-    made = {i.name: i.type.tensor_type.elem_type for i in graph.input if i.type.HasField("tensor_type")}
+    made = {**inits, **{i.name: i.type.tensor_type.elem_type for i in graph.input if i.type.HasField("tensor_type")}}
     for node in graph.node:
         if node.op_type == "DynamicQuantizeLinear":
             made[node.output[0]] = _UINT8
@@ -89,20 +105,14 @@ def _uint8_activations(node: onnx.NodeProto, inits: dict[str, int], made: dict[s
     if node.op_type == "QLinearMatMul":
         return inits.get(node.input[2]) == _UINT8
     if node.op_type in ("MatMulInteger", "MatMulIntegerToFloat"):
-        return made.get(node.input[0], inits.get(node.input[0])) == _UINT8
+        return made.get(node.input[0]) == _UINT8
     return False
-
-
-# Codes within +-64 cannot saturate: 2 * 255 * 64 = 32,640 fits int16 (ONNX Runtime's quantizer
-# keeps 7-bit weights without VNNI for this reason: reduce_range).
-SAFE_CODE = 64
 
 
 def _at_risk(init: onnx.TensorProto) -> bool:
     from onnx import numpy_helper
 
-    codes = numpy_helper.to_array(init)
-    return codes.size > 0 and (int(codes.min()) < -SAFE_CODE or int(codes.max()) > SAFE_CODE)
+    return _codes_past_safe(numpy_helper.to_array(init))
 
 
 def signed_weight_slots(model: onnx.ModelProto) -> list[WeightSlot]:
@@ -131,7 +141,7 @@ def signed_weight_slots(model: onnx.ModelProto) -> list[WeightSlot]:
                     continue
                 other = producers.get(user.input[0])
                 if other is not None and other.op_type == "DequantizeLinear" and \
-                        made.get(other.input[0], inits.get(other.input[0])) == _UINT8:
+                        made.get(other.input[0]) == _UINT8:
                     slots.append(WeightSlot(index, 0, 1, 2))
                     break
     return slots

@@ -274,8 +274,8 @@ def hardware_info(threads: int | None = None, *, probe_providers: bool = True) -
     info: dict = {
         "cpu": cpu_model(),
         "cpu_flags": cpu_flags(),
-        "vnni": cpu_has_vnni(),
-        **({} if cpu_has_vnni() else {"int8_weights": UNSIGNED_AT_LOAD}),
+        "vnni": (vnni := cpu_has_vnni()),
+        **({} if vnni else {"int8_weights": UNSIGNED_AT_LOAD}),
         "threads": threads if threads is not None else available_cpus(),
         "cpu_count": available_cpus(),
         "onnxruntime": ort.__version__,
