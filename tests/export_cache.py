@@ -11,7 +11,8 @@ What makes two calls the same (``export_key``): the model's class and code, ever
 attributes (configs, flags, plain tensors), every parameter and buffer (persistent or not), the
 example inputs, and every keyword but the output path. What turns the cache off:
 - a live monkeypatch (``pytest.MonkeyPatch``, the fixture or ``MonkeyPatch.context``), which may
-  change code the model's forward calls without changing the model;
+  change code the model's forward calls without changing the model, unless the test declared it
+  ``outside_the_export`` (it patches only what runs after the exporter);
 - ``QUANTNORM_EXPORT_CACHE=0``; with ``=verify`` every hit also exports afresh and fails the test
   if the two files differ.
 - an attribute the key cannot read (an object shown by its address): such a model is never cached.
@@ -35,7 +36,9 @@ ENV = "QUANTNORM_EXPORT_CACHE"
 _ADDRESS = re.compile(r" at 0x[0-9a-f]+")
 
 _folder: Path | None = None
+_worker_root: str | None = None   # this process's pytest temporary root, keyed as "<tmp>"
 _patches: weakref.WeakSet = weakref.WeakSet()
+_outside: weakref.WeakSet = weakref.WeakSet()   # patches declared to touch nothing an export runs
 stats = {"hits": 0, "misses": 0, "bypassed": 0}
 
 
@@ -58,7 +61,18 @@ def _track_monkeypatches() -> None:
 
 
 def _a_patch_is_live() -> bool:
-    return any(p._setattr or p._setitem or p._cwd is not None or p._savesyspath is not None for p in list(_patches))
+    return any(p._setattr or p._setitem or p._cwd is not None or p._savesyspath is not None
+               for p in list(_patches) if p not in _outside)
+
+
+def outside_the_export(patch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """Declare that what ``patch`` changes (now and later) is never run by an exported model's
+    forward nor by the exporter: a graph pass applied after the export, a quantizer step, a
+    session. Exports made while it is live are then served and kept as usual. A patch of anything
+    the forward calls (a model's helper function, a torch or transformers function, an environment
+    variable) must not be declared: the key cannot see it."""
+    _outside.add(patch)
+    return patch
 
 
 def _feed(h, value, depth: int = 0, seen: dict | None = None) -> None:
@@ -82,7 +96,9 @@ def _feed(h, value, depth: int = 0, seen: dict | None = None) -> None:
     elif isinstance(value, np.ndarray):
         h.update(f"A{value.dtype}{value.shape}".encode())
         h.update(np.ascontiguousarray(value).tobytes())
-    elif isinstance(value, (str, bytes, int, float, bool, complex, type(None), torch.dtype, torch.device)):
+    elif isinstance(value, str):
+        h.update(f"str:{_without_worker_root(value)!r}".encode())
+    elif isinstance(value, (bytes, int, float, bool, complex, type(None), torch.dtype, torch.device)):
         h.update(f"{type(value).__name__}:{value!r}".encode())
     elif isinstance(value, (list, tuple)):
         h.update(f"{type(value).__name__}[{len(value)}".encode())
@@ -115,7 +131,15 @@ def _feed(h, value, depth: int = 0, seen: dict | None = None) -> None:
         text = repr(value)
         if _ADDRESS.search(text):
             raise Unkeyable(f"{type(value).__qualname__} is shown by its address")
-        h.update(f"{type(value).__module__}.{type(value).__qualname__}:{text}".encode())
+        h.update(f"{type(value).__module__}.{type(value).__qualname__}:{_without_worker_root(text)}".encode())
+
+
+def _without_worker_root(text: str) -> str:
+    """A path inside this worker's temporary root, keyed relative to it: each xdist worker saves the
+    session's tiny checkpoints under its own root, and a loaded config remembers where it was read
+    from (``_name_or_path``), which no exported graph depends on. Without this, the same checkpoint
+    exported by the two workers would never share a file."""
+    return text.replace(_worker_root, "<tmp>") if _worker_root else text
 
 
 def _closed_over(fn) -> list:
@@ -149,12 +173,14 @@ def export_key(model, args, kwargs) -> str:
     return h.hexdigest()[:32]
 
 
-def install(folder: Path) -> None:
-    """Wrap ``torch.onnx.export`` (once per process) to serve repeats from ``folder``."""
-    global _folder
+def install(folder: Path, worker_root: Path | None = None) -> None:
+    """Wrap ``torch.onnx.export`` (once per process) to serve repeats from ``folder``; a path under
+    ``worker_root`` is keyed relative to it."""
+    global _folder, _worker_root
     import torch
 
     _folder = Path(folder)
+    _worker_root = str(worker_root) if worker_root else None
     _folder.mkdir(parents=True, exist_ok=True)
     _track_monkeypatches()
     export = torch.onnx.export
@@ -213,7 +239,7 @@ def _run_root(config) -> Path:
 @pytest.fixture(scope="session", autouse=True)
 def _export_cache(request):
     folder = _run_root(request.config) / "export-cache"
-    install(folder)
+    install(folder, request.config._tmp_path_factory.getbasetemp())
     yield
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
     (folder / f"stats-{worker}.json").write_text(json.dumps(stats))

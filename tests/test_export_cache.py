@@ -64,6 +64,28 @@ def test_a_live_monkeypatch_turns_the_cache_off():
     assert not export_cache._a_patch_is_live()
 
 
+def test_a_patch_declared_outside_the_export_keeps_the_cache_on():
+    with pytest.MonkeyPatch.context() as outside, pytest.MonkeyPatch.context() as inside:
+        export_cache.outside_the_export(outside).setattr(export_cache, "MODES", ())
+        assert not export_cache._a_patch_is_live()
+        inside.setattr(Scaled, "forward", lambda self, x: x)   # an undeclared one still turns it off
+        assert export_cache._a_patch_is_live()
+
+
+def test_a_path_under_the_worker_root_is_keyed_relative_to_it(monkeypatch):
+    """Each xdist worker saves the session's checkpoints under its own root, and a loaded config
+    remembers its path: the same checkpoint read by either worker has one key."""
+    keys = []
+    for root in ("/tmp/run/popen-gw0", "/tmp/run/popen-gw1"):
+        monkeypatch.setattr(export_cache, "_worker_root", root)
+        model = _built()
+        model.source = f"{root}/hf-tiny0/llama"
+        keys.append(export_cache.export_key(model, ARGS, KW))
+    assert keys[0] == keys[1]
+    model.source = "/elsewhere/hf-tiny0/llama"
+    assert export_cache.export_key(model, ARGS, KW) != keys[1]
+
+
 def test_a_repeated_export_is_the_first_one_s_file(tmp_path):
     before = dict(export_cache.stats)
     for name in ("a.onnx", "b.onnx"):

@@ -10,6 +10,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from export_cache import outside_the_export
 
 from quantnorm.errors import ConfigError, ExportError
 from quantnorm.export import export_onnx
@@ -249,7 +250,8 @@ def test_a_wrong_head_grouping_fails_the_export(monkeypatch, tmp_path):
     """The parity gate catches a pass that groups the heads wrongly (here: as one key head)."""
     from quantnorm.generation import with_past
 
-    real = with_past.attend_without_repeating_kv
+    real = with_past.attend_without_repeating_kv   # a pass on the exported graph
+    outside_the_export(monkeypatch)
     monkeypatch.setattr(with_past, "attend_without_repeating_kv",
                         lambda model, heads, kv_heads, head_dim: real(model, heads, 1, head_dim))
     with pytest.raises(ExportError):   # unfused: the fusion would replace the wrongly grouped matmuls
@@ -272,6 +274,7 @@ def test_a_wrong_attention_fusion_fails_the_export(monkeypatch, tmp_path):
                     attribute.f *= 2
         return fused
 
+    outside_the_export(monkeypatch)   # a pass on the exported graph
     monkeypatch.setattr(with_past, "fuse_group_query_attention", doubled)
     with pytest.raises(ExportError, match="does not match PyTorch"):
         export_with_past(HFWithPast(hf_model("llama")), tmp_path / "wrong.onnx", windows(2, 6, 300))

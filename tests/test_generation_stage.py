@@ -12,6 +12,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from export_cache import outside_the_export
 from onnx import numpy_helper
 
 from quantnorm.cli import main
@@ -86,6 +87,7 @@ def zoo_run(tmp_path_factory) -> Path:
     recipes = "static-minmax-matmul,dynamic,pertoken-fused-gptq,online-rotated-pertoken-fused,smoothquant,wo-int8-b32-acc4"
     preprocess = ort_backend._preprocess
     with pytest.MonkeyPatch.context() as patch:
+        outside_the_export(patch)   # a spy on the quantizer's pre-processing: the exports stay cacheable
         patch.setattr(ort_backend, "_preprocess", lambda src, dst: PREPROCESSED.append(src.name) or preprocess(src, dst))
         assert main(["evaluate", "--placement", "pre", "--norm", "rms", *TINY, *FAST, *GEN, "--out", str(out),
                      "--recipes", recipes, "--prefill-recipe", "pertoken-fused-gptq", "--providers", "cpu,cuda"]) == 0

@@ -17,6 +17,7 @@ import pytest
 # dev extra: hard imports, so a missing one is an error, never a skipped file
 import tokenizers  # noqa: E402, F401
 import transformers  # noqa: E402
+from export_cache import outside_the_export
 
 from quantnorm.cli import main  # noqa: E402
 from quantnorm.errors import ConfigError, ExportError, QuantizeError  # noqa: E402
@@ -557,6 +558,7 @@ def test_search_on_an_mlm_encoder_scores_the_masked_positions(tiny, tmp_path, mo
 
     space = len(default_space())
     real = zoo_evaluate.EvaluateConfig.search_config
+    outside_the_export(monkeypatch)   # the search's settings
     monkeypatch.setattr(zoo_evaluate.EvaluateConfig, "search_config",
                         lambda self: replace(real(self), max_trials=space + 2, latency_iters=1))
     opts = HFOptions(path=tiny["bert"], window=16, max_eval_windows=8, out_dir=tmp_path / "bert-auto")
@@ -588,6 +590,7 @@ def test_the_fp32_session_is_let_go_while_a_transform_exports(tiny, tmp_path, mo
         open_during_export.append([s.path.name for s in opened if s.is_open])
         return real_export(*args, **kwargs)
 
+    outside_the_export(monkeypatch)   # spies that call through: the exported models are the same
     monkeypatch.setattr(sessions.ReopenableSession, "_open", tracked_open)
     monkeypatch.setattr(rotation, "export_module_onnx", export)
     results, _ = run_hf(HFOptions(path=tiny["llama"], out_dir=tmp_path / "run"),
@@ -625,6 +628,7 @@ def test_a_rotated_export_rotates_the_reloaded_weights_in_place_and_gates_on_the
         exported.append({k: v.detach().clone() for k, v in wrapper.model.state_dict().items()})
         return real_export(wrapper, *args, **kwargs)
 
+    outside_the_export(monkeypatch)   # spies that call through: the exported model is the same
     monkeypatch.setattr(rotation, "check_matches_original", gate)
     monkeypatch.setattr(rotation, "export_module_onnx", export)
     path = source.transforms(cfg).fp32_for(get_recipe(recipe), tmp_path / "run" / "model.fp32.onnx")
