@@ -319,7 +319,8 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tiny_run, tmp_path, cap
 def test_a_sliding_window_model_generates_up_to_its_stated_length(tmp_path):
     """Gemma 3's sliding layers: the graph is exact up to window - 1 positions (with_past.py), the
     bundle's context length says so, and the runtime generates quantnorm's tokens up to it."""
-    run, _ = make_run(tmp_path, "gemma3_text", sliding_window=12)
+    run, _ = make_run(tmp_path, "gemma3_text", sliding_window=12, num_hidden_layers=1,
+                      layer_types=["sliding_attention"])   # one layer, and it slides
     out = write_bundle(run, "dynamic", tmp_path / "bundle").path
     genai = json.loads((out / "genai_config.json").read_text())
     assert genai["model"]["context_length"] == genai["search"]["max_length"] == 11

@@ -364,7 +364,8 @@ def test_a_sliding_window_shorter_than_the_windows_cuts_what_the_cache_reads(tmp
     from test_hf import ARCHS, tiny_tokenizer
 
     config = ARCHS["gemma3_text"][0]()
-    config.sliding_window = 12
+    config = type(config)(**{**config.to_dict(), "num_hidden_layers": 1, "layer_types": None, "sliding_window": 12})
+    assert config.layer_types == ["sliding_attention"]   # one layer, and it slides (the cut is its)
     model = transformers.AutoModelForCausalLM.from_config(config)
     model.save_pretrained(tmp_path / "gemma")
     tiny_tokenizer(False).save_pretrained(tmp_path / "gemma")

@@ -17,7 +17,7 @@ from quantnorm.sources.gguf import SOURCE_FILE, gguf_checkpoint, is_gguf_path, r
 
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory) -> Path:
-    return write_tiny_llama_gguf(tmp_path_factory.mktemp("gguf") / "Tiny-Llama.F32.gguf")
+    return write_tiny_llama_gguf(tmp_path_factory.mktemp("gguf") / "Tiny-Llama.F32.gguf", layers=1)
 
 
 @pytest.fixture(scope="module")
@@ -211,7 +211,7 @@ def test_corrupt_checkpoint_files_are_refused_before_anything_is_written(tmp_pat
 def test_gemma3_gguf_end_to_end_peri_detected_on_the_graph(tmp_path, capsys):
     """Gemma 3's layout (QK-norm, four norms a block, norm weights stored as 1 + w): the table and the
     graph both read Peri-RMSNorm, and the online rotation recipe applies (the stream one does not)."""
-    gguf_file = write_tiny_gemma3_gguf(tmp_path / "Tiny-Gemma3.F32.gguf")
+    gguf_file = write_tiny_gemma3_gguf(tmp_path / "Tiny-Gemma3.F32.gguf", layers=1)
     out = tmp_path / "run"
     argv = ["evaluate", "--model", str(gguf_file), "--recipes", "pertoken,rotated-pertoken,online-rotated-pertoken-fused",
             "--context", "16", "--eval-tokens", "64", "--calib-samples", "4", "--batches", "1", "--iters", "2",
@@ -240,7 +240,7 @@ def test_calibrated_norm_inputs_end_to_end_on_a_rotated_llama(gguf_run):
     cal = recipes["rotated-pertoken-fused-calnorm"]
     assert cal["status"] == "ok" and 0 < cal["accuracy"]["kld_mean"] < 0.05, cal["accuracy"]
     tensors = cal["settings"]["norm_input_scales"]["tensors"]
-    assert len(tensors) == 2 * 2 + 1 and all(t["norm"] == "rms" for t in tensors.values())
+    assert len(tensors) == 2 * 1 + 1 and all(t["norm"] == "rms" for t in tensors.values())
     width = 32  # the tiny Llama's d_model: every calibrated input here is a d-wide norm output
     assert all(0 < t["clip"] <= t["max_abs"] <= width ** 0.5 * 1.001 for t in tensors.values())
     assert cal["settings"]["calibrated_scale_inputs"] == sorted(tensors)
@@ -248,5 +248,5 @@ def test_calibrated_norm_inputs_end_to_end_on_a_rotated_llama(gguf_run):
     quantizers = [n for n in nodes if n.op_type == "QuantizeLinear"]
     per_tensor = [n for n in quantizers if not any(a.name == "axis" for a in n.attribute)]
     assert {n.input[0] for n in per_tensor} == set(tensors)
-    assert len(quantizers) - len(per_tensor) == 2 * 2   # o- and down-projection inputs, per row
+    assert len(quantizers) - len(per_tensor) == 2 * 1   # o- and down-projection inputs, per row (one block)
     assert "norm_input_scales" not in recipes["rotated-pertoken-fused"]["settings"]
