@@ -28,7 +28,7 @@ SMALL = ["--context", "16", "--eval-tokens", "160", "--calib-samples", "4", "--b
 
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory) -> Path:
-    return write_tiny_llama_gguf(tmp_path_factory.mktemp("gguf") / "Tiny-Llama.F32.gguf")
+    return write_tiny_llama_gguf(tmp_path_factory.mktemp("gguf") / "Tiny-Llama.F32.gguf", layers=1)
 
 
 @pytest.fixture(scope="module")
