@@ -8,7 +8,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "evaluate_budget.py"
 TINY = ["--placement", "pre", "--norm", "rms", "--layers", "1", "--d-model", "32", "--heads", "2", "--context", "32",
         "--batch-size", "8", "--steps", "5", "--batches", "1", "--iters", "2", "--calib-samples", "8",
-        "--recipes", "dynamic", "--no-outliers", "--providers", "cpu", "--quiet"]
+        "--recipes", "dynamic", "--no-outliers", "--no-generation", "--providers", "cpu", "--quiet", "--threads", "1"]
 
 
 def test_evaluate_budget_reports_stages_and_a_missed_budget(tmp_path, small_corpus):

@@ -14,8 +14,8 @@ def test_chunked_calibration_matches_one_pass(tmp_path):
     model = tmp_path / "m.onnx"
     _outlier_model(model)
     rng = np.random.default_rng(0)
-    x = np.round(rng.normal(0, 1000, size=(64, 8))).astype(np.int64)
-    x[37, 3] = 20_000  # the outlier sits in a late chunk: streaming must still see it
+    x = np.round(rng.normal(0, 1000, size=(16, 8))).astype(np.int64)
+    x[13, 3] = 20_000  # the outlier sits in the last of 4 chunks: streaming must still see it
     tiny_buffer = 1  # bytes: one batch per collect call
     for method in ("minmax", "percentile", "entropy"):
         whole = collect_ranges(model, method, x, op_types=["MatMul"], batch_size=4)
@@ -33,8 +33,8 @@ def test_histogram_pre_pass_takes_the_minmax_ranges_it_is_handed(tmp_path):
     model = tmp_path / "m.onnx"
     _outlier_model(model)
     rng = np.random.default_rng(1)
-    x = np.round(rng.normal(0, 1000, size=(32, 8))).astype(np.int64)
-    args = dict(op_types=["MatMul"], batch_size=4, buffer_bytes=1)
+    x = np.round(rng.normal(0, 1000, size=(12, 8))).astype(np.int64)
+    args = dict(op_types=["MatMul"], batch_size=4, buffer_bytes=1)   # 3 chunks
     extremes = collect_ranges(model, "minmax", x, **args)
     asked = []
     for method in ("percentile", "entropy"):

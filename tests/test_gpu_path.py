@@ -212,7 +212,8 @@ def test_gpu_sh_on_a_cpu_machine_measures_the_cpu_and_says_why_not_the_gpu(tmp_p
     out = tmp_path / "gpu"
     run = subprocess.run(["bash", str(GPU_SH), "--no-install", "--steps", "5", "--layers", "1", "--d-model", "32",
                           "--heads", "2", "--context", "16", "--batches", "1,2", "--iters", "2", "--calib-samples",
-                          "4", "--no-outliers", "--corpus", str(small_corpus), "--quiet", "--out", str(out)],
+                          "4", "--no-outliers", "--no-generation", "--corpus", str(small_corpus), "--quiet",
+                          "--out", str(out)],
                          env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-2000:]
     results = json.loads((out / "results.json").read_text())
