@@ -64,3 +64,15 @@ def test_recipes_lists_every_recipe_with_its_description(capsys):
     assert "SmoothQuant-smoothed model (alpha 0.5)" in by_name["smoothquant"]
     assert "signed symmetric activations" in by_name["static-minmax-matmul-symact"]
     assert "2 node pattern(s) kept in FP32" in with_exclusions(RECIPES["dynamic"], ("head/*", "a")).describe()
+
+
+def test_starting_the_cli_imports_no_plotting_and_no_statistics():
+    """Every `quantnorm` process (a gate in CI, each sweep cell) pays the CLI's imports: matplotlib
+    and scipy.stats are imported where a plot is drawn or a statistic computed, not at start."""
+    import subprocess
+    import sys
+
+    heavy = ("matplotlib", "scipy.stats")
+    code = f"import sys, quantnorm.cli; print([m for m in {heavy!r} if m in sys.modules])"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "[]", run.stdout + run.stderr

@@ -38,7 +38,6 @@ import onnx
 import onnxruntime as ort
 from google.protobuf.message import DecodeError
 from onnxruntime.quantization import qdq_loss_debug
-from scipy import stats as scipy_stats
 
 from ..errors import MeasureError
 from ..feeds import window_feeder
@@ -331,7 +330,9 @@ def spearman(xs: Sequence[float | None], ys: Sequence[float | None]) -> float | 
     a, b = np.array(pairs).T
     if np.all(a == a[0]) or np.all(b == b[0]):
         return None
-    return float(scipy_stats.spearmanr(a, b).statistic)
+    from scipy import stats  # here, not at import: 0.7 s that every start of the CLI would pay
+
+    return float(stats.spearmanr(a, b).statistic)
 
 
 def sqnr_summary(sqnr_rows: list[dict], tensor_stats: dict[str, dict], worst: int = 5,

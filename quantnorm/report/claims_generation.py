@@ -21,13 +21,12 @@ from dataclasses import dataclass
 from functools import partial
 
 import numpy as np
-from scipy import stats as scipy_stats
 
 from .. import results as results_file
 from .evidence import Finding, arm_why, by_seed, decide, paired, strata
 from .markdown import table
 from .sections import level0_twin
-from .stats import DOES_NOT_HOLD, HOLDS, NOT_SIGNIFICANT, NOT_TESTED, estimate, finite, holm, sign_test
+from .stats import DOES_NOT_HOLD, HOLDS, NOT_SIGNIFICANT, NOT_TESTED, estimate, finite, holm, scipy_stats, sign_test
 from .sweep import CellResult, Sweep, placements_in
 
 ALPHA = 0.05
@@ -93,13 +92,13 @@ def level4_test(pair: LevelPair) -> dict:
     if isinstance(f4, list) and isinstance(f0, list) and len(f4) == len(f0) > 0:
         d = np.asarray(f4, float) - np.asarray(f0, float)
         out["test"] = "Wilcoxon signed-rank on the first divergence, paired on the prompt"
-        out["p"] = 1.0 if not d.any() else float(scipy_stats.wilcoxon(d, zero_method="zsplit").pvalue)
+        out["p"] = 1.0 if not d.any() else float(scipy_stats().wilcoxon(d, zero_method="zsplit").pvalue)
         worse = float(np.mean(d)) < 0
     else:
         n = int(a4["prompts"])
         table = [[out["identical4"], n - out["identical4"]], [out["identical0"], n - out["identical0"]]]
         out["test"] = "Fisher's exact test on the prompts generated identically"
-        out["p"] = float(scipy_stats.fisher_exact(table).pvalue)
+        out["p"] = float(scipy_stats().fisher_exact(table).pvalue)
         worse = out["identical4"] < out["identical0"] or (out["identical4"] == out["identical0"]
                                                         and out["first4"] < out["first0"])
     out["verdict"] = NOT_SIGNIFICANT if out["p"] >= ALPHA else (HOLDS if worse else DOES_NOT_HOLD)
@@ -218,7 +217,7 @@ def _strengths(rows: list[dict]) -> tuple[float | None, float | None]:
         if len(set(x)) < 2 or len(set(first)) < 2:
             out.append(None)
         else:
-            rho = float(scipy_stats.spearmanr(x, first).statistic)
+            rho = float(scipy_stats().spearmanr(x, first).statistic)
             out.append(None if math.isnan(rho) else -rho)
     return out[0], out[1]
 

@@ -7,24 +7,34 @@ holds no global state, needs no display and is safe to call from any thread or t
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.colors import LogNorm
-from matplotlib.figure import Figure
-from matplotlib.ticker import NullLocator
 
 from ..fileio import atomic_path
 from ..measure.outliers import MASSIVE_ABS, MASSIVE_RATIO
 from ..measure.sessions import CPU
 from ..measure.sqnr import spearman
 
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
 _DPI = 120
 _PNG_METADATA = {"Software": None}
 
 
+def _figure(**kwargs) -> Figure:
+    """A matplotlib Figure; matplotlib is imported on the first plot (~0.4 s that every start of
+    the CLI would otherwise pay, most of them drawing nothing)."""
+    from matplotlib.figure import Figure
+
+    return Figure(**kwargs)
+
+
 def save(fig: Figure, out_png: Path) -> Path:
     """Draw ``fig`` on the Agg canvas and write it to ``out_png`` atomically, byte-reproducibly."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
     out_png = Path(out_png)
     FigureCanvasAgg(fig)
     fig.tight_layout()
@@ -49,7 +59,7 @@ def plot_layer_outliers(residual_rows: list[dict], out_png: Path, title: str) ->
     median = np.array([r["median_abs"] for r in residual_rows], dtype=float)
     ratio = np.array([np.nan if r.get("ratio") is None else r["ratio"] for r in residual_rows], dtype=float)
 
-    fig = Figure(figsize=(7, 4))
+    fig = _figure(figsize=(7, 4))
     ax = fig.add_subplot()
     ax.plot(x, max_abs, "o-", color="tab:red", label="max |a|")
     ax.plot(x, median, "s-", color="tab:blue", label="median |a|")
@@ -73,6 +83,8 @@ def plot_layer_outliers(residual_rows: list[dict], out_png: Path, title: str) ->
 
 def plot_activation_heatmap(matrix: np.ndarray, out_png: Path, title: str) -> Path:
     """|a| over (position, channel) of one sample at one layer, log colour scale."""
+    from matplotlib.colors import LogNorm
+
     a = np.abs(np.asarray(matrix, dtype=float))
     if a.ndim != 2 or a.size == 0:
         raise ValueError(f"heatmap needs a [positions, channels] matrix, got shape {a.shape}")
@@ -80,7 +92,7 @@ def plot_activation_heatmap(matrix: np.ndarray, out_png: Path, title: str) -> Pa
     vmax = float(a.max()) if positive.size else 1.0
     # Zeros have no log: floor the scale at the smallest non-zero value (or 1e-6 of the max).
     vmin = max(float(positive.min()), vmax * 1e-6) if positive.size else vmax * 1e-6
-    fig = Figure(figsize=(8, 4))
+    fig = _figure(figsize=(8, 4))
     ax = fig.add_subplot()
     image = ax.imshow(np.clip(a, vmin, None), aspect="auto", interpolation="nearest", origin="upper",
                       cmap="viridis", norm=LogNorm(vmin=vmin, vmax=max(vmax, vmin * 10)))
@@ -99,7 +111,7 @@ def plot_sqnr_vs_outlier(rows: list[dict], out_png: Path, title: str) -> Path:
     ``onnx_tensor_stats``); rows missing either are skipped. The five worst tensors are labelled.
     """
     points = [r for r in rows if r.get("ratio") is not None and r.get("sqnr_db") is not None]
-    fig = Figure(figsize=(6, 4.5))
+    fig = _figure(figsize=(6, 4.5))
     ax = fig.add_subplot()
     if points:
         ratio = np.array([r["ratio"] for r in points], dtype=float)
@@ -128,7 +140,7 @@ def plot_recipe_tradeoff(recipes: list[dict], latency_rows: list[dict], out_png:
     ratios = [r["accuracy"]["ppl_ratio"] for r in recipes]
     speed = [p50[n] / p50["fp32"] if n in p50 and "fp32" in p50 else np.nan for n in names]
 
-    fig = Figure(figsize=(9, 0.5 * len(names) + 2))
+    fig = _figure(figsize=(9, 0.5 * len(names) + 2))
     ax_acc, ax_lat = fig.subplots(1, 2, sharey=True)
     y = np.arange(len(names))
     ax_acc.barh(y, ratios, color="tab:red")
@@ -152,7 +164,7 @@ def plot_interval_series(labels: list[str], series: dict[str, list[tuple]], out_
     """
     if not labels:
         raise ValueError("no settings to plot")
-    fig = Figure(figsize=(max(6.0, 0.55 * len(labels) + 2), 4.5))
+    fig = _figure(figsize=(max(6.0, 0.55 * len(labels) + 2), 4.5))
     ax = fig.add_subplot()
     x = np.arange(len(labels), dtype=float)
     k = max(1, len(series))
@@ -184,7 +196,7 @@ def plot_layer_series(series: dict[str, tuple[list[str], list[tuple]]], out_png:
     line style by norm)."""
     if not series:
         raise ValueError("no series to plot")
-    fig = Figure(figsize=(7, 4.5))
+    fig = _figure(figsize=(7, 4.5))
     ax = fig.add_subplot()
     all_layers: list[str] = []
     for layers, _ in series.values():
@@ -216,7 +228,7 @@ def plot_depth_series(series: dict[str, tuple[list[int], list[tuple]]], depths: 
                       title: str, ylabel: str) -> Path | None:
     """One line per setting over depth (log-log), ``(depths, [(mean, lo, hi), ...])`` each, with
     error bars (none where the interval is missing). None, and no file, when no series has a point."""
-    fig = Figure(figsize=(7, 4.5))
+    fig = _figure(figsize=(7, 4.5))
     ax = fig.add_subplot()
     drawn = False
     for label, (xs, points) in series.items():
@@ -231,6 +243,8 @@ def plot_depth_series(series: dict[str, tuple[list[int], list[tuple]]], depths: 
         return None
     ax.set_xscale("log")
     ax.set_yscale("log")
+    from matplotlib.ticker import NullLocator
+
     ax.xaxis.set_minor_locator(NullLocator())
     ax.set_xticks(depths, [str(d) for d in depths])
     ax.set_xlabel("depth (blocks)")
@@ -244,7 +258,7 @@ def plot_depth_series(series: dict[str, tuple[list[int], list[tuple]]], depths: 
 def plot_token_latency(series: dict[str, list[float]], out_png: Path, title: str, *, start: int = 0) -> Path:
     """Per-token decode latency (ms) against the position of the token, one line per model:
     the cache grows with the position, so a line that climbs reads a cache that costs."""
-    fig = Figure(figsize=(8, 4.5))
+    fig = _figure(figsize=(8, 4.5))
     ax = fig.subplots()
     for name, times in series.items():
         ax.plot(np.arange(start, start + len(times)), times, lw=1.0, label=name)
@@ -266,7 +280,7 @@ def plot_accuracy_speed(points: list[tuple[str, str, float, float]], front: list
         raise ValueError("no points to plot")
     positive = [kl for *_, kl in points if kl > 0]
     floor = min(positive + [goal_kld or 1.0]) / 10
-    fig = Figure(figsize=(8, 5))
+    fig = _figure(figsize=(8, 5))
     ax = fig.subplots()
     groups = list(dict.fromkeys(group for _, group, _, _ in points))
     colours = {group: f"C{i}" for i, group in enumerate(groups)}

@@ -15,7 +15,14 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from scipy import stats as scipy_stats
+
+
+def scipy_stats():
+    """scipy.stats, imported on first use: its import takes ~0.7 s, which every start of the CLI
+    (a gate in CI, each sweep cell) would otherwise pay without computing a statistic."""
+    from scipy import stats
+
+    return stats
 
 LEVEL = 0.95
 HOLDS = "holds here"
@@ -30,7 +37,7 @@ VERDICTS = (HOLDS, DOES_NOT_HOLD, NOT_SIGNIFICANT, NOT_TESTED)
 
 def t_quantile(df: float, level: float = LEVEL) -> float:
     """Two-sided Student-t critical value (4.303 for df = 2 at 95%)."""
-    return float(scipy_stats.t.ppf(0.5 + level / 2, df))
+    return float(scipy_stats().t.ppf(0.5 + level / 2, df))
 
 
 def finite(values: Iterable) -> list[float]:
@@ -155,11 +162,11 @@ def spearman_interval(xs: Sequence, ys: Sequence, level: float = LEVEL) -> Corre
     a, b = np.array(pairs, dtype=float).T
     if np.all(a == a[0]) or np.all(b == b[0]):
         return Correlation(None, None, None, n)
-    rho = float(scipy_stats.spearmanr(a, b).statistic)
+    rho = float(scipy_stats().spearmanr(a, b).statistic)
     if n < 4:
         return Correlation(rho, None, None, n)
     z = math.atanh(max(-0.999999, min(0.999999, rho)))
-    half = float(scipy_stats.norm.ppf(0.5 + level / 2)) * math.sqrt(1.06 / (n - 3))
+    half = float(scipy_stats().norm.ppf(0.5 + level / 2)) * math.sqrt(1.06 / (n - 3))
     return Correlation(rho, math.tanh(z - half), math.tanh(z + half), n)
 
 
@@ -316,7 +323,7 @@ def _p_two_sided(est: Estimate, null: float = 0.0) -> float | None:
     if est.sd == 0:
         return 1.0 if est.mean == null else 0.0
     t = (est.mean - null) / (est.sd / math.sqrt(est.n))
-    return float(2 * scipy_stats.t.sf(abs(t), est.n - 1))
+    return float(2 * scipy_stats().t.sf(abs(t), est.n - 1))
 
 
 def _p_one_sided(est: Estimate, null: float, greater: bool) -> float | None:
@@ -326,7 +333,7 @@ def _p_one_sided(est: Estimate, null: float, greater: bool) -> float | None:
     if est.sd == 0:
         return 0.0 if (est.mean > null if greater else est.mean < null) else 1.0
     t = (est.mean - null) / (est.sd / math.sqrt(est.n))
-    return float(scipy_stats.t.sf(t, est.n - 1) if greater else scipy_stats.t.cdf(t, est.n - 1))
+    return float(scipy_stats().t.sf(t, est.n - 1) if greater else scipy_stats().t.cdf(t, est.n - 1))
 
 
 def _untested_why(n: int, missing: str | None) -> str:
@@ -375,7 +382,7 @@ def fraction_test(label: str, what: str, hits_a: int, n_a: int, hits_b: int, n_b
     if diff == 0:
         return SubTest(label, what, est, 1.0, None, "", fmt)
     table = [[hits_a, n_a - hits_a], [hits_b, n_b - hits_b]]
-    p = float(scipy_stats.fisher_exact(table, alternative="two-sided").pvalue)
+    p = float(scipy_stats().fisher_exact(table, alternative="two-sided").pvalue)
     direction = HOLDS if (diff > 0) == (expected > 0) else DOES_NOT_HOLD
     return SubTest(label, what, est, p, direction, "", fmt)
 
@@ -393,9 +400,9 @@ def variance_test(label: str, what: str, a: Iterable, b: Iterable, expected: int
                        "no seed-to-seed spread in an arm", fmt_factor)
     d1, d2 = len(xa) - 1, len(xb) - 1
     r = va / vb
-    lo, hi = r / scipy_stats.f.ppf(0.5 + LEVEL / 2, d1, d2), r / scipy_stats.f.ppf(0.5 - LEVEL / 2, d1, d2)
+    lo, hi = r / scipy_stats().f.ppf(0.5 + LEVEL / 2, d1, d2), r / scipy_stats().f.ppf(0.5 - LEVEL / 2, d1, d2)
     est = Estimate(0.5 * math.log(r), 0.5 * math.log(lo), 0.5 * math.log(hi), n)
-    p = float(min(1.0, 2 * min(scipy_stats.f.cdf(r, d1, d2), scipy_stats.f.sf(r, d1, d2))))
+    p = float(min(1.0, 2 * min(scipy_stats().f.cdf(r, d1, d2), scipy_stats().f.sf(r, d1, d2))))
     direction = HOLDS if (r < 1) == (expected < 0) else DOES_NOT_HOLD
     return SubTest(label, what, est, p, direction, "", fmt_factor)
 
