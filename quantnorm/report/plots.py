@@ -228,6 +228,8 @@ def plot_depth_series(series: dict[str, tuple[list[int], list[tuple]]], depths: 
                       title: str, ylabel: str) -> Path | None:
     """One line per setting over depth (log-log), ``(depths, [(mean, lo, hi), ...])`` each, with
     error bars (none where the interval is missing). None, and no file, when no series has a point."""
+    from matplotlib.ticker import NullLocator
+
     fig = _figure(figsize=(7, 4.5))
     ax = fig.add_subplot()
     drawn = False
@@ -243,8 +245,6 @@ def plot_depth_series(series: dict[str, tuple[list[int], list[tuple]]], depths: 
         return None
     ax.set_xscale("log")
     ax.set_yscale("log")
-    from matplotlib.ticker import NullLocator
-
     ax.xaxis.set_minor_locator(NullLocator())
     ax.set_xticks(depths, [str(d) for d in depths])
     ax.set_xlabel("depth (blocks)")
