@@ -41,6 +41,26 @@ try:
 except (ImportError, AttributeError):   # another torch: its exporter as it comes
     pass
 
+# A full garbage collection walks every object the process holds, and a test worker holds torch,
+# transformers, onnx and every test file's imports: 0.4-1 s a collection, which the package pays
+# after each heavy stage (fileio.release_memory, per calibration chunk among them). The CLI sets
+# aside what is alive when a run starts (fileio.collections_skip_existing_objects); a test that
+# calls a stage directly has no such run around it, so the suite does the same at each test file's
+# first test, and again after an in-process run has handed its objects back (gc.unfreeze empties
+# the frozen generation). What is set aside then (imports, session fixtures) lives as long as the
+# worker. Suite set-up, like the torch settings above: tests/test_conftest.py's inner sessions
+# take only the rules below.
+_frozen_for: list = [None]   # the test module whose first test last set the objects aside
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    if item.module is not _frozen_for[0] or gc.get_freeze_count() == 0:
+        gc.collect()
+        gc.freeze()
+        _frozen_for[0] = item.module
+
+
 # pytester: tests/test_conftest.py runs small inner sessions; export_cache: repeated exports served
 # from a cache (tests/export_cache.py)
 pytest_plugins = ["pytester", "export_cache"]
@@ -93,25 +113,6 @@ def pytest_sessionfinish(session, exitstatus):
 # nothing left: dealt first, the short files even out the end. A stale list costs only that balance.
 HEAVY_FILES = ("test_generation_stage.py", "test_hf.py", "test_generation.py", "test_sweep.py", "test_gguf.py",
                "test_engines.py", "test_benchmarks.py", "test_quantize.py")
-
-
-# A full garbage collection walks every object the process holds, and a test worker holds torch,
-# transformers, onnx and every test file's imports: 0.4-1 s a collection, which the package pays
-# after each heavy stage (fileio.release_memory, per calibration chunk among them). Measured by a
-# gc callback over the whole suite: 205 s of its test time in collections. The CLI sets aside what
-# is alive when a run starts (fileio.collections_skip_existing_objects); a test that calls a stage
-# directly has no such run around it, so the suite does the same at each test file's first test,
-# and again after an in-process run has handed its objects back (gc.unfreeze empties the frozen
-# generation). What is set aside then (imports, session fixtures) lives as long as the worker.
-_frozen_for: list = [None]   # the test module whose first test last set the objects aside
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_setup(item):
-    if item.module is not _frozen_for[0] or gc.get_freeze_count() == 0:
-        gc.collect()
-        gc.freeze()
-        _frozen_for[0] = item.module
 
 
 def pytest_collection_modifyitems(items):

@@ -8,7 +8,7 @@ import pytest
 # The suite's rules without its plugins and its torch set-up (the inner sessions are bare
 # directories; importing torch's exporter took 3.4 s of each inner session's 8).
 _SUITE = (Path(__file__).parent / "conftest.py").read_text()
-CONFTEST = "import gc\nimport os\nimport re\n\nimport pytest\n\n" + _SUITE[_SUITE.index("STRICT_SKIPS_ENV = "):]
+CONFTEST = "import os\nimport re\n\nimport pytest\n\n" + _SUITE[_SUITE.index("STRICT_SKIPS_ENV = "):]
 
 INNER = """
 import pytest
