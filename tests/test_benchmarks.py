@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "evaluate_budget.py"
 TINY = ["--placement", "pre", "--norm", "rms", "--layers", "1", "--d-model", "32", "--heads", "2", "--context", "32",
@@ -79,3 +81,56 @@ def test_attention_fusion_benchmark_times_both_forms_of_a_checkpoint(tmp_path):
     missing = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, cwd=ROOT,
                              timeout=120)
     assert missing.returncode == 2 and "no checkpoint/config.json" in missing.stderr
+
+
+def _window_graph(path, nodes, inits):
+    """A whole-window graph as the benchmark expects one: token ids in, logits out."""
+    from onnx import TensorProto, helper, save
+
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, None])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, None)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)])
+    model.ir_version = 9
+    save(model, str(path))
+    return path
+
+
+def test_avx2_instruction_counts_show_the_u8s8_kernel_saturating_under_valgrind(tmp_path):
+    """An embedding and one 8-bit per-token GEMM, in FP32 and in INT8: valgrind's CPU has no VNNI
+    whatever this machine has, so the signed form saturates there (its KL against the FP32 graph,
+    run on this machine, far above the unsigned form's), and every form's count is read from a
+    callgrind dump."""
+    from onnx import helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    vocab, k, n = 32, 64, 16
+    embedding = rng.uniform(0.0, 1.0, (vocab, k)).astype(np.float32)
+    codes = rng.integers(-127, 128, (k, n)).astype(np.int8)      # most past +-64: the u8 x s8 kernel saturates
+    scales = np.full(n, 0.01, np.float32)
+    embed = helper.make_node("Gather", ["embedding", "input_ids"], ["x"])
+    fp32 = _window_graph(tmp_path / "fp32.onnx",
+                         [embed, helper.make_node("MatMul", ["x", "weight"], ["logits"])],
+                         [numpy_helper.from_array(embedding, "embedding"),
+                          numpy_helper.from_array(codes.astype(np.float32) * scales, "weight")])
+    int8 = _window_graph(tmp_path / "int8.onnx",
+                         [embed, helper.make_node("DynamicQuantizeLinear", ["x"], ["xq", "x_scale", "x_zp"]),
+                          helper.make_node("MatMulIntegerToFloat", ["xq", "codes", "x_scale", "scales", "x_zp"],
+                                           ["logits"], domain="com.microsoft")],
+                         [numpy_helper.from_array(embedding, "embedding"), numpy_helper.from_array(codes, "codes"),
+                          numpy_helper.from_array(scales, "scales")])
+    script = ROOT / "benchmarks" / "avx2_instructions.py"
+    run = subprocess.run([sys.executable, str(script), str(fp32), str(int8), "--reference", str(fp32),
+                          "--tokens", "4"], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = [line.split(" | ") for line in run.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    assert rows[0] == ["| model", "weights", "4 tokens", "x first", "KL vs fp32.onnx (4 tokens) |"]
+    (_, written, *first), (_, signed, *s8), (_, unsigned, *u8) = rows[1:]
+    assert written == "as written" and signed == "signed (u8 x s8)" and unsigned == "unsigned (u8 x u8, 1 GEMMs)"
+    assert float(first[1]) == 1.0 and float(first[2].rstrip(" |")) < 1e-6   # FP32 under valgrind: the same logits
+    assert all(float(row[0].rstrip(" M").replace(",", "")) > 0 for row in (first, s8, u8))
+    assert float(s8[2].rstrip(" |")) > 10 * float(u8[2].rstrip(" |"))
+    assert "no VNNI" in run.stdout
+
+    bad = subprocess.run([sys.executable, str(script), str(fp32), str(tmp_path / "none.onnx")], capture_output=True,
+                         text=True, cwd=ROOT, timeout=120)
+    assert bad.returncode == 2 and "no such ONNX file" in bad.stderr
