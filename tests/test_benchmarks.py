@@ -83,12 +83,13 @@ def test_attention_fusion_benchmark_times_both_forms_of_a_checkpoint(tmp_path):
     assert missing.returncode == 2 and "no checkpoint/config.json" in missing.stderr
 
 
-def _window_graph(path, nodes, inits):
-    """A whole-window graph as the benchmark expects one: token ids in, logits out."""
+def _graph(path, nodes, inits, inputs=None, outputs=("logits",)):
+    """Token ids in, logits (and a with-past graph's presents) out."""
     from onnx import TensorProto, helper, save
 
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, None])],
-                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, None)], inits)
+    inputs = inputs or [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, None])]
+    graph = helper.make_graph(nodes, "g", inputs, [helper.make_tensor_value_info(o, TensorProto.FLOAT, None)
+                                                   for o in outputs], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)])
     model.ir_version = 9
     save(model, str(path))
@@ -96,39 +97,68 @@ def _window_graph(path, nodes, inits):
 
 
 def test_avx2_instruction_counts_show_the_u8s8_kernel_saturating_under_valgrind(tmp_path):
-    """An embedding and one 8-bit per-token GEMM, in FP32 and in INT8: valgrind's CPU has no VNNI
-    whatever this machine has, so the signed form saturates there (its KL against the FP32 graph,
-    run on this machine, far above the unsigned form's), and every form's count is read from a
-    callgrind dump."""
-    from onnx import helper, numpy_helper
+    """An embedding and one 8-bit per-token GEMM, in FP32 and in INT8, whole-window and with a
+    cache: valgrind's CPU has no VNNI whatever this machine has, so the signed form saturates there
+    (its KL against the FP32 graph, run on this machine, far above the unsigned form's), every
+    count is read from a callgrind dump, and the with-past graph is fed a prompt after an empty
+    cache (logits at its last position) and a token after the prompt's cache."""
+    from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(0)
-    vocab, k, n = 32, 64, 16
+    vocab, k, n, head = 32, 64, 16, 4
     embedding = rng.uniform(0.0, 1.0, (vocab, k)).astype(np.float32)
     codes = rng.integers(-127, 128, (k, n)).astype(np.int8)      # most past +-64: the u8 x s8 kernel saturates
     scales = np.full(n, 0.01, np.float32)
+    weights = [numpy_helper.from_array(embedding, "embedding"), numpy_helper.from_array(codes, "codes"),
+               numpy_helper.from_array(scales, "scales")]
     embed = helper.make_node("Gather", ["embedding", "input_ids"], ["x"])
-    fp32 = _window_graph(tmp_path / "fp32.onnx",
-                         [embed, helper.make_node("MatMul", ["x", "weight"], ["logits"])],
-                         [numpy_helper.from_array(embedding, "embedding"),
-                          numpy_helper.from_array(codes.astype(np.float32) * scales, "weight")])
-    int8 = _window_graph(tmp_path / "int8.onnx",
-                         [embed, helper.make_node("DynamicQuantizeLinear", ["x"], ["xq", "x_scale", "x_zp"]),
-                          helper.make_node("MatMulIntegerToFloat", ["xq", "codes", "x_scale", "scales", "x_zp"],
-                                           ["logits"], domain="com.microsoft")],
-                         [numpy_helper.from_array(embedding, "embedding"), numpy_helper.from_array(codes, "codes"),
-                          numpy_helper.from_array(scales, "scales")])
+
+    def int8_head(x):
+        return [helper.make_node("DynamicQuantizeLinear", [x], ["xq", "x_scale", "x_zp"]),
+                helper.make_node("MatMulIntegerToFloat", ["xq", "codes", "x_scale", "scales", "x_zp"], ["logits"],
+                                 domain="com.microsoft")]
+
+    fp32 = _graph(tmp_path / "fp32.onnx", [embed, helper.make_node("MatMul", ["x", "weight"], ["logits"])],
+                  [numpy_helper.from_array(embedding, "embedding"),
+                   numpy_helper.from_array(codes.astype(np.float32) * scales, "weight")])
+    int8 = _graph(tmp_path / "int8.onnx", [embed, *int8_head("x")], weights)
+    # with a cache: one layer's keys and values (a projection of x) appended to the past; the head
+    # reads the last logits_to_keep positions (0: every one)
+    past = [helper.make_tensor_value_info(f"past_key_values.0.{kv}", TensorProto.FLOAT, [1, 1, None, head])
+            for kv in ("key", "value")]
+    int8_past = _graph(
+        tmp_path / "int8.past.onnx",
+        [embed, helper.make_node("MatMul", ["x", "project"], ["kv_flat"]),
+         helper.make_node("Unsqueeze", ["kv_flat", "one"], ["kv"]),
+         *[helper.make_node("Concat", [f"past_key_values.0.{kv}", "kv"], [f"present.0.{kv}"], axis=2)
+           for kv in ("key", "value")],
+         helper.make_node("Neg", ["logits_to_keep"], ["start"]),
+         helper.make_node("Slice", ["x", "start", "end", "one"], ["x_kept"]), *int8_head("x_kept")],
+        [*weights, numpy_helper.from_array(rng.normal(size=(k, head)).astype(np.float32), "project"),
+         numpy_helper.from_array(np.ones(1, np.int64), "one"), numpy_helper.from_array(np.zeros(1, np.int64),
+                                                                                         "logits_to_keep"),
+         numpy_helper.from_array(np.asarray([1 << 30], np.int64), "end")],
+        inputs=[helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, None]),
+                helper.make_tensor_value_info("attention_mask", TensorProto.INT64, [1, None]),
+                helper.make_tensor_value_info("position_ids", TensorProto.INT64, [1, None]), *past,
+                helper.make_tensor_value_info("logits_to_keep", TensorProto.INT64, [1])],
+        outputs=("logits", "present.0.key", "present.0.value"))
     script = ROOT / "benchmarks" / "avx2_instructions.py"
-    run = subprocess.run([sys.executable, str(script), str(fp32), str(int8), "--reference", str(fp32),
-                          "--tokens", "4"], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    run = subprocess.run([sys.executable, str(script), str(fp32), str(int8), str(int8_past), "--reference", str(fp32),
+                          "--prompt", "4"], capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     rows = [line.split(" | ") for line in run.stdout.splitlines() if line.startswith("| ") and "---" not in line]
-    assert rows[0] == ["| model", "weights", "4 tokens", "x first", "KL vs fp32.onnx (4 tokens) |"]
-    (_, written, *first), (_, signed, *s8), (_, unsigned, *u8) = rows[1:]
-    assert written == "as written" and signed == "signed (u8 x s8)" and unsigned == "unsigned (u8 x u8, 1 GEMMs)"
-    assert float(first[1]) == 1.0 and float(first[2].rstrip(" |")) < 1e-6   # FP32 under valgrind: the same logits
-    assert all(float(row[0].rstrip(" M").replace(",", "")) > 0 for row in (first, s8, u8))
-    assert float(s8[2].rstrip(" |")) > 10 * float(u8[2].rstrip(" |"))
+    assert rows[0] == ["| model", "weights", "prompt (4 tokens)", "x first", "one new token", "x first",
+                       "KL vs fp32.onnx (prompt) |"]
+    labels = [(row[0], row[1]) for row in rows[1:]]
+    assert labels == [("| fp32.onnx", "as written"), ("| int8.onnx", "signed (u8 x s8)"),
+                      ("| int8.onnx", "unsigned (u8 x u8, 1 GEMMs)"), ("| int8.past.onnx", "signed (u8 x s8)"),
+                      ("| int8.past.onnx", "unsigned (u8 x u8, 1 GEMMs)")]
+    counts = [[float(cell.rstrip(" M|").replace(",", "")) for cell in row[2:]] for row in rows[1:]]
+    assert all(c > 0 for row in counts for c in row[:4])
+    assert counts[0][1] == counts[0][3] == 1.0 and counts[0][4] < 1e-6   # FP32 under valgrind: the same logits
+    assert counts[1][4] > 10 * counts[2][4]          # whole window: every position's KL
+    assert counts[3][4] > 10 * counts[4][4]          # with a cache: the prompt's last position only
     assert "no VNNI" in run.stdout
 
     bad = subprocess.run([sys.executable, str(script), str(fp32), str(tmp_path / "none.onnx")], capture_output=True,
