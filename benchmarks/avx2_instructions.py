@@ -21,9 +21,9 @@ as one window (logits at every position) and a one-token window (a step's GEMMs 
 a cache). One process under ``valgrind --tool=callgrind --instr-atstart=no`` loads ONNX Runtime
 and each model in turn uninstrumented and runs each feed once to warm up, then is counted over one
 more run of it alone (``callgrind_control``: instrumentation on, counters zeroed, one run, a
-dump). Every row's counts are also given as ratios to the first row's. A file with int8 weight
-codes past +-64 against uint8 activations is counted as written (``signed``: u8 x s8) and as the
-copy a session on a CPU without VNNI runs (``unsigned``: u8 x u8). ``--reference`` names an FP32
+dump, instrumentation off). Every row's counts are also given as ratios to the first row's. A
+file with int8 weight codes past +-64 against uint8 activations is counted as written
+(``signed``: u8 x s8) and as the copy a session on a CPU without VNNI runs (``unsigned``: u8 x u8). ``--reference`` names an FP32
 graph run once on this machine's own kernels (not counted): each row's KL(FP32 || INT8) per
 position over the prompt's logits shows the signed form saturating under valgrind's CPU, and so
 that the AVX2 kernels ran. The prompt is pseudo-random token ids (seed 0) below the vocabulary: a
@@ -119,7 +119,7 @@ class Counter:
         """One run, after a warm-up run of the same feed."""
         self._send(f"{command} {feed} -")
         self._control("--instr=on")
-        self._control("--zero")
+        self._control("--zero")        # a dump alone does not leave the next one's counts from zero
         self._send(f"{command} {feed} -")
         self._control("--dump")
         self._control("--instr=off")

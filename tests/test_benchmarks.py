@@ -97,11 +97,12 @@ def _graph(path, nodes, inits, inputs=None, outputs=("logits",)):
 
 
 def test_avx2_instruction_counts_show_the_u8s8_kernel_saturating_under_valgrind(tmp_path):
-    """An embedding and one 8-bit per-token GEMM, in FP32 and in INT8, whole-window and with a
-    cache: valgrind's CPU has no VNNI whatever this machine has, so the signed form saturates there
-    (its KL against the FP32 graph, run on this machine, far above the unsigned form's), every
-    count is read from a callgrind dump, and the with-past graph is fed a prompt after an empty
-    cache (logits at its last position) and a token after the prompt's cache."""
+    """An embedding and one 8-bit per-token GEMM: in FP32 as a whole-window graph, in INT8 with a
+    cache. valgrind's CPU has no VNNI whatever this machine has, so the signed form saturates there
+    (its KL against the FP32 graph, run on this machine, far above the unsigned form's); every count
+    is read from a callgrind dump; the whole-window graph is fed the window and a one-token window,
+    the with-past one a prompt after an empty cache (logits at its last position) and a token after
+    the prompt's cache."""
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(0)
@@ -121,7 +122,6 @@ def test_avx2_instruction_counts_show_the_u8s8_kernel_saturating_under_valgrind(
     fp32 = _graph(tmp_path / "fp32.onnx", [embed, helper.make_node("MatMul", ["x", "weight"], ["logits"])],
                   [numpy_helper.from_array(embedding, "embedding"),
                    numpy_helper.from_array(codes.astype(np.float32) * scales, "weight")])
-    int8 = _graph(tmp_path / "int8.onnx", [embed, *int8_head("x")], weights)
     # with a cache: one layer's keys and values (a projection of x) appended to the past; the head
     # reads the last logits_to_keep positions (0: every one)
     past = [helper.make_tensor_value_info(f"past_key_values.0.{kv}", TensorProto.FLOAT, [1, 1, None, head])
@@ -144,21 +144,19 @@ def test_avx2_instruction_counts_show_the_u8s8_kernel_saturating_under_valgrind(
                 helper.make_tensor_value_info("logits_to_keep", TensorProto.INT64, [1])],
         outputs=("logits", "present.0.key", "present.0.value"))
     script = ROOT / "benchmarks" / "avx2_instructions.py"
-    run = subprocess.run([sys.executable, str(script), str(fp32), str(int8), str(int8_past), "--reference", str(fp32),
+    run = subprocess.run([sys.executable, str(script), str(fp32), str(int8_past), "--reference", str(fp32),
                           "--prompt", "4"], capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     rows = [line.split(" | ") for line in run.stdout.splitlines() if line.startswith("| ") and "---" not in line]
     assert rows[0] == ["| model", "weights", "prompt (4 tokens)", "x first", "one new token", "x first",
                        "KL vs fp32.onnx (prompt) |"]
     labels = [(row[0], row[1]) for row in rows[1:]]
-    assert labels == [("| fp32.onnx", "as written"), ("| int8.onnx", "signed (u8 x s8)"),
-                      ("| int8.onnx", "unsigned (u8 x u8, 1 GEMMs)"), ("| int8.past.onnx", "signed (u8 x s8)"),
+    assert labels == [("| fp32.onnx", "as written"), ("| int8.past.onnx", "signed (u8 x s8)"),
                       ("| int8.past.onnx", "unsigned (u8 x u8, 1 GEMMs)")]
     counts = [[float(cell.rstrip(" M|").replace(",", "")) for cell in row[2:]] for row in rows[1:]]
-    assert all(c > 0 for row in counts for c in row[:4])
+    assert all(0 < row[0] < 100 and 0 < row[2] < 100 for row in counts)   # millions: a tiny graph's, not a wrapped delta
     assert counts[0][1] == counts[0][3] == 1.0 and counts[0][4] < 1e-6   # FP32 under valgrind: the same logits
-    assert counts[1][4] > 10 * counts[2][4]          # whole window: every position's KL
-    assert counts[3][4] > 10 * counts[4][4]          # with a cache: the prompt's last position only
+    assert counts[1][4] > 10 * counts[2][4]          # the prompt's last position (logits_to_keep = 1)
     assert "no VNNI" in run.stdout
 
     bad = subprocess.run([sys.executable, str(script), str(fp32), str(tmp_path / "none.onnx")], capture_output=True,
