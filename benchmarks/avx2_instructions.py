@@ -204,13 +204,9 @@ def graph_feeds(model: Path, ids: np.ndarray, out: Path) -> Feeds:
 
 def kl_per_position(reference: np.ndarray, other: np.ndarray) -> float:
     """KL(reference || other) per position, over the positions ``other`` has (its last ones)."""
-    def log_softmax(x: np.ndarray) -> np.ndarray:
-        x = x.astype(np.float64)
-        x = x - x.max(axis=-1, keepdims=True)
-        return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+    from quantnorm.measure.accuracy import log_softmax
 
-    reference = reference[:, -other.shape[1]:]
-    p_log, q_log = log_softmax(reference), log_softmax(other)
+    p_log, q_log = log_softmax(reference[:, -other.shape[1]:]), log_softmax(other)
     return float((np.exp(p_log) * (p_log - q_log)).sum(axis=-1).mean())
 
 
@@ -226,7 +222,7 @@ def native_logits(model: Path, ids: np.ndarray) -> np.ndarray:
     return session.run(None, window_feeder(session)(ids))[0]
 
 
-def count_every_form(counter: Counter, models: list[Path], ids: np.ndarray, work: Path) -> list[Count]:
+def count_every_form(counter: Counter, models: list[Path], feeds: list[Feeds], work: Path) -> list[Count]:
     """Each model as written, and one with int8 weight codes at risk of saturating stored unsigned
     too (what a session on a CPU without VNNI runs)."""
     import onnx
@@ -234,8 +230,7 @@ def count_every_form(counter: Counter, models: list[Path], ids: np.ndarray, work
     from quantnorm.unsigned_weights import to_unsigned
 
     counts = []
-    for index, model in enumerate(models):
-        feeds = graph_feeds(model, ids, work / f"feeds-{index}")
+    for index, (model, model_feeds) in enumerate(zip(models, feeds)):
         forms = [("as written", model)]
         proto = onnx.load(str(model))
         converted = to_unsigned(proto)
@@ -246,7 +241,7 @@ def count_every_form(counter: Counter, models: list[Path], ids: np.ndarray, work
         del proto
         for form, path in forms:
             print(f"counting {model.name}, {form} ...", file=sys.stderr, flush=True)
-            counts.append(counter.count(path, f"{model.name} | {form}", feeds))
+            counts.append(counter.count(path, f"{model.name} | {form}", model_feeds))
     return counts
 
 
@@ -272,14 +267,13 @@ def main() -> int:
         try:   # the vocabulary; then every graph's feeds, before anything is counted
             vocab = native_logits(args.models[0], np.zeros((1, 1), dtype=np.int64)).shape[-1]
             ids = np.random.default_rng(0).integers(0, vocab, size=(1, args.prompt), dtype=np.int64)
-            for index, model in enumerate(args.models):
-                graph_feeds(model, ids, work / f"check-{index}")
+            feeds = [graph_feeds(model, ids, work / f"feeds-{index}") for index, model in enumerate(args.models)]
             reference = native_logits(args.reference, ids) if args.reference else None
         except ValueError as error:
             parser.error(str(error))
         counter = Counter(work)
         try:
-            counts = count_every_form(counter, args.models, ids, work)
+            counts = count_every_form(counter, args.models, feeds, work)
         finally:
             counter.close()
 
