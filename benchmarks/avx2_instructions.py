@@ -170,7 +170,10 @@ def graph_feeds(model: Path, ids: np.ndarray, out: Path) -> Feeds:
 
     from quantnorm.feeds import ATTENTION_MASK, LOGITS_TO_KEEP, PAST_INPUT, POSITION_IDS
 
-    graph = onnx.load(str(model), load_external_data=False).graph
+    try:
+        graph = onnx.load(str(model), load_external_data=False).graph
+    except Exception as error:   # protobuf's DecodeError and kin: not an ONNX file
+        raise ValueError(f"{model}: not an ONNX graph ({type(error).__name__}); pass model.*.onnx files") from None
     inputs = [i for i in graph.input if i.name not in {init.name for init in graph.initializer}]
     optional = {i.name for i in graph.input} - {i.name for i in inputs}    # inputs with a default
     first, prompt_len = inputs[0].name, ids.shape[1]
@@ -218,7 +221,10 @@ def native_logits(model: Path, ids: np.ndarray) -> np.ndarray:
 
     options = ort.SessionOptions()
     options.log_severity_level = 3   # errors only (an overridable logits_to_keep draws a warning)
-    session = ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
+    try:
+        session = ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
+    except Exception as error:   # onnxruntime's InvalidProtobuf, Fail, ...
+        raise ValueError(f"{model}: ONNX Runtime cannot load it ({str(error).splitlines()[0][:200]})") from None
     return session.run(None, window_feeder(session)(ids))[0]
 
 

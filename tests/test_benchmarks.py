@@ -162,3 +162,7 @@ def test_avx2_instruction_counts_show_the_u8s8_kernel_saturating_under_valgrind(
     bad = subprocess.run([sys.executable, str(script), str(fp32), str(tmp_path / "none.onnx")], capture_output=True,
                          text=True, cwd=ROOT, timeout=120)
     assert bad.returncode == 2 and "no such ONNX file" in bad.stderr
+    (tmp_path / "notes.txt").write_text("not a graph")
+    bad = subprocess.run([sys.executable, str(script), str(fp32), str(tmp_path / "notes.txt")], capture_output=True,
+                         text=True, cwd=ROOT, timeout=120)
+    assert bad.returncode == 2 and "notes.txt: not an ONNX graph" in bad.stderr and "Traceback" not in bad.stderr
