@@ -204,3 +204,17 @@ def test_the_benchmark_against_llamacpp_refuses_bad_input(tmp_path, capsys):
     assert bench.main(["--retime", "-1", "--read", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 4 and all(line.startswith("error: ") for line in err)
+
+
+def test_a_crash_of_the_extra_buffer_probe_keeps_them_off_and_says_why(monkeypatch, tmp_path):
+    # the probe's own child process, made to crash as llama.cpp's AMX kernels do when GCC 12 built them
+    from quantnorm.engines import llamacpp
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    monkeypatch.setattr(llamacpp, "_PROBE", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
+    on, why = llamacpp.extra_buffers_work(gguf)
+    assert not on and why.startswith("llama.cpp crashed (SIGSEGV)") and "clang" not in why
+    on, why = llamacpp.extra_buffers_work(gguf, amx=True)
+    assert not on and why.endswith(llamacpp.AMX_HINT)
+    monkeypatch.setattr(llamacpp, "_PROBE", "import sys; sys.exit(0)")
+    assert llamacpp.extra_buffers_work(gguf, amx=True) == (True, None)

@@ -162,7 +162,8 @@ class LlamaCppModel:
         self.version = ll.__version__
         self.n_ctx = max(int(max_length), 1)
         self.n_batch = max(N_BATCH, self.n_ctx)
-        extra, why = extra_buffers_work(self.path)
+        system_info = " ".join(_text(ll.llama_print_system_info()).split())
+        extra, why = extra_buffers_work(self.path, amx="AMX_INT8 = 1" in system_info)
         self._ctx = _Context(self.path, n_ctx=self.n_ctx, n_batch=self.n_batch, threads=threads, extra_bufts=extra)
         self.vocab = self._ctx.vocab
         self.settings = {"threads": threads, "n_ctx": self.n_ctx, "n_batch": self.n_batch,
@@ -170,7 +171,7 @@ class LlamaCppModel:
                          "quantize": "llama_model_quantize defaults, allow_requantize",
                          "flash_attn": _text(ll.llama_flash_attn_type_name(self._ctx.params.flash_attn_type)),
                          "kv_cache": "f16", "n_gpu_layers": 0, "extra_buffer_types": extra,
-                         "system_info": " ".join(_text(ll.llama_print_system_info()).split())}
+                         "system_info": system_info}
         if why is not None:
             self.settings["extra_buffer_types_off"] = why
 
@@ -283,9 +284,10 @@ def _backend_init(ll) -> None:
 
 
 # A decode of a few tokens in a child process, with llama.cpp's extra buffer types (the AMX
-# kernels, the repacked weights for AVX2/AVX-512): a machine whose CPU lists AMX while its
-# hypervisor does not run AMX tiles crashes inside them (SIGSEGV at ldtilecfg), which would take
-# the whole run with it.
+# kernels, the repacked weights for AVX2/AVX-512): llama.cpp built by GCC 12 for a CPU with AMX
+# crashes inside them (SIGSEGV at ldtilecfg: that GCC's _tile_loadconfig tells the compiler it
+# reads 8 of the config's 64 bytes, so the stores of the tile shapes are dropped and the
+# instruction loads stack garbage; README, Other engines), which would take the whole run with it.
 _PROBE = """
 import sys, llama_cpp as ll
 quiet = ll.llama_log_callback(lambda *a: None)   # kept referenced: llama.cpp calls it later
@@ -300,8 +302,13 @@ sys.exit(ll.llama_decode(ctx, ll.llama_batch_get_one(tokens, 8)))
 """
 
 
-def extra_buffers_work(path: Path) -> tuple[bool, str | None]:
-    """(whether to use llama.cpp's extra buffer types for ``path``, why not)."""
+AMX_HINT = ("llama.cpp built with its AMX kernels by GCC 12 does this: rebuild it with clang "
+            "(README, Other engines) to measure it with them")
+
+
+def extra_buffers_work(path: Path, *, amx: bool = False) -> tuple[bool, str | None]:
+    """(whether to use llama.cpp's extra buffer types for ``path``, why not); ``amx``: whether this
+    llama.cpp was built with its AMX kernels (its system info lists AMX_INT8)."""
     done = subprocess.run([sys.executable, "-c", _PROBE, str(path)], capture_output=True, timeout=600)
     if done.returncode >= 0:
         return True, None
@@ -309,8 +316,9 @@ def extra_buffers_work(path: Path) -> tuple[bool, str | None]:
         name = signal.Signals(-done.returncode).name
     except ValueError:
         name = f"signal {-done.returncode}"
-    return False, (f"llama.cpp crashed ({name}) decoding with its extra buffer types (AMX kernels, repacked "
-                   f"weights) on this machine: the weights stay in plain CPU buffers")
+    why = (f"llama.cpp crashed ({name}) decoding with its extra buffer types (AMX kernels, repacked "
+           f"weights) on this machine: the weights stay in plain CPU buffers")
+    return False, f"{why}; {AMX_HINT}" if amx else why
 
 
 def _text(value) -> str:
