@@ -14,7 +14,10 @@ For a causal model source (``source.with_past(cfg)``; an encoder says why it has
    so there it measures that difference);
    with ``--prefill-recipe P``, each weight-only recipe W is also deployed split (``split_entries``):
    the prompt through P's with-past graph, the new tokens through W's, one cache between them,
-   an entry ``W+prefill-P`` with its own cache proof;
+   an entry ``W+prefill-P`` with its own cache proof; each per-token recipe P is also deployed
+   with its one-row token graph (``one_row_entries``, ``generation.one_row``): the prompts and any
+   step of several rows through P's graph, a step of one row through the token graph, an entry
+   ``P+one-row`` with its own cache proof;
 3. decode speed (``generation.speed``) of FP32 and every ok recipe (and split pair), per provider and batch
    (at batch 1 with a profile of the one-token step: kernel time per op type, the weight bytes it reads), and
    generation agreement with FP32's greedy generations (``generation.agreement``).
@@ -36,11 +39,12 @@ from .errors import ConfigError, ExportError, QuantnormError
 from .fileio import release_memory
 from .generation.agreement import agreement_prompts, fp32_continuation, generation_agreement
 from .generation.decode import DecodeSession, check_cache
+from .generation.one_row import write_one_row_graph
 from .generation.qkv_packing import pack_qkv_file
 from .generation.speed import PROFILED_STEPS, decode_lengths, decode_speed
 from .measure.sessions import TENSORRT, SessionSpec, normalize_provider
 from .quantize import GPTQCodes, PreprocessCache, quantize
-from .runs import past_onnx_file
+from .runs import PAST_SUFFIX, past_file, past_onnx_file
 
 CACHE_CHECK_WINDOWS = 4
 CACHE_TOLERANCE = 1e-4
@@ -91,6 +95,8 @@ def generation_section(source, cfg, *, run_dir: Path, fp32_path: Path, recipes: 
                    for name, recipe in recipes.items() if name in int8_paths]
     past.release()
     release_memory()
+    with stage("generation:one_row"):
+        models += one_row_entries(models, recipes, data.eval_inputs, cfg, run_dir)
     if cfg.gen_prefill_recipe is not None:
         with stage("generation:split"):
             models += split_entries(models, recipes, cfg.gen_prefill_recipe, data.eval_inputs, cfg, run_dir)
@@ -199,6 +205,41 @@ def split_entries(models: list[dict], recipes: dict, prompt: str, eval_inputs: n
         check = _cache_check(run_dir / second["path"], eval_inputs, None, cfg, prompt_model=run_dir / first["path"])
         out.append({**entry, "status": "ok", "path": second["path"], "prompt_path": first["path"],
                     "size_bytes": second["size_bytes"] + first["size_bytes"], "cache_check": check})
+    return out
+
+
+ONE_ROW_SUFFIX = "+one-row"
+
+
+def one_row_file(past_path: str) -> str:
+    """The one-row token graph's file beside a with-past graph's: ``model.int8.X.past.onnx`` ->
+    ``model.int8.X.one-row.past.onnx``."""
+    return past_file(past_path.removesuffix(PAST_SUFFIX + ".onnx") + ".one-row.onnx")
+
+
+def one_row_entries(models: list[dict], recipes: dict, eval_inputs: np.ndarray, cfg, run_dir: Path) -> list[dict]:
+    """A ``generation.models`` entry ``P+one-row`` per per-token recipe P with a with-past graph:
+    P deployed with its one-row token graph (``generation.one_row``); ``path`` is that graph,
+    ``prompt_path`` P's, ``size_bytes`` both files, ``one_row`` the rewrite's counts and P."""
+    out = []
+    for entry in models:
+        recipe = recipes.get(entry["name"])
+        if recipe is None or recipe.mode != "pertoken" or entry["status"] != "ok":
+            continue
+        name = entry["name"] + ONE_ROW_SUFFIX
+        path = run_dir / one_row_file(entry["path"])
+        done = write_one_row_graph(run_dir / entry["path"], path)
+        if not done["products"]:
+            out.append({"name": name, "status": "not applicable: its with-past graph has no per-token product "
+                        "with int8 weights and no weight zero point to rewrite (the unsigned 8-bit grid keeps "
+                        "P's graph for every step)"})
+            continue
+        # the prompt on P's graph, each later token on the one-row graph, against P's graph scored
+        # whole: what rounding one row P's way and ORT's way apart costs
+        check = _cache_check(path, eval_inputs, None, cfg, prompt_model=run_dir / entry["path"])
+        out.append({"name": name, "status": "ok", "path": path.name, "prompt_path": entry["path"],
+                    "size_bytes": path.stat().st_size + entry["size_bytes"], "one_row": {"recipe": entry["name"], **done},
+                    "cache_check": check})
     return out
 
 

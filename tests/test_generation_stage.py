@@ -99,7 +99,8 @@ def test_zoo_every_recipe_generates_through_its_cache(zoo_run):
     models = _check_models(results, ("static-minmax-matmul", "pertoken-fused-gptq", "online-rotated-pertoken-fused",
                                      "smoothquant"))
     assert set(models) == {"fp32", "static-minmax-matmul", "dynamic", "pertoken-fused-gptq",
-                           "online-rotated-pertoken-fused", "smoothquant", "wo-int8-b32-acc4", SPLIT}
+                           "online-rotated-pertoken-fused", "smoothquant", "wo-int8-b32-acc4", SPLIT, ONE_ROW,
+                           "online-rotated-pertoken-fused+one-row"}
     # each recipe quantized its own transformed with-past model
     assert models["online-rotated-pertoken-fused"].entry["quantized_from"] == "model.fp32.rotated-online.past.onnx"
     assert models["smoothquant"].entry["quantized_from"] == "model.fp32.smoothquant.past.onnx"
@@ -163,6 +164,53 @@ def test_a_split_deployment_prefills_on_one_graph_and_generates_on_the_other(zoo
     # a bundle takes both graphs (tests/test_bundle.py: ONNX Runtime GenAI's decoder-pipeline)
     assert pick_model(results, SPLIT, zoo_run).entry["prompt_path"] == prompt.name
     assert f"| `{SPLIT}` | 1 |" in (zoo_run / "report.md").read_text()
+
+
+ONE_ROW = "pertoken-fused-gptq+one-row"
+
+
+def test_a_per_token_recipe_generates_with_its_one_row_token_graph(zoo_run):
+    """P+one-row: a step of one row runs the one-row graph (ORT's rounding of the row, the products
+    packed), every other step P's graph exactly; scored through the cache at batch 1, with P's accuracy."""
+    from quantnorm.generation import DecodeSession
+    from quantnorm.report.engines import quantnorm_rows
+
+    results = _results(zoo_run)
+    models = _check_models(results, ())
+    entry = models[ONE_ROW].entry
+    tokens, prompt = zoo_run / "model.int8.pertoken-fused-gptq.one-row.past.onnx", zoo_run / "model.int8.pertoken-fused-gptq.past.onnx"
+    assert (entry["path"], entry["prompt_path"]) == (tokens.name, prompt.name)
+    assert entry["size_bytes"] == tokens.stat().st_size + prompt.stat().st_size
+    # the tiny model's one layer: q, k and v (one product, then split: its attention is not ORT's
+    # GroupQueryAttention, test_one_row.py packs into that), the projection, up, down, the head
+    assert entry["one_row"] == {"recipe": "pertoken-fused-gptq", "products": 7, "packed_attention_layers": 0,
+                                "packed_splits": 1}
+    graph = onnx.load(str(tokens)).graph
+    assert not any(n.op_type in ("MatMulIntegerToFloat", "QuantizeLinear") for n in graph.node)
+    assert entry["cache_check"]["windows"][0] == 4 and entry["cache_check"]["relative_diff"] < 1e-2
+    assert "not applicable" not in models["dynamic"].status and "dynamic+one-row" not in models   # per-token only
+
+    ids = windows(2, 10, 256)
+    runner = DecodeSession(tokens, prompt_model=prompt)
+    alone = DecodeSession(prompt)
+    assert runner.one_row and not alone.one_row
+    for batch in (2, 1):
+        runner.reset(batch, 10)
+        alone.reset(batch, 10)
+        np.testing.assert_array_equal(runner.step(ids[:batch, :8]), alone.step(ids[:batch, :8]))
+        mine, theirs = runner.step(ids[:batch, 8:9]), alone.step(ids[:batch, 8:9])
+        if batch == 2:   # two rows: P's graph, exactly (one scale per tensor would not be per token)
+            np.testing.assert_array_equal(mine, theirs)
+        else:            # one row: the one-row graph, close to P's and not equal
+            assert not np.array_equal(mine, theirs) and np.abs(mine - theirs).max() < 0.1 * np.abs(theirs).max()
+    with pytest.raises(ConfigError, match="one-row token graph .* prompt graph"):
+        DecodeSession(tokens)
+
+    row = next(r for r in quantnorm_rows(results) if r.format == ONE_ROW)
+    assert row.accuracy == next(r["accuracy"] for r in results["recipes"] if r["name"] == "pertoken-fused-gptq")
+    assert row.gen_tok_s > 0 and row.agreement is not None and row.size_bytes == entry["size_bytes"]
+    report = (zoo_run / "report.md").read_text()
+    assert f"| `{ONE_ROW}` | 1 |" in report and "One-row token graphs" in report
 
 
 def test_a_split_needs_graphs_of_one_model(zoo_run, tmp_path):

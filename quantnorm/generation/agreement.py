@@ -76,6 +76,8 @@ def _teacher_forced(runner: DecodeSession, prompts: np.ndarray, tokens: np.ndarr
 
 
 def _chunk(runner: DecodeSession, prompts: np.ndarray, new_tokens: int) -> int:
+    if runner.one_row:   # its token graph takes a step of one row only: a prompt at a time reaches it
+        return 1
     return rows_within_budget(prompts.shape[1] + new_tokens, runner.vocab, MAX_CHUNK)
 
 

@@ -55,6 +55,7 @@ LOGITS = "logits"
 # (what llama.cpp and transformers' ``logits_to_keep`` do): on a 262k-token vocabulary the head is
 # most of a prefill.
 MAX_LENGTH_KEY = "quantnorm.max_length"   # model metadata: the longest past + seq the graph is exact for
+ONE_ROW_KEY = "quantnorm.one_row"   # model metadata "1": a token graph exact for steps of one row (one_row.py)
 _PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
 _ORT_FLOAT = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 
@@ -200,6 +201,8 @@ class _Graph:
         # cache tensor anew took ~0.5 ms of Python per step, 7% of a SmolLM2 token)
         self.binding = session.io_binding()
         self.bound_cache: list | None = None   # the cache values bound as past and present, if any
+        # a per-token recipe's token graph (generation/one_row.py): exact for a step of one row only
+        self.one_row = session.get_modelmeta().custom_metadata_map.get(ONE_ROW_KEY) == "1"
 
 
 class DecodeSession:
@@ -226,6 +229,9 @@ class DecodeSession:
             prompt_session = open_session(prompt_model, threads, spec)
             check_one_cache(self.layout, PastLayout.of_session(prompt_session, "the prompt graph"))
             self.prompt_graph = _Graph(prompt_session)
+        if self.tokens_graph.one_row and (prompt_model is None or self.prompt_graph.one_row):
+            raise ConfigError("a one-row token graph (quantnorm.one_row) runs beside the per-token graph it was "
+                              "made from: pass that graph as the prompt graph (prompt_model)")
         # the cache stays where the provider computes it: host memory for the CPU, the GPU's for CUDA
         self.device = "cuda" if self.session.get_providers()[0] == CUDA else "cpu"
         self.shared = shared_cache is not False and self._can_share(model) and \
@@ -235,11 +241,17 @@ class DecodeSession:
                               "GroupQueryAttention reads and writes, with its max_length stated (quantnorm's "
                               "fused with-past export)")
         self._keep_one = ort.OrtValue.ortvalue_from_numpy(np.ones(1, np.int64))
+        self._token_logits: tuple[np.ndarray, ort.OrtValue] | None = None   # (buffer, its value) of a one-token step
         self._keep_all = ort.OrtValue.ortvalue_from_numpy(np.zeros(1, np.int64))   # the input's default: 0, all
         self.outputs = [LOGITS, *present_names(self.layout.n_layers)]
         vocab = next(o.shape[-1] for o in self.session.get_outputs() if o.name == LOGITS)
         self.vocab = vocab if isinstance(vocab, int) and vocab > 0 else 1
         self.reset(1)
+
+    @property
+    def one_row(self) -> bool:
+        """Whether the token graph takes steps of one row only (the others run on the prompt graph)."""
+        return self.tokens_graph.one_row
 
     @property
     def split(self) -> bool:
@@ -289,6 +301,8 @@ class DecodeSession:
             raise ConfigError(f"{self.length + ids.shape[1]} tokens exceed the model's {max_length} positions "
                               f"(prompt plus new tokens): use a shorter prompt or fewer new tokens")
         graph = self.tokens_graph if ids.shape[1] == 1 or tokens_graph else self.prompt_graph
+        if graph.one_row and ids.size > 1:   # several rows: one scale per tensor would not be per token
+            graph = self.prompt_graph
         total = self.length + ids.shape[1]
         if self.shared:
             self._grow(total)
@@ -301,7 +315,17 @@ class DecodeSession:
                 binding.bind_cpu_input(name, array)
         if graph.keeps_logits:
             binding.bind_ortvalue_input(LOGITS_TO_KEEP, self._keep_one if last_only else self._keep_all)
-        binding.bind_output(LOGITS, self.device)   # a fresh output each step: its rows change with the step
+        # One token per row on the CPU with the cache in one buffer: the logits go to a buffer kept
+        # for that batch, and nothing else is fetched back (get_outputs wraps every present as well:
+        # 43 us of a 7 ms SmolLM2 step). Otherwise a fresh output each step: its rows change with it.
+        one_token = self.shared and self.device == "cpu" and ids.shape[1] == 1 and self.vocab > 1
+        if one_token:
+            if self._token_logits is None or self._token_logits[0].shape[0] != self.batch:
+                out = np.empty((self.batch, 1, self.vocab), np.float32)
+                self._token_logits = (out, ort.OrtValue.ortvalue_from_numpy(out))
+            binding.bind_ortvalue_output(LOGITS, self._token_logits[1])
+        else:
+            binding.bind_output(LOGITS, self.device)
         if not self.shared or graph.bound_cache is not self.past:
             for name, value in zip(past_names(self.layout.n_layers), self.past):
                 binding.bind_ortvalue_input(name, value)
@@ -313,10 +337,12 @@ class DecodeSession:
                 for name in self.outputs[1:]:
                     binding.bind_output(name, self.device)
         graph.session.run_with_iobinding(binding)
+        self.length = total
+        if one_token:
+            return self._token_logits[0].copy()   # the caller may keep it past the next step
         logits, *present = binding.get_outputs()
         if not self.shared:
             self.past = present
-        self.length = total
         logits = logits.numpy()
         return logits[:, -1:] if last_only and logits.shape[1] != 1 else logits
 
@@ -417,7 +443,8 @@ def check_cache(model, windows: np.ndarray, prefill: int, *, whole=None, toleran
     # of the generation stage's peak): the whole-window graph scores first and is let go.
     whole_sum = None if whole is None else _whole_nll_sum(open_session(whole, threads), windows, batch_size)
     runner = DecodeSession(model, threads=threads, prompt_model=prompt_model)
-    batch_size = rows_within_budget(windows.shape[1], runner.vocab, batch_size)
+    # a one-row token graph takes a step only at batch 1: several windows at once would never reach it
+    batch_size = 1 if runner.one_row else rows_within_budget(windows.shape[1], runner.vocab, batch_size)
     cached_sum, own_whole_sum = 0.0, 0.0
     for lo in range(0, len(windows), batch_size):
         batch = windows[lo:lo + batch_size]

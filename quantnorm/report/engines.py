@@ -112,6 +112,15 @@ def _split_rows(results: dict, by_name: dict[str, Row]) -> list[Row]:
     agreement and speed."""
     rows = []
     for m in results_file.generation_models(results):
+        one_row = m.entry.get("one_row")
+        if m.ok and isinstance(one_row, dict) and one_row.get("recipe") in by_name:
+            # P deployed with its one-row token graph: P's whole-window accuracy (its prompts and
+            # windows), the one-row rounding scored through the cache (cache check, agreement)
+            decode = _decode_b1(results, m.name)
+            rows.append(Row(QUANTNORM, None, m.name, m.status, by_name[one_row["recipe"]].accuracy,
+                            (m.agreement or {}).get("identical_before_divergence"), decode.get("prompt_tokens_per_s"),
+                            decode.get("gen_tokens_per_s"), m.entry.get("size_bytes"), step_bytes=_step_bytes(decode)))
+            continue
         pair = m.entry.get("split")
         if not m.ok or not isinstance(pair, dict) or not {pair.get("tokens"), pair.get("prompt")} <= set(by_name):
             continue

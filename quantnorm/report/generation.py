@@ -47,6 +47,14 @@ def generation(results: dict) -> list[str]:
               "through P's with-past graph and the new tokens through W's, one cache between them; both graphs are "
               "held (its memory and size are both files'), and its cache check is the pair through the cache "
               "against W's graph scored whole.", ""]
+    one_row = [m.name for m in models if m.ok and isinstance(m.entry.get("one_row"), dict)]
+    if one_row:
+        L += ["One-row token graphs (`P+one-row`, each per-token recipe P): a decode step of one row runs P's "
+              "products as ONNX Runtime's `DynamicQuantizeMatMul` (one row's scale is its tensor's; asymmetric "
+              "uint8 where P rounds symmetric) with the products that read one input packed; prompts and steps "
+              "of several rows (batch > 1) run P's own graph. Its accuracy is P's whole-window accuracy; what "
+              "the other rounding costs is its cache check (P's graph scored whole against the pair through the "
+              "cache, at batch 1) and its generation agreement beside P's.", ""]
     L += _speed_tables(models)
     L += _step_tables(models, results_file.engine_rows(results))
     L += _agreement_table(models, s)

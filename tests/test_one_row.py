@@ -1,0 +1,130 @@
+"""A per-token graph's one-row token graph (quantnorm.generation.one_row): what one product
+computes, the products that read one input packed, and what is left alone. The deployment of it
+(the generation stage, DecodeSession's routing) is tested on a zoo run in test_generation_stage.py."""
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+from test_pertoken import K, N, matmul_model, run
+
+from quantnorm.generation.decode import ONE_ROW_KEY
+from quantnorm.generation.one_row import DQMM, one_row_graph, write_one_row_graph
+from quantnorm.quantize.pertoken import quantize_per_token
+
+
+def _per_token(tmp_path, weight, shared_input=False):
+    src = matmul_model(tmp_path / "fp32.onnx", weight, shared_input)
+    dst = tmp_path / "pertoken.onnx"
+    # 7-bit weights: ORT's u8 x s8 kernel is exact with them on every CPU (test_pertoken.py's grids)
+    quantize_per_token(src, dst, ["mm", "mm2"] if shared_input else ["mm"], reduce_range=True, fused=True)
+    return dst
+
+
+def _ort_row_rounding(x: np.ndarray) -> tuple[np.ndarray, np.float32, np.uint8]:
+    """ONNX Runtime's DynamicQuantizeLinear of a tensor: uint8 over min(0, x)..max(0, x)."""
+    low, high = np.float32(min(0.0, x.min())), np.float32(max(0.0, x.max()))
+    scale = np.float32((high - low) / np.float32(255))
+    zero = np.uint8(np.clip(np.rint(-low / scale), 0, 255))
+    return np.clip(np.rint(x / scale) + zero, 0, 255).astype(np.uint8), scale, zero
+
+
+def test_a_row_is_quantized_as_ort_rounds_one_tensor_and_multiplied_by_the_recipes_codes(tmp_path):
+    rng = np.random.default_rng(0)
+    weight = (rng.standard_normal((K, N)) * 0.1).astype(np.float32)
+    pertoken = _per_token(tmp_path, weight)
+    model = onnx.load(str(pertoken))
+    done = one_row_graph(model)
+    assert done == {"products": 1, "packed_attention_layers": 0, "packed_splits": 0}
+    assert [n.op_type for n in model.graph.node] == [DQMM]   # the per-token quantization is gone with it
+    assert {p.key: p.value for p in model.metadata_props}[ONE_ROW_KEY] == "1"
+    node = model.graph.node[0]
+    inits = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    codes, scales = inits[node.input[1]], inits[node.input[2]]
+    assert codes.dtype == np.int8 and np.abs(codes).max() <= 63   # the recipe's own 7-bit codes, kept
+    x = rng.standard_normal((1, 1, K)).astype(np.float32)
+    x[0, 0, 5] = 300.0   # a large value sets the row's scale, as a massive activation would
+    q, scale, zero = _ort_row_rounding(x)
+    expected = (q.astype(np.int32) - int(zero)) @ codes.astype(np.int32) * (scale * scales)
+    got = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6 * np.abs(expected).max())
+    # and it is not the recipe's symmetric rounding, which the deployment scores through the cache
+    symmetric = run(pertoken, x)[0]
+    assert not np.array_equal(got, symmetric) and np.abs(got - symmetric).max() < 0.05 * np.abs(symmetric).max()
+
+
+def test_products_that_read_one_input_run_as_one_and_give_each_its_columns(tmp_path):
+    rng = np.random.default_rng(1)
+    weight = (rng.standard_normal((K, N)) * 0.1).astype(np.float32)
+    pertoken = _per_token(tmp_path, weight, shared_input=True)
+    separate = onnx.load(str(pertoken))
+    from quantnorm.generation import one_row as module
+
+    assert module._fuse_quantize_matmul(separate.graph) == 2
+    packed = tmp_path / "one_row.onnx"
+    assert write_one_row_graph(pertoken, packed) == {"products": 2, "packed_attention_layers": 0, "packed_splits": 1}
+    graph = onnx.load(str(packed)).graph
+    assert sorted(n.op_type for n in graph.node) == [DQMM, "Split"]
+    assert numpy_helper.to_array(next(i for i in graph.initializer if i.name.endswith("_weights"))).shape == (K, 2 * N)
+    x = rng.standard_normal((1, 1, K)).astype(np.float32)
+    unpacked = ort.InferenceSession(separate.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    for a, b in zip(run(packed, x), unpacked):
+        np.testing.assert_array_equal(a, b)   # one row quantized once or twice is the same row
+
+
+def test_a_graph_without_per_token_products_is_left_alone(tmp_path):
+    fp32 = matmul_model(tmp_path / "fp32.onnx", np.ones((K, N), np.float32))
+    dst = tmp_path / "one_row.onnx"
+    assert write_one_row_graph(fp32, dst) == {"products": 0, "packed_attention_layers": 0, "packed_splits": 0}
+    assert not dst.exists()
+    # a product whose weights carry a zero point (the unsigned 8-bit grid) is not rewritten either
+    graph = helper.make_graph(
+        [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["xq"]),
+         helper.make_node("MatMulIntegerToFloat", ["xq", "W", "s", "ws", "z", "wz"], ["y"], domain="com.microsoft")],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, K])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, N])],
+        [numpy_helper.from_array(np.full((K, N), 128, np.uint8), "W"), numpy_helper.from_array(np.float32(0.1), "s"),
+         numpy_helper.from_array(np.uint8(128), "z"), numpy_helper.from_array(np.ones(N, np.float32), "ws"),
+         numpy_helper.from_array(np.full(N, 128, np.uint8), "wz")])
+    model = helper.make_model(graph)
+    assert one_row_graph(model)["products"] == 0 and ONE_ROW_KEY not in {p.key for p in model.metadata_props}
+
+
+def test_query_key_and_value_become_the_attention_operators_packed_input(tmp_path):
+    """Three products reading one input, each reshaped into GroupQueryAttention's query, key and
+    value: one product feeds its packed input, the reshapes gone; the same attention output."""
+    heads, kv_heads, head_dim = 4, 2, 8
+    rng = np.random.default_rng(2)
+    widths = {"q": heads * head_dim, "k": kv_heads * head_dim, "v": kv_heads * head_dim}
+    nodes, inits = [], [numpy_helper.from_array(np.array([1, 1, -1], np.int64), "shape")]
+    for name, width in widths.items():
+        inits += [numpy_helper.from_array(rng.integers(-63, 64, (K, width)).astype(np.int8), f"W{name}"),
+                  numpy_helper.from_array((rng.random(width) * 0.01 + 0.001).astype(np.float32), f"S{name}")]
+        nodes += [helper.make_node(DQMM, ["x", f"W{name}", f"S{name}"], [f"{name}_flat"], name=name, domain="com.microsoft"),
+                  helper.make_node("Reshape", [f"{name}_flat", "shape"], [name])]
+    nodes.append(helper.make_node("GroupQueryAttention", ["q", "k", "v", "past_key", "past_value", "seqlens_k", "total"],
+                                  ["out", "present_key", "present_value"], domain="com.microsoft", num_heads=heads,
+                                  kv_num_heads=kv_heads))
+    cache = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1, kv_heads, None, head_dim])
+             for n in ("past_key", "past_value")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, K]), *cache,
+                                           helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [1]),
+                                           helper.make_tensor_value_info("total", TensorProto.INT32, [])],
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, [1, 1, heads * head_dim])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)])
+    model.ir_version = 9
+    past = rng.standard_normal((1, kv_heads, 3, head_dim)).astype(np.float32)
+    feed = {"x": rng.standard_normal((1, 1, K)).astype(np.float32), "past_key": past, "past_value": past * 2,
+            "seqlens_k": np.array([3], np.int32), "total": np.array(4, np.int32)}
+
+    def attend(m):
+        return ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(["out"], feed)[0]
+
+    before = attend(model)
+    from quantnorm.generation import one_row as module
+
+    assert module._pack_shared_inputs(model.graph) == {"attention": 1, "split": 0}
+    module._drop_unused(model.graph)
+    assert [n.op_type for n in model.graph.node] == [DQMM, "GroupQueryAttention"]
+    assert list(model.graph.node[1].input[:3]) == [model.graph.node[0].output[0], "", ""]
+    np.testing.assert_array_equal(attend(model), before)
