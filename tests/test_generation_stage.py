@@ -205,6 +205,10 @@ def test_a_per_token_recipe_generates_with_its_one_row_token_graph(zoo_run):
             assert not np.array_equal(mine, theirs) and np.abs(mine - theirs).max() < 0.1 * np.abs(theirs).max()
     with pytest.raises(ConfigError, match="one-row token graph .* prompt graph"):
         DecodeSession(tokens)
+    from quantnorm.generation.bundle import pick_model
+
+    with pytest.raises(ConfigError, match="exact for steps of one row only.*bundle --recipe pertoken-fused-gptq$"):
+        pick_model(results, ONE_ROW, zoo_run)   # ORT GenAI's pipeline would run it for batches too
 
     row = next(r for r in quantnorm_rows(results) if r.format == ONE_ROW)
     assert row.accuracy == next(r["accuracy"] for r in results["recipes"] if r["name"] == "pertoken-fused-gptq")

@@ -191,6 +191,10 @@ def pick_model(results: dict, recipe: str, run_dir: Path) -> GenerationModel:
     if not model.ok or not model.path:
         raise ConfigError(f"--recipe {recipe}: the with-past graph of {name} is {model.status}; "
                           f"the run's usable ones: {', '.join(have) or 'none'}")
+    if isinstance(model.entry.get("one_row"), dict):
+        first = model.entry["one_row"].get("recipe")
+        raise ConfigError(f"--recipe {recipe}: its token graph is exact for steps of one row only, and ONNX Runtime "
+                          f"GenAI's pipeline would run it for a batch of sequences too: bundle --recipe {first}")
     split = isinstance(model.entry.get("split"), dict)
     if split and not model.entry.get("prompt_path"):
         raise ConfigError(f"--recipe {recipe}: {run_dir / RESULTS_FILE} names no prompt graph for this split "

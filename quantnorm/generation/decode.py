@@ -231,7 +231,9 @@ class DecodeSession:
             self.prompt_graph = _Graph(prompt_session)
         if self.tokens_graph.one_row and (prompt_model is None or self.prompt_graph.one_row):
             raise ConfigError("a one-row token graph (quantnorm.one_row) runs beside the per-token graph it was "
-                              "made from: pass that graph as the prompt graph (prompt_model)")
+                              "made from, which takes prompts and batches: pass that graph as the prompt graph "
+                              "(DecodeSession's prompt_model; a run times the pair as its P+one-row row, "
+                              "benchmarks/vs_llamacpp.py --retime again)")
         # the cache stays where the provider computes it: host memory for the CPU, the GPU's for CUDA
         self.device = "cuda" if self.session.get_providers()[0] == CUDA else "cpu"
         self.shared = shared_cache is not False and self._can_share(model) and \
