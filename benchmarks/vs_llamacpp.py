@@ -22,12 +22,13 @@ can land on one and not the other, and interleaved rounds are the fair ratio (a 
 ever slows a round down).
 
 Prints the machine (CPU, its ISA flags, threads), one row per recipe and llama.cpp format (KL,
-prompt and generation tokens/s, each as a ratio to Q8_0's) and the goal: a quantnorm row (a recipe
-or a split deployment) at Q8_0's KL or lower generates at least as fast as Q8_0 and prompts at
-least twice as fast (the row shown: the one meeting the most goals, then the fastest generation).
-Exit 0 when both are met, 1 when one is missed (or no recipe is as accurate as Q8_0), 2 when the
-run failed or has no measured Q8_0 row. Run it alone on the machine: the ratios are side by side in
-one run, but a neighbour's load still lands on whichever model runs beside it.
+prompt and generation tokens/s, each as a ratio to Q8_0's) and the goal: a quantnorm row (a recipe,
+a split deployment, a per-token recipe with its one-row token graph) at Q8_0's KL or lower generates
+at least as fast as Q8_0 and prompts at least twice as fast (the row shown: the one meeting the most
+goals, then the fastest generation). Exit 0 when both are met, 1 when one is missed (or no recipe is
+as accurate as Q8_0), 2 when the run failed or has no measured Q8_0 row. Run it alone on the machine:
+the ratios are side by side in one run, but a neighbour's load still lands on whichever model runs
+beside it.
 """
 
 from __future__ import annotations

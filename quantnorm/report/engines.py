@@ -2,7 +2,8 @@
 
 One table per run: FP32 and every recipe that ran (``results["recipes"]``, with its generation
 agreement and batch-1 CPU decode speed from ``results["generation"]`` and its file size), each
-split deployment (``--prefill-recipe``: the worse of its two graphs' accuracy), then each
+split deployment (``--prefill-recipe``: the worse of its two graphs' accuracy) and one-row
+deployment (``P+one-row``: P's accuracy), then each
 format of each other engine (``results["engines"]``, read through ``results.engine_rows``: made
 from the same checkpoint, scored on the same windows against the same FP32 baseline, with the same
 threads). Whether a row meets the accuracy goal is the run's own acceptance policy
