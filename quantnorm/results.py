@@ -26,11 +26,9 @@ Schema versions (:data:`READABLE_SCHEMAS`; :func:`load` refuses any other):
   search beside its PPL ratio target); the ``generation`` section (``status``, ``settings``, the
   with-past ``export``, and ``models``: FP32 then each recipe on its with-past graph, with its
   ``cache_check``, ``gptq`` (GPTQ recipes: ``matmuls``, ``codes_reused`` from the whole-window
-  solve), ``packed_qkv_layers`` (the layers whose query, key and value projections were packed
-  into one ``MatMulNBits``), ``agreement``, ``decode`` rows (batch 1 with a ``step_profile``), and a split
-  pair's ``split`` {tokens, prompt} and ``prompt_path`` (``--prefill-recipe``); a per-token recipe's
-  ``P+one-row`` entry's ``one_row`` {recipe, products, packed_attention_layers, packed_splits} and
-  ``prompt_path`` (its one-row token graph beside P's graph); see :func:`generation_models`).
+  solve), ``packed_qkv_layers`` (q, k, v packed into one ``MatMulNBits``), ``agreement``, ``decode`` rows
+  (batch 1 with a ``step_profile``), a split's ``split`` {tokens, prompt} and ``prompt_path`` (``--prefill-recipe``),
+  a ``P+one-row`` entry's ``one_row`` {recipe, counts} and ``prompt_path``; see :func:`generation_models`).
   The ``policy`` section: the accuracy thresholds the run was held to (``max_ppl_ratio``,
   ``max_kld``, ``max_kld_p99``, ``min_top1``; None = off), which the report's verdict applies.
   The ``engines`` section (``--engines``): ``{"status", "engines": [{"engine", "version", "rows":
