@@ -182,9 +182,10 @@ def test_a_per_token_recipe_generates_with_its_one_row_token_graph(zoo_run):
     assert (entry["path"], entry["prompt_path"]) == (tokens.name, prompt.name)
     assert entry["size_bytes"] == tokens.stat().st_size + prompt.stat().st_size
     # the tiny model's one layer: q, k and v (one product, then split: its attention is not ORT's
-    # GroupQueryAttention, test_one_row.py packs into that), the projection, up, down, the head
+    # GroupQueryAttention, test_one_row.py packs into that), the projection, up, down, the head;
+    # three adds read by an RMSNorm (the token and position embeddings, the two residuals)
     assert entry["one_row"] == {"recipe": "pertoken-fused-gptq", "products": 7, "packed_attention_layers": 0,
-                                "packed_splits": 1}
+                                "packed_splits": 1, "residual_norms": 3}
     graph = onnx.load(str(tokens)).graph
     assert not any(n.op_type in ("MatMulIntegerToFloat", "QuantizeLinear") for n in graph.node)
     assert entry["cache_check"]["windows"][0] == 4 and entry["cache_check"]["relative_diff"] < 1e-2

@@ -9,7 +9,7 @@ from onnx import TensorProto, helper, numpy_helper
 from test_pertoken import K, N, matmul_model, run
 
 from quantnorm.generation.decode import ONE_ROW_KEY
-from quantnorm.generation.one_row import DQMM, one_row_graph, write_one_row_graph
+from quantnorm.generation.one_row import DQMM, SKIP_NORM, one_row_graph, write_one_row_graph
 from quantnorm.quantize.pertoken import quantize_per_token
 
 
@@ -35,7 +35,7 @@ def test_a_row_is_quantized_as_ort_rounds_one_tensor_and_multiplied_by_the_recip
     pertoken = _per_token(tmp_path, weight)
     model = onnx.load(str(pertoken))
     done = one_row_graph(model)
-    assert done == {"products": 1, "packed_attention_layers": 0, "packed_splits": 0}
+    assert done == {"products": 1, "packed_attention_layers": 0, "packed_splits": 0, "residual_norms": 0}
     assert [n.op_type for n in model.graph.node] == [DQMM]   # the per-token quantization is gone with it
     assert {p.key: p.value for p in model.metadata_props}[ONE_ROW_KEY] == "1"
     node = model.graph.node[0]
@@ -62,7 +62,8 @@ def test_products_that_read_one_input_run_as_one_and_give_each_its_columns(tmp_p
 
     assert module._fuse_quantize_matmul(separate.graph) == 2
     packed = tmp_path / "one_row.onnx"
-    assert write_one_row_graph(pertoken, packed) == {"products": 2, "packed_attention_layers": 0, "packed_splits": 1}
+    assert write_one_row_graph(pertoken, packed) == {"products": 2, "packed_attention_layers": 0, "packed_splits": 1,
+                                                     "residual_norms": 0}
     graph = onnx.load(str(packed)).graph
     assert sorted(n.op_type for n in graph.node) == [DQMM, "Split"]
     assert numpy_helper.to_array(next(i for i in graph.initializer if i.name.endswith("_weights"))).shape == (K, 2 * N)
@@ -75,7 +76,8 @@ def test_products_that_read_one_input_run_as_one_and_give_each_its_columns(tmp_p
 def test_a_graph_without_per_token_products_is_left_alone(tmp_path):
     fp32 = matmul_model(tmp_path / "fp32.onnx", np.ones((K, N), np.float32))
     dst = tmp_path / "one_row.onnx"
-    assert write_one_row_graph(fp32, dst) == {"products": 0, "packed_attention_layers": 0, "packed_splits": 0}
+    assert write_one_row_graph(fp32, dst) == {"products": 0, "packed_attention_layers": 0, "packed_splits": 0,
+                                              "residual_norms": 0}
     assert not dst.exists()
     # a product whose weights carry a zero point (the unsigned 8-bit grid) is not rewritten either
     graph = helper.make_graph(
@@ -128,3 +130,50 @@ def test_query_key_and_value_become_the_attention_operators_packed_input(tmp_pat
     assert [n.op_type for n in model.graph.node] == [DQMM, "GroupQueryAttention"]
     assert list(model.graph.node[1].input[:3]) == [model.graph.node[0].output[0], "", ""]
     np.testing.assert_array_equal(attend(model), before)
+
+
+def _residual_norm_graph(axes=(-1,), gamma_constant=True) -> onnx.ModelProto:
+    """y = RMSNorm(a + b) as exported (Pow, ReduceMean, Add eps, Sqrt, Div, Mul gamma), and the sum
+    read again by a second add (the next residual), both outputs of the graph."""
+    d = 16
+    gamma = np.linspace(0.5, 1.5, d).astype(np.float32)
+    inits = [numpy_helper.from_array(np.float32(2.0), "two"), numpy_helper.from_array(np.array(axes, np.int64), "axes"),
+             numpy_helper.from_array(np.float32(1e-5), "eps")] + \
+        ([numpy_helper.from_array(gamma, "gamma")] if gamma_constant else [])
+    nodes = [helper.make_node("Add", ["a", "b"], ["x"], name="residual"),
+             helper.make_node("Pow", ["x", "two"], ["p"]), helper.make_node("ReduceMean", ["p", "axes"], ["m"], keepdims=1),
+             helper.make_node("Add", ["m", "eps"], ["e"]), helper.make_node("Sqrt", ["e"], ["s"]),
+             helper.make_node("Div", ["x", "s"], ["d"]), helper.make_node("Mul", ["d", "gamma"], ["y"]),
+             helper.make_node("Add", ["x", "y"], ["next"])]
+    inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1, 3, d]) for n in ("a", "b")]
+    if not gamma_constant:
+        inputs.append(helper.make_tensor_value_info("gamma", TensorProto.FLOAT, [d]))
+    graph = helper.make_graph(nodes, "g", inputs, [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1, 3, d])
+                                                   for n in ("y", "next")], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)])
+    model.ir_version = 9
+    return model
+
+
+def test_a_residual_add_and_the_rms_norm_that_reads_it_become_one_skip_norm():
+    from quantnorm.generation import one_row as module
+
+    rng = np.random.default_rng(3)
+    feed = {"a": rng.standard_normal((1, 3, 16)).astype(np.float32) * 50,
+            "b": rng.standard_normal((1, 3, 16)).astype(np.float32)}
+
+    def outputs(model, extra=None):
+        session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        return session.run(["y", "next"], {**feed, **(extra or {})})
+
+    model = _residual_norm_graph()
+    before = outputs(model)
+    assert module._fuse_residual_norms(model.graph) == 1
+    assert [n.op_type for n in model.graph.node] == [SKIP_NORM, "Add"]
+    skip = model.graph.node[0]
+    assert list(skip.input) == ["a", "b", "gamma"] and list(skip.output) == ["y", "", "", "x"]
+    for fused, plain in zip(outputs(model), before):
+        np.testing.assert_allclose(fused, plain, rtol=1e-5, atol=1e-5)
+    # not an RMSNorm over the last axis with a constant gamma: left as it is
+    for other in (_residual_norm_graph(axes=(1,)), _residual_norm_graph(gamma_constant=False)):
+        assert module._fuse_residual_norms(other.graph) == 0 and len(other.graph.node) == 8

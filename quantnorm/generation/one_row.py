@@ -15,7 +15,12 @@ symmetric (``max |x| / 127``, 255 codes) to ONNX Runtime's asymmetric (``(max - 
 with a zero point, 256 codes), so it is not the recipe's graph bit for bit: the deployment that
 uses it is scored through the cache (cache proof, generation agreement), not taken on trust. The
 projections that read one input (query, key and value; gate and up) become one product: the
-query, key and value as ``GroupQueryAttention``'s packed input, the others split after it.
+query, key and value as ``GroupQueryAttention``'s packed input, the others split after it. Each
+residual add with the RMSNorm that reads it (Add, then Pow, ReduceMean, Add, Sqrt, Div, Mul as
+exported) becomes one ``com.microsoft.SkipSimplifiedLayerNormalization``, whose fourth output is
+the sum the next residual add reads: ONNX Runtime fuses the norm alone at load but leaves the add
+beside it, and at one row a step's small operators are a good part of its time (60 fewer on
+SmolLM2, 4-5% more tokens/s in an interleaved A/B on the Xeon).
 
 The graph is marked ``quantnorm.one_row`` in its metadata: ``DecodeSession`` runs it only for a
 step of one row and sends every other step (a prompt, a batch of several sequences, where one
@@ -44,13 +49,15 @@ def one_row_graph(model: onnx.ModelProto) -> dict:
     graph = model.graph
     products = _fuse_quantize_matmul(graph)
     packed = _pack_shared_inputs(graph) if products else {"attention": 0, "split": 0}
+    norms = _fuse_residual_norms(graph) if products else 0
     if products:
         _drop_unused(graph)
         if not any(imp.domain == "com.microsoft" for imp in model.opset_import):
             model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
         kept = [(p.key, p.value) for p in model.metadata_props if p.key != ONE_ROW_KEY]
         onnx.helper.set_model_props(model, {**dict(kept), ONE_ROW_KEY: "1"})
-    return {"products": products, "packed_attention_layers": packed["attention"], "packed_splits": packed["split"]}
+    return {"products": products, "packed_attention_layers": packed["attention"], "packed_splits": packed["split"],
+            "residual_norms": norms}
 
 
 def write_one_row_graph(src: str | Path, dst: str | Path) -> dict:
@@ -165,3 +172,66 @@ def _pack_shared_inputs(graph: onnx.GraphProto) -> dict:
         for offset, node in enumerate(new):
             graph.node.insert(at + offset, node)
     return done
+
+
+SKIP_NORM = "SkipSimplifiedLayerNormalization"
+
+
+def _constant(graph: onnx.GraphProto, name: str) -> np.ndarray | None:
+    for init in graph.initializer:
+        if init.name == name:
+            return numpy_helper.to_array(init)
+    for node in graph.node:
+        if node.op_type == "Constant" and node.output[0] == name and node.attribute[0].name == "value":
+            return numpy_helper.to_array(node.attribute[0].t)
+    return None
+
+
+def _rms_norm_of(div: onnx.NodeProto, graph, producer, consumers) -> tuple[list, str, float] | None:
+    """Where ``div`` is x / Sqrt(ReduceMean(Pow(x, 2), axes=[-1], keepdims) + eps) read by one Mul
+    with a constant 1-D gamma: (its nodes in order, gamma, eps); None otherwise."""
+    x, denominator = div.input
+    sqrt = producer.get(denominator)
+    add = producer.get(sqrt.input[0]) if sqrt is not None and sqrt.op_type == "Sqrt" else None
+    mean = producer.get(add.input[0]) if add is not None and add.op_type == "Add" else None
+    power = producer.get(mean.input[0]) if mean is not None and mean.op_type == "ReduceMean" else None
+    if power is None or power.op_type != "Pow" or power.input[0] != x or len(mean.input) < 2:
+        return None
+    exponent, axes, eps = (_constant(graph, name) for name in (power.input[1], mean.input[1], add.input[1]))
+    keepdims = next((a.i for a in mean.attribute if a.name == "keepdims"), 1)
+    readers = consumers.get(div.output[0], [])
+    if exponent is None or exponent.size != 1 or float(exponent.reshape(-1)[0]) != 2.0 or axes is None \
+            or axes.tolist() != [-1] or keepdims != 1 or eps is None or eps.size != 1 or len(readers) != 1 \
+            or readers[0].op_type != "Mul":
+        return None
+    if any(len(consumers.get(node.output[0], [])) != 1 for node in (power, mean, add, sqrt)):
+        return None
+    mul = readers[0]
+    gamma = mul.input[1] if mul.input[0] == div.output[0] else mul.input[0]
+    weight = _constant(graph, gamma)
+    if weight is None or weight.ndim != 1:
+        return None
+    return [power, mean, add, sqrt, div, mul], gamma, float(eps.reshape(-1)[0])
+
+
+def _fuse_residual_norms(graph: onnx.GraphProto) -> int:
+    """Each residual add (of two computed tensors) read by an RMSNorm as one
+    ``SkipSimplifiedLayerNormalization``: the normed tensor its output, the sum its fourth output
+    under the add's own name (see the module doc). Returns how many it fused."""
+    producer, consumers = _maps(graph)
+    constant = {t.name for t in graph.initializer} | {n.output[0] for n in graph.node if n.op_type == "Constant"}
+    fused = 0
+    for div in [n for n in graph.node if n.op_type == "Div" and len(n.input) == 2]:
+        norm = _rms_norm_of(div, graph, producer, consumers)
+        residual = producer.get(div.input[0])
+        if norm is None or residual is None or residual.op_type != "Add" or any(i in constant for i in residual.input):
+            continue
+        nodes, gamma, eps = norm
+        at = list(graph.node).index(residual)
+        for node in [residual, *nodes]:
+            graph.node.remove(node)
+        graph.node.insert(at, helper.make_node(SKIP_NORM, [residual.input[0], residual.input[1], gamma],
+                                               [nodes[-1].output[0], "", "", residual.output[0]],
+                                               name=f"{residual.name}/skip_norm", domain="com.microsoft", epsilon=eps))
+        fused += 1
+    return fused
