@@ -150,6 +150,7 @@ def _residual_norm_graph(axes=(-1,), gamma_constant=True) -> onnx.ModelProto:
         inputs.append(helper.make_tensor_value_info("gamma", TensorProto.FLOAT, [d]))
     graph = helper.make_graph(nodes, "g", inputs, [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1, 3, d])
                                                    for n in ("y", "next")], inits)
+    graph.value_info.append(helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", d]))
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)])
     model.ir_version = 9
     return model
@@ -174,6 +175,12 @@ def test_a_residual_add_and_the_rms_norm_that_reads_it_become_one_skip_norm():
     assert list(skip.input) == ["a", "b", "gamma"] and list(skip.output) == ["y", "", "", "x"]
     for fused, plain in zip(outputs(model), before):
         np.testing.assert_allclose(fused, plain, rtol=1e-5, atol=1e-5)
+    # the last axis by its number, where the graph states the rank (the exporter's value_info)
+    stated = _residual_norm_graph(axes=(2,))
+    assert module._fuse_residual_norms(stated.graph) == 1
+    unstated = _residual_norm_graph(axes=(2,))
+    del unstated.graph.value_info[:]
+    assert module._fuse_residual_norms(unstated.graph) == 0   # rank unknown: axis 2 might not be the last
     # not an RMSNorm over the last axis with a constant gamma: left as it is
     for other in (_residual_norm_graph(axes=(1,)), _residual_norm_graph(gamma_constant=False)):
         assert module._fuse_residual_norms(other.graph) == 0 and len(other.graph.node) == 8

@@ -187,9 +187,16 @@ def _constant(graph: onnx.GraphProto, name: str) -> np.ndarray | None:
     return None
 
 
-def _rms_norm_of(div: onnx.NodeProto, graph, producer, consumers) -> tuple[list, str, float] | None:
-    """Where ``div`` is x / Sqrt(ReduceMean(Pow(x, 2), axes=[-1], keepdims) + eps) read by one Mul
-    with a constant 1-D gamma: (its nodes in order, gamma, eps); None otherwise."""
+def _ranks(graph: onnx.GraphProto) -> dict[str, int]:
+    """The rank of each tensor whose shape the graph states (the exporter's value_info)."""
+    return {v.name: len(v.type.tensor_type.shape.dim) for v in [*graph.value_info, *graph.input, *graph.output]
+            if v.type.HasField("tensor_type") and v.type.tensor_type.HasField("shape")}
+
+
+def _rms_norm_of(div: onnx.NodeProto, graph, producer, consumers, ranks) -> tuple[list, str, float] | None:
+    """Where ``div`` is x / Sqrt(ReduceMean(Pow(x, 2), axes=[last], keepdims) + eps) read by one Mul
+    with a constant 1-D gamma: (its nodes in order, gamma, eps); None otherwise. The last axis is
+    -1, or rank - 1 where the graph states x's rank."""
     x, denominator = div.input
     sqrt = producer.get(denominator)
     add = producer.get(sqrt.input[0]) if sqrt is not None and sqrt.op_type == "Sqrt" else None
@@ -201,7 +208,7 @@ def _rms_norm_of(div: onnx.NodeProto, graph, producer, consumers) -> tuple[list,
     keepdims = next((a.i for a in mean.attribute if a.name == "keepdims"), 1)
     readers = consumers.get(div.output[0], [])
     if exponent is None or exponent.size != 1 or float(exponent.reshape(-1)[0]) != 2.0 or axes is None \
-            or axes.tolist() != [-1] or keepdims != 1 or eps is None or eps.size != 1 or len(readers) != 1 \
+            or axes.tolist() not in ([-1], [ranks.get(x, 0) - 1]) or keepdims != 1 or eps is None or eps.size != 1 or len(readers) != 1 \
             or readers[0].op_type != "Mul":
         return None
     if any(len(consumers.get(node.output[0], [])) != 1 for node in (power, mean, add, sqrt)):
@@ -220,9 +227,10 @@ def _fuse_residual_norms(graph: onnx.GraphProto) -> int:
     under the add's own name (see the module doc). Returns how many it fused."""
     producer, consumers = _maps(graph)
     constant = {t.name for t in graph.initializer} | {n.output[0] for n in graph.node if n.op_type == "Constant"}
+    ranks = _ranks(graph)
     fused = 0
     for div in [n for n in graph.node if n.op_type == "Div" and len(n.input) == 2]:
-        norm = _rms_norm_of(div, graph, producer, consumers)
+        norm = _rms_norm_of(div, graph, producer, consumers, ranks)
         residual = producer.get(div.input[0])
         if norm is None or residual is None or residual.op_type != "Add" or any(i in constant for i in residual.input):
             continue
