@@ -51,7 +51,8 @@ def generation(results: dict) -> list[str]:
     if one_row:
         L += ["One-row token graphs (`P+one-row`, each per-token recipe P): a decode step of one row runs P's "
               "products as ONNX Runtime's `DynamicQuantizeMatMul` (one row's scale is its tensor's; asymmetric "
-              "uint8 where P rounds symmetric) with the products that read one input packed; prompts and steps "
+              "uint8 where P rounds symmetric) with the products that read one input packed and each residual add "
+              "fused with its norm; prompts and steps "
               "of several rows (batch > 1) run P's own graph. Its accuracy is P's whole-window accuracy; what "
               "the other rounding costs is its cache check (P's graph scored whole against the pair through the "
               "cache, at batch 1) and its generation agreement beside P's.", ""]
