@@ -7,8 +7,9 @@ the Reshapes and the Expand that give ``QuantizeLinear`` one scale and zero poin
 at batch 1 is one row, and there a scale per row *is* one scale per tensor, which ONNX Runtime
 computes in one operator: ``com.microsoft.DynamicQuantizeMatMul`` (asymmetric uint8 over the row's
 min..max, then the u8 x s8 GEMM with the weights' per-channel scales). On SmolLM2 at one token
-per step that is some 1,450 fewer operators and its integer GEMM runs with a scalar activation
-scale (``benchmarks/pertoken_kernel.py``: the per-row scale is a second pass over the output).
+per step the graph ONNX Runtime runs has 435 operators where the per-token one has 2,188 (this
+module's rewrites together), and its integer GEMM runs with a scalar activation scale
+(``benchmarks/pertoken_kernel.py``: the per-row scale is a second pass over the output).
 
 The rewrite keeps each recipe's codes and scales; it changes how a row is rounded, from
 symmetric (``max |x| / 127``, 255 codes) to ONNX Runtime's asymmetric (``(max - min) / 255``
