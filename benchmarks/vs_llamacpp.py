@@ -26,7 +26,8 @@ prompt and generation tokens/s, each as a ratio to Q8_0's) and the goal: a quant
 a split deployment, a per-token recipe with its one-row token graph) at Q8_0's KL or lower generates
 at least as fast as Q8_0 and prompts at least twice as fast (the row shown: the one meeting the most
 goals, then the fastest generation). Exit 0 when both are met, 1 when one is missed (or no recipe is
-as accurate as Q8_0), 2 when the run failed or has no measured Q8_0 row. Run it alone on the machine:
+as accurate as Q8_0), 2 when the run failed or has no measured Q8_0 row; stopping it (SIGTERM,
+Ctrl-C) stops the evaluate it started. Run it alone on the machine:
 the ratios are side by side in one run, but a neighbour's load still lands on whichever model runs
 beside it.
 """
@@ -36,6 +37,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -55,6 +57,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))   # the benchmarks' sha
 from evaluate_budget import out_dir_of  # noqa: E402
 
 ISA = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8")
+
+
+def run_child(cmd: list[str]) -> int:
+    """Run ``cmd`` and return its exit status; this process stopped by SIGTERM or Ctrl-C stops it
+    too (a benchmark killed mid-run left its evaluate timing beside whatever ran next)."""
+    child = subprocess.Popen(cmd)
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    try:
+        return child.wait()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if child.poll() is None:
+            child.terminate()
+            try:
+                child.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
 
 
 def with_defaults(args: list[str]) -> list[str]:
@@ -218,8 +238,7 @@ def main(argv: list[str] | None = None) -> int:
             print("error: put the `quantnorm evaluate` arguments after `--`, with --out DIR (or use --read RUN_DIR)",
                   file=sys.stderr)
             return 2
-        code = subprocess.run([sys.executable, "-m", "quantnorm.cli", "evaluate", *with_defaults(evaluate_args)],
-                              check=False).returncode
+        code = run_child([sys.executable, "-m", "quantnorm.cli", "evaluate", *with_defaults(evaluate_args)])
         if code != 0:
             print(f"error: quantnorm evaluate exited {code}", file=sys.stderr)
             return 2

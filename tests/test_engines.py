@@ -196,6 +196,41 @@ def test_the_benchmark_against_llamacpp_reads_a_run_and_runs_one(engine_run, tin
         or versus_llamacpp(quantnorm_rows(mine) + table_rows(mine)).ours is None
 
 
+def test_a_benchmark_stopped_mid_run_stops_its_evaluate(tmp_path):
+    """SIGTERM to benchmarks/vs_llamacpp.py while its child runs: the child goes too (a real signal
+    to a real process; the child a sleeper that writes its pid)."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    pid_file = tmp_path / "child.pid"
+    sleeper = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
+    script = (f"import importlib.util, sys; spec = importlib.util.spec_from_file_location('b', "
+              f"{str(Path(__file__).resolve().parents[1] / 'benchmarks' / 'vs_llamacpp.py')!r}); "
+              f"m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
+              f"sys.exit(m.run_child([sys.executable, '-c', {sleeper!r}]))")
+    parent = subprocess.Popen([sys.executable, "-c", script])
+    deadline = time.monotonic() + 60
+    while not (pid_file.is_file() and pid_file.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    child = int(pid_file.read_text())
+    parent.send_signal(signal.SIGTERM)
+    assert parent.wait(timeout=60) == 128 + signal.SIGTERM
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)   # still there (or a zombie not yet reaped by init)?
+        except ProcessLookupError:
+            break
+        if Path(f"/proc/{child}/stat").is_file() and Path(f"/proc/{child}/stat").read_text().split()[2] == "Z":
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the benchmark's child {child} outlived it")
+    assert _vs_llamacpp().run_child([sys.executable, "-c", "raise SystemExit(3)"]) == 3
+
+
 def test_the_benchmark_against_llamacpp_refuses_bad_input(tmp_path, capsys):
     bench = _vs_llamacpp()
     assert bench.main(["--model", "x.gguf"]) == 2
