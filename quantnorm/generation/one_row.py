@@ -39,7 +39,7 @@ from onnx import helper, numpy_helper
 from ..fileio import atomic_path
 from ..onnx_wire import write_model_streaming
 from .decode import ONE_ROW_KEY
-from .graph_passes import GQA, _drop_unused
+from .graph_passes import GQA, _constants, _drop_unused
 
 DQMM = "DynamicQuantizeMatMul"
 
@@ -178,14 +178,15 @@ def _pack_shared_inputs(graph: onnx.GraphProto) -> dict:
 SKIP_NORM = "SkipSimplifiedLayerNormalization"
 
 
-def _constant(graph: onnx.GraphProto, name: str) -> np.ndarray | None:
-    for init in graph.initializer:
-        if init.name == name:
-            return numpy_helper.to_array(init)
-    for node in graph.node:
-        if node.op_type == "Constant" and node.output[0] == name and node.attribute[0].name == "value":
-            return numpy_helper.to_array(node.attribute[0].t)
-    return None
+def _constant_values(graph: onnx.GraphProto):
+    """name -> its value, read when asked, for initializers and Constant nodes' outputs."""
+    protos = {t.name: t for t in graph.initializer}
+    protos.update({n.output[0]: n.attribute[0].t for n in graph.node
+                   if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"})
+
+    def value(name: str) -> np.ndarray | None:
+        return numpy_helper.to_array(protos[name]) if name in protos else None
+    return value
 
 
 def _ranks(graph: onnx.GraphProto) -> dict[str, int]:
@@ -194,7 +195,7 @@ def _ranks(graph: onnx.GraphProto) -> dict[str, int]:
             if v.type.HasField("tensor_type") and v.type.tensor_type.HasField("shape")}
 
 
-def _rms_norm_of(div: onnx.NodeProto, graph, producer, consumers, ranks) -> tuple[list, str, float] | None:
+def _rms_norm_of(div: onnx.NodeProto, constant, producer, consumers, ranks) -> tuple[list, str, float] | None:
     """Where ``div`` is x / Sqrt(ReduceMean(Pow(x, 2), axes=[last], keepdims) + eps) read by one Mul
     with a constant 1-D gamma: (its nodes in order, gamma, eps); None otherwise. The last axis is
     -1, or rank - 1 where the graph states x's rank."""
@@ -205,7 +206,7 @@ def _rms_norm_of(div: onnx.NodeProto, graph, producer, consumers, ranks) -> tupl
     power = producer.get(mean.input[0]) if mean is not None and mean.op_type == "ReduceMean" else None
     if power is None or power.op_type != "Pow" or power.input[0] != x or len(mean.input) < 2:
         return None
-    exponent, axes, eps = (_constant(graph, name) for name in (power.input[1], mean.input[1], add.input[1]))
+    exponent, axes, eps = (constant(name) for name in (power.input[1], mean.input[1], add.input[1]))
     keepdims = next((a.i for a in mean.attribute if a.name == "keepdims"), 1)
     readers = consumers.get(div.output[0], [])
     if exponent is None or exponent.size != 1 or float(exponent.reshape(-1)[0]) != 2.0 or axes is None \
@@ -216,7 +217,7 @@ def _rms_norm_of(div: onnx.NodeProto, graph, producer, consumers, ranks) -> tupl
         return None
     mul = readers[0]
     gamma = mul.input[1] if mul.input[0] == div.output[0] else mul.input[0]
-    weight = _constant(graph, gamma)
+    weight = constant(gamma)
     if weight is None or weight.ndim != 1:
         return None
     return [power, mean, add, sqrt, div, mul], gamma, float(eps.reshape(-1)[0])
@@ -227,11 +228,10 @@ def _fuse_residual_norms(graph: onnx.GraphProto) -> int:
     ``SkipSimplifiedLayerNormalization``: the normed tensor its output, the sum its fourth output
     under the add's own name (see the module doc). Returns how many it fused."""
     producer, consumers = _maps(graph)
-    constant = {t.name for t in graph.initializer} | {n.output[0] for n in graph.node if n.op_type == "Constant"}
-    ranks = _ranks(graph)
+    constant, value, ranks = _constants(graph), _constant_values(graph), _ranks(graph)
     fused = 0
     for div in [n for n in graph.node if n.op_type == "Div" and len(n.input) == 2]:
-        norm = _rms_norm_of(div, graph, producer, consumers, ranks)
+        norm = _rms_norm_of(div, value, producer, consumers, ranks)
         residual = producer.get(div.input[0])
         if norm is None or residual is None or residual.op_type != "Add" or any(i in constant for i in residual.input):
             continue

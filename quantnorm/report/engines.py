@@ -108,31 +108,33 @@ def quantnorm_rows(results: dict) -> list[Row]:
 
 
 def _split_rows(results: dict, by_name: dict[str, Row]) -> list[Row]:
-    """A split deployment (``--prefill-recipe``) per ok pair: its two graphs' whole-window accuracy,
-    each metric the worse of the two (its tokens come from both), both files' size, its own
-    agreement and speed."""
+    """A row per ok deployment of two graphs: a split (``--prefill-recipe``) with its two graphs'
+    whole-window accuracy, each metric the worse of the two (its tokens come from both); a
+    ``P+one-row`` with P's (the one-row rounding is scored through the cache: cache check,
+    agreement). Both files' size, its own agreement and speed."""
     rows = []
     for m in results_file.generation_models(results):
-        one_row = m.entry.get("one_row")
-        if m.ok and isinstance(one_row, dict) and one_row.get("recipe") in by_name:
-            # P deployed with its one-row token graph: P's whole-window accuracy (its prompts and
-            # windows), the one-row rounding scored through the cache (cache check, agreement)
-            decode = _decode_b1(results, m.name)
-            rows.append(Row(QUANTNORM, None, m.name, m.status, by_name[one_row["recipe"]].accuracy,
-                            (m.agreement or {}).get("identical_before_divergence"), decode.get("prompt_tokens_per_s"),
-                            decode.get("gen_tokens_per_s"), m.entry.get("size_bytes"), step_bytes=_step_bytes(decode)))
+        accuracy = _deployment_accuracy(m.entry, by_name) if m.ok else None
+        if accuracy is None:
             continue
-        pair = m.entry.get("split")
-        if not m.ok or not isinstance(pair, dict) or not {pair.get("tokens"), pair.get("prompt")} <= set(by_name):
-            continue
-        a, b = by_name[pair["tokens"]].accuracy, by_name[pair["prompt"]].accuracy
-        worse = {metric: (min if op == ">=" else max)(a[metric], b[metric]) for _, metric, op in ACCURACY_LIMITS
-                 if _finite(a.get(metric)) and _finite(b.get(metric))}
         decode = _decode_b1(results, m.name)
-        rows.append(Row(QUANTNORM, None, m.name, m.status, worse, (m.agreement or {}).get("identical_before_divergence"),
+        rows.append(Row(QUANTNORM, None, m.name, m.status, accuracy, (m.agreement or {}).get("identical_before_divergence"),
                         decode.get("prompt_tokens_per_s"), decode.get("gen_tokens_per_s"), m.entry.get("size_bytes"),
                         step_bytes=_step_bytes(decode)))
     return rows
+
+
+def _deployment_accuracy(entry: dict, by_name: dict[str, Row]) -> dict | None:
+    """The whole-window accuracy a split or one-row deployment is scored with (see ``_split_rows``);
+    None for any other entry, or one whose recipes the run lacks."""
+    one_row, pair = entry.get("one_row"), entry.get("split")
+    if isinstance(one_row, dict):
+        return by_name[one_row["recipe"]].accuracy if one_row.get("recipe") in by_name else None
+    if not isinstance(pair, dict) or not {pair.get("tokens"), pair.get("prompt")} <= set(by_name):
+        return None
+    a, b = by_name[pair["tokens"]].accuracy, by_name[pair["prompt"]].accuracy
+    return {metric: (min if op == ">=" else max)(a[metric], b[metric]) for _, metric, op in ACCURACY_LIMITS
+            if _finite(a.get(metric)) and _finite(b.get(metric))}
 
 
 def engine_rows(results: dict) -> list[Row]:
