@@ -17,8 +17,8 @@ tokens at batch 1 in ``--rounds`` interleaved rounds (``decode_speed``; each row
 round: a neighbour's load only slows a round down). A fused graph is timed twice: with a fresh
 present written each step, and with one cache buffer per layer bound as both past and present,
 which the operator appends to in place (``DecodeSession``'s shared cache, the default); a
-weight-only recipe's fused graph a third time with its query, key and value projections packed
-into one ``MatMulNBits`` (``qkv_packing``, as the generation stage writes it). Prints the
+quantized recipe's fused graph a third time with its query, key and value projections packed
+into one product (``qkv_packing``, as the generation stage writes it). Prints the
 CPU, its ISA flags, the threads, and per graph its node count, prompt and generation tokens/s,
 and generation against the same recipe as exported.
 """

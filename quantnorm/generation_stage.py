@@ -165,8 +165,9 @@ def _quantize_past(variants, name: str, recipe, fp32_past: Path, data, cfg, run_
                          "codes_reused": q.settings["gptq"].get("codes_reused", 0)}
     if q.status != "ok" or q.path is None:
         return {**entry, "problems": q.problems}
-    # only a weight-only graph has MatMulNBits to pack: the others are not read back in whole for nothing
-    entry["packed_qkv_layers"] = pack_qkv_file(q.path) if recipe.mode == "weight-only" else 0
+    # only weight-only and per-token graphs have products to pack: the others are not read back in
+    # whole for nothing
+    entry["packed_qkv_layers"] = pack_qkv_file(q.path) if recipe.mode in ("weight-only", "pertoken") else 0
     # the same graph scored whole: the cache's exactness, apart from what the recipe itself changes
     return {**entry, "path": q.path.name, "size_bytes": q.path.stat().st_size,
             "cache_check": _cache_check(q.path, data.eval_inputs, None, cfg)}

@@ -70,9 +70,10 @@ def test_attention_fusion_benchmark_times_both_forms_of_a_checkpoint(tmp_path):
     assert "export as exported: as exported (standard ONNX operators)" in out
     rows = {line.split("  ")[0]: line for line in out.splitlines()
             if line.startswith(("fp32 (", "pertoken-fused (", "wo-int8-b32-acc4 ("))}
-    assert len(rows) == 10   # 3 graphs x 3 forms, and the weight-only graph with q, k, v packed
-    assert rows["wo-int8-b32-acc4 (fused, packed qkv, shared buffer)"].rstrip().endswith("x  shared buffer")
-    assert "pertoken-fused (fused, packed qkv, shared buffer)" not in rows   # MatMulNBits only
+    assert len(rows) == 11   # 3 graphs x 3 forms, and the two quantized graphs with q, k, v packed
+    for name in ("wo-int8-b32-acc4", "pertoken-fused"):
+        assert rows[f"{name} (fused, packed qkv, shared buffer)"].rstrip().endswith("x  shared buffer")
+    assert "fp32 (fused, packed qkv, shared buffer)" not in rows   # nothing quantized to pack
     assert rows["pertoken-fused (fused, shared buffer)"].rstrip().endswith("x  shared buffer")
     assert rows["pertoken-fused (fused, present per step)"].rstrip().endswith("x  present per step")
     assert rows["fp32 (as exported)"].rstrip().endswith("present per step")
@@ -166,3 +167,26 @@ def test_avx2_instruction_counts_show_the_u8s8_kernel_saturating_under_valgrind(
     bad = subprocess.run([sys.executable, str(script), str(fp32), str(tmp_path / "notes.txt")], capture_output=True,
                          text=True, cwd=ROOT, timeout=120)
     assert bad.returncode == 2 and "notes.txt: not an ONNX graph" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_prompt_floor_benchmark_sums_its_parts_into_the_floor():
+    script = ROOT / "benchmarks" / "prompt_floor.py"
+    run = subprocess.run([sys.executable, str(script), "--model", "gemma3", "--tokens", "16", "--threads", "1",
+                          "--iters", "1", "--llamacpp-prompt-tps", "1000"], capture_output=True, text=True, cwd=ROOT,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    out = run.stdout
+    assert "18 layers, 16-token prompt" in out and "threads" in out.splitlines()[0]
+    total = float(out.split("| all | | | **")[1].split("**")[0])
+    attention = {line.split("|")[1].strip(): float(line.split("|")[3]) for line in out.splitlines()
+                 if line.startswith("| ") and line.split("|")[1].strip().startswith(
+                     ("GroupQueryAttention", "Attention", "MultiHeadAttention", "standard"))}
+    assert len(attention) == 4 and all(v > 0 for v in attention.values())
+    blocked = float(next(line for line in out.splitlines() if line.startswith("| blocked")).split("|")[4])
+    floor_line = next(line for line in out.splitlines() if line.startswith("floor:"))
+    floor = float(floor_line.split(" = ")[1].split(" ms")[0])
+    # the floor is the products, the fastest attention and the blocked quantizers, as printed (rounded)
+    assert abs(floor - (total + min(attention.values()) + blocked)) < 0.2
+    allowed = 16 / 2000 * 1e3
+    ratio = float(out.split("the floor is ")[1].split("x that")[0])
+    assert f"allows {allowed:.1f} ms" in out and abs(ratio - floor / allowed) < 0.02

@@ -379,12 +379,12 @@ def test_a_fused_graph_keeps_its_cache_in_one_buffer_written_in_place(exported, 
     assert DecodeSession(fused_path).shared   # the default where the graph allows
 
 
-def test_weight_only_query_key_and_value_are_packed_into_one_product(tmp_path):
-    """A weight-only recipe's fused llama: each layer's q, k and v MatMulNBits become one, read by
-    GroupQueryAttention as its packed input (key and value inputs empty), the reshapes between
-    them gone; the packed graph's logits and cache equal the unpacked graph's (the same codes and
-    scales per column), and its cache is still one shared buffer. A per-token graph has no
-    MatMulNBits to pack and is left as it is."""
+def test_query_key_and_value_are_packed_into_one_product(tmp_path):
+    """A weight-only and a per-token recipe's fused llama: each layer's q, k and v MatMulNBits (or
+    MatMulIntegerToFloat) become one, read by GroupQueryAttention as its packed input (key and
+    value inputs empty), the reshapes between them gone; the packed graph's logits and cache
+    equal the unpacked graph's (the same codes and scales per column), and its cache is still one
+    shared buffer. The FP32 graph has nothing to pack and is left as it is."""
     from quantnorm.generation.qkv_packing import pack_qkv_file
     from quantnorm.quantize import get_recipe, quantize
 
@@ -393,33 +393,39 @@ def test_weight_only_query_key_and_value_are_packed_into_one_product(tmp_path):
                                   windows(2, 6, 300)).path
     calib = windows(4, 8, 300, seed=3)
     graphs = {}
-    for name in ("wo-int8-b32-acc4", "pertoken-fused"):
-        q = quantize(fused_path, get_recipe(name), calib, tmp_path / f"{name}.onnx", vnni=True,
+    # vnni=False: the per-token recipe's unsigned weights, a zero point per column packed with them
+    for label, name, vnni in (("wo", "wo-int8-b32-acc4", True), ("pt", "pertoken-fused", True),
+                              ("pt-unsigned", "pertoken-fused", False)):
+        q = quantize(fused_path, get_recipe(name), calib, tmp_path / f"{label}.onnx", vnni=vnni,
                      probe_inputs=calib[:1], diagnostics=False)
         assert q.status == "ok", q.problems
-        graphs[name] = q.path
-    unpacked = tmp_path / "unpacked.onnx"
-    unpacked.write_bytes(graphs["wo-int8-b32-acc4"].read_bytes())
-    before = onnx.load(str(unpacked)).graph
-    assert pack_qkv_file(graphs["wo-int8-b32-acc4"]) == 2
-    assert pack_qkv_file(graphs["pertoken-fused"]) == 0
-    after = onnx.load(str(graphs["wo-int8-b32-acc4"])).graph
+        graphs[label] = q.path
+    assert pack_qkv_file(fused_path) == 0
     count = lambda g, op: sum(n.op_type == op for n in g.node)   # noqa: E731
-    assert count(after, "MatMulNBits") == count(before, "MatMulNBits") - 2 * 2
-    assert count(after, "Reshape") == count(before, "Reshape") - 2 * 6
-    for gqa in (n for n in after.node if n.op_type == "GroupQueryAttention"):
-        assert gqa.input[0].endswith("/qkv") and list(gqa.input[1:3]) == ["", ""]
-    assert not any(n.op_type == "Reshape" and n.input[0].startswith("linear") for n in after.node)
-    prompts, tokens = windows(2, 5, 300, seed=4), windows(4, 2, 300, seed=5)
-    runs = []
-    for path in (unpacked, graphs["wo-int8-b32-acc4"]):
-        runner = DecodeSession(path)
-        assert runner.shared
-        runner.reset(2, tokens=9)
-        runs.append([runner.step(prompts)] + [runner.step(t[:, None]) for t in tokens] + runner.cache())
-    for a, b in zip(*runs):
-        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
-    assert np.abs(runs[0][0]).max() > 0.1   # logits that say something
+    for name, product in (("wo", "MatMulNBits"), ("pt", "MatMulIntegerToFloat"), ("pt-unsigned", "MatMulIntegerToFloat")):
+        unpacked = tmp_path / f"unpacked-{name}.onnx"
+        unpacked.write_bytes(graphs[name].read_bytes())
+        before = onnx.load(str(unpacked)).graph
+        assert pack_qkv_file(graphs[name]) == 2
+        after = onnx.load(str(graphs[name])).graph
+        assert count(after, product) == count(before, product) - 2 * 2
+        assert count(after, "Reshape") == count(before, "Reshape") - 2 * 6
+        for gqa in (n for n in after.node if n.op_type == "GroupQueryAttention"):
+            assert gqa.input[0].endswith("/qkv") and list(gqa.input[1:3]) == ["", ""]
+        packed = [n for n in after.node if n.name.endswith("/qkv/" + product)]
+        assert len(packed) == 2 and all(len(n.input) == (6 if name == "pt-unsigned" else 5 if name == "pt" else 3)
+                                        for n in packed)
+        assert not any(n.op_type == "Reshape" and n.input[0].startswith("linear") for n in after.node)
+        prompts, tokens = windows(2, 5, 300, seed=4), windows(4, 2, 300, seed=5)
+        runs = []
+        for path in (unpacked, graphs[name]):
+            runner = DecodeSession(path)
+            assert runner.shared
+            runner.reset(2, tokens=9)
+            runs.append([runner.step(prompts)] + [runner.step(t[:, None]) for t in tokens] + runner.cache())
+        for a, b in zip(*runs):
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+        assert np.abs(runs[0][0]).max() > 0.1   # logits that say something
 
 
 def test_a_step_reads_every_weight_but_the_token_table_and_rotary_caches(exported, tmp_path):

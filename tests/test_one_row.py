@@ -5,6 +5,7 @@ computes, the products that read one input packed, and what is left alone. The d
 import numpy as np
 import onnx
 import onnxruntime as ort
+import pytest
 from onnx import TensorProto, helper, numpy_helper
 from test_pertoken import K, N, matmul_model, run
 
@@ -13,8 +14,8 @@ from quantnorm.generation.one_row import DQMM, SKIP_NORM, one_row_graph, write_o
 from quantnorm.quantize.pertoken import quantize_per_token
 
 
-def _per_token(tmp_path, weight, shared_input=False):
-    src = matmul_model(tmp_path / "fp32.onnx", weight, shared_input)
+def _per_token(tmp_path, weight, shared_input=False, opset=18):
+    src = matmul_model(tmp_path / "fp32.onnx", weight, shared_input, opset=opset)
     dst = tmp_path / "pertoken.onnx"
     # 7-bit weights: ORT's u8 x s8 kernel is exact with them on every CPU (test_pertoken.py's grids)
     quantize_per_token(src, dst, ["mm", "mm2"] if shared_input else ["mm"], reduce_range=True, fused=True)
@@ -29,10 +30,13 @@ def _ort_row_rounding(x: np.ndarray) -> tuple[np.ndarray, np.float32, np.uint8]:
     return np.clip(np.rint(x / scale) + zero, 0, 255).astype(np.uint8), scale, zero
 
 
-def test_a_row_is_quantized_as_ort_rounds_one_tensor_and_multiplied_by_the_recipes_codes(tmp_path):
+# both of the recipe's row layouts: blocked rows (opset >= 18, raised to 21) and rows flattened for
+# a per-axis scale (17)
+@pytest.mark.parametrize("opset", [17, 18])
+def test_a_row_is_quantized_as_ort_rounds_one_tensor_and_multiplied_by_the_recipes_codes(tmp_path, opset):
     rng = np.random.default_rng(0)
     weight = (rng.standard_normal((K, N)) * 0.1).astype(np.float32)
-    pertoken = _per_token(tmp_path, weight)
+    pertoken = _per_token(tmp_path, weight, opset=opset)
     model = onnx.load(str(pertoken))
     done = one_row_graph(model)
     assert done == {"products": 1, "packed_attention_layers": 0, "packed_splits": 0, "residual_norms": 0}

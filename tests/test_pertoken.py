@@ -15,7 +15,7 @@ from quantnorm.quantize.recipes import Recipe
 K, N = 64, 96
 
 
-def matmul_model(path, weight, shared_input=False):
+def matmul_model(path, weight, shared_input=False, opset=18):
     nodes = [helper.make_node("MatMul", ["x", "W"], ["y"], name="mm")]
     outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, None, N])]
     if shared_input:  # a second MatMul reading the same activation (q/k/v do)
@@ -24,7 +24,7 @@ def matmul_model(path, weight, shared_input=False):
     inits = [numpy_helper.from_array(weight, "W")] + ([numpy_helper.from_array(weight * 2, "W2")] if shared_input else [])
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, None, K])],
                               outputs, inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
     model.ir_version = 9  # ORT 1.31 refuses onnx 1.23's default IR version (PITFALLS.md 14)
     onnx.save(model, str(path))
     return path
@@ -79,12 +79,61 @@ def test_graph_matches_the_numpy_reference(tmp_path, planted, grid):
     expected = fake_quantize_rows(x) @ (w_q.astype(np.float32) * s_w)
     got = run(tmp_path / "pt.onnx", x)[0]
     assert np.allclose(got, expected, rtol=1e-4, atol=1e-3 * np.abs(expected).max())
-    nodes = onnx.load(str(tmp_path / "pt.onnx")).graph.node
-    ops = {n.op_type for n in nodes}
+    model = onnx.load(str(tmp_path / "pt.onnx"))
+    ops = {n.op_type for n in model.graph.node}
     assert "MatMulInteger" in ops and "MatMul" not in ops and "DynamicQuantizeLinear" not in ops
-    # the one QuantizeLinear is per row (axis 0 of the flattened [tokens, K]), never per tensor
-    (ql,) = [n for n in nodes if n.op_type == "QuantizeLinear"]
-    assert [a.i for a in ql.attribute if a.name == "axis"] == [0] and ql.input[1].endswith("x_scale_rows")
+    # the one QuantizeLinear is per row (one block the width of a row), never per tensor: the
+    # opset-18 graph is raised to 21 for it
+    (ql,) = [n for n in model.graph.node if n.op_type == "QuantizeLinear"]
+    attrs = {a.name: a.i for a in ql.attribute}
+    assert attrs == {"axis": -1, "block_size": K} and ql.input[1].endswith("x_scale")
+    assert [i.version for i in model.opset_import if i.domain == ""] == [21] and "blocked" in info["activation_rows"]
+
+
+GEMM_OPS = {"MatMulInteger", "Cast", "Mul"}
+
+
+def test_rows_flattened_for_per_axis_scales_give_the_same_codes_as_blocked_rows(tmp_path, planted):
+    # opset 17 cannot be raised (ReduceMax's axes moved to an input at 18): the rows are flattened
+    # to [tokens, K] for a per-axis scale and back; the codes, hence the outputs, are the same
+    weight, x = planted
+    outputs = {}
+    for opset in (17, 18):
+        src = matmul_model(tmp_path / f"mm{opset}.onnx", weight, opset=opset)
+        info = quantize_per_token(src, tmp_path / f"pt{opset}.onnx", ["mm"], reduce_range=True)
+        outputs[opset] = run(tmp_path / f"pt{opset}.onnx", x)[0]
+        model = onnx.load(str(tmp_path / f"pt{opset}.onnx"))
+        (ql,) = [n for n in model.graph.node if n.op_type == "QuantizeLinear"]
+        blocked = {a.name: a.i for a in ql.attribute}.get("block_size")
+        assert (blocked == K) == (opset == 18) and ("flattened" in info["activation_rows"]) == (opset == 17)
+        # the scale (5 operators), the zero points (2) and QuantizeLinear, or 6 more to flatten
+        assert sum(n.op_type not in GEMM_OPS for n in model.graph.node) == (8 if opset == 18 else 12)
+    np.testing.assert_array_equal(outputs[17], outputs[18])
+
+
+def test_inputs_of_one_stated_row_shape_share_their_zero_points(tmp_path, planted):
+    # q/k/v's input and o's: both [batch, seq, K] as the graph states them: one zero-point tensor
+    weight, x = planted
+    square = (np.random.default_rng(1).standard_normal((N, N)) * 0.1).astype(np.float32)
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["h"], name="mm"), helper.make_node("Relu", ["h"], ["r"]),
+             helper.make_node("MatMul", ["r", "W2"], ["y"], name="mm2")]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", K])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "seq", N])],
+        [numpy_helper.from_array(weight, "W"), numpy_helper.from_array(square, "W2")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 9
+    onnx.save(model, str(tmp_path / "two.onnx"))
+    quantize_per_token(tmp_path / "two.onnx", tmp_path / "pt.onnx", ["mm", "mm2"], reduce_range=True)
+    nodes = onnx.load(str(tmp_path / "pt.onnx")).graph.node
+    assert sum(n.op_type == "Expand" for n in nodes) == 1    # shape inference states r as [batch, seq, N]
+    zero_points = {n.input[2] for n in nodes if n.op_type == "QuantizeLinear"}
+    assert len(zero_points) == 1
+    expected = np.maximum(fake_quantize_rows(x) @ (weight_scales(weight, 63)[0] * weight_scales(weight, 63)[1]), 0)
+    got = run(tmp_path / "pt.onnx", x)[0]
+    w2 = weight_scales(square, 63)
+    assert np.allclose(got, fake_quantize_rows(expected) @ (w2[0].astype(np.float32) * w2[1]), rtol=1e-3,
+                       atol=1e-3 * np.abs(got).max())
 
 
 @pytest.mark.parametrize("grid", WEIGHT_GRIDS)

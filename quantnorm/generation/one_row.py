@@ -1,8 +1,8 @@
 """A per-token recipe's with-past graph rewritten for steps of one row: its token graph.
 
 Per-token dynamic INT8 (``quantize.pertoken``) writes each quantized MatMul input's row-wise
-scale with standard operators, some twelve of them per input (ReduceMax, ReduceMin, Max, Div,
-the Reshapes and the Expand that give ``QuantizeLinear`` one scale and zero point per row), then
+scale with standard operators, six to twelve of them per input (ReduceMax, ReduceMin, Max, Div,
+and what gives ``QuantizeLinear`` one scale and zero point per row), then
 ``MatMulIntegerToFloat`` with a scale per row. A prompt needs them: its rows differ. A decode step
 at batch 1 is one row, and there a scale per row *is* one scale per tensor, which ONNX Runtime
 computes in one operator: ``com.microsoft.DynamicQuantizeMatMul`` (asymmetric uint8 over the row's
@@ -82,15 +82,19 @@ def _maps(graph: onnx.GraphProto):
 
 
 def _quantized_from(name: str, producer) -> str | None:
-    """The float tensor a per-token ``x_quantized`` was computed from: through the Reshape back
-    from rows, the ``QuantizeLinear`` and the Reshape to rows (``quantize.pertoken``'s layout)."""
+    """The float tensor a per-token ``x_quantized`` was computed from: the ``QuantizeLinear``'s
+    input where it quantizes blocks of a row, or, where the rows were flattened for a per-axis
+    scale, through the Reshape back from rows, the ``QuantizeLinear`` and the Reshape to rows
+    (``quantize.pertoken``'s two layouts)."""
     node = producer.get(name)
-    if node is not None and node.op_type == "Reshape":
-        node = producer.get(node.input[0])
-    if node is None or node.op_type != "QuantizeLinear":
+    if node is not None and node.op_type == "QuantizeLinear" and any(a.name == "block_size" and a.i > 0
+                                                                     for a in node.attribute):
+        return node.input[0]
+    if node is None or node.op_type != "Reshape":
         return None
-    rows = producer.get(node.input[0])
-    return rows.input[0] if rows is not None and rows.op_type == "Reshape" else node.input[0]
+    node = producer.get(node.input[0])
+    rows = producer.get(node.input[0]) if node is not None and node.op_type == "QuantizeLinear" else None
+    return rows.input[0] if rows is not None and rows.op_type == "Reshape" else None
 
 
 def _fuse_quantize_matmul(graph: onnx.GraphProto) -> int:
