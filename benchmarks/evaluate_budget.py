@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import resource
+import signal
 import subprocess
 import sys
 import time
@@ -79,9 +80,22 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     child = subprocess.Popen(cmd)
     samples: list[tuple[float, int]] = []
-    while child.poll() is None:
-        samples.append((time.perf_counter() - started, tree_rss_bytes(child.pid)))
-        time.sleep(opts.interval)
+    # stopped by SIGTERM or Ctrl-C, the benchmark stops its evaluate too: an orphan would go on
+    # timing itself beside whatever runs next
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    try:
+        while child.poll() is None:
+            samples.append((time.perf_counter() - started, tree_rss_bytes(child.pid)))
+            time.sleep(opts.interval)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if child.poll() is None:
+            child.terminate()   # quantnorm evaluate ends cleanly on SIGTERM (nothing half-written)
+            try:
+                child.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
     wall = time.perf_counter() - started
     if child.returncode != 0:
         print(f"error: quantnorm evaluate exited {child.returncode}", file=sys.stderr)

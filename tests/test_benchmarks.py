@@ -28,6 +28,32 @@ def test_evaluate_budget_reports_stages_and_a_missed_budget(tmp_path, small_corp
     assert peak_row.endswith("| met |") and float(peak_row.split("|")[2]) > 0.05
 
 
+def test_evaluate_budget_stopped_mid_run_stops_its_evaluate(tmp_path, small_corpus):
+    """SIGTERM to the benchmark while its evaluate runs: the evaluate goes too (a real signal to
+    real processes), and its run directory is not left half-written."""
+    import os
+    import signal
+    import time
+
+    bench = subprocess.Popen([sys.executable, str(SCRIPT), "--", *TINY, "--corpus", str(small_corpus),
+                              "--out", str(tmp_path / "run")], cwd=ROOT)
+    children = Path(f"/proc/{bench.pid}/task/{bench.pid}/children")
+    deadline = time.monotonic() + 60
+    while not (children.is_file() and children.read_text().split()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    (child,) = [int(c) for c in children.read_text().split()]
+    time.sleep(1.0)   # the evaluate is importing torch or training: mid-run
+    bench.send_signal(signal.SIGTERM)
+    assert bench.wait(timeout=120) == 128 + signal.SIGTERM
+    try:
+        os.kill(child, 0)
+        stat = Path(f"/proc/{child}/stat")
+        assert stat.is_file() and stat.read_text().split()[2] == "Z", f"the evaluate {child} outlived its benchmark"
+    except ProcessLookupError:
+        pass   # gone, as it should be
+    assert not (tmp_path / "run" / "results.json").exists()
+
+
 def test_evaluate_budget_needs_the_evaluate_arguments_after_a_separator():
     run = subprocess.run([sys.executable, str(SCRIPT), "--budget-min", "1"], capture_output=True, text=True,
                          cwd=ROOT, timeout=60)
