@@ -282,7 +282,12 @@ def export(run_dir, opset, onnx_dir):
                    "MB) and the rate it streams it at (GB/s).")
 @click.option("--new-tokens", type=click.IntRange(min=2), default=128, show_default=True,
               help="--decode: tokens generated after the prompt.")
-def bench(models, providers, batches, seq, iters, warmup, threads, opt_level, rounds, json_out, decode, new_tokens):
+@click.option("--prompt-model", type=click.Path(path_type=Path), default=None,
+              help="--decode: a with-past graph that runs every step of more than one row (the prompt) beside "
+                   "each MODEL, which runs the one-row steps: a run's split (W+prefill-P: MODEL W's graph, this "
+                   "P's) or one-row deployment (P+one-row: MODEL the .one-row.past.onnx, this P's .past.onnx).")
+def bench(models, providers, batches, seq, iters, warmup, threads, opt_level, rounds, json_out, decode, new_tokens,
+          prompt_model):
     """Latency of ONNX models (p50/p90/p99, tokens/s) per execution provider and batch size, or
     with --decode their generation speed (prompt and generation tokens/s)."""
     if not models:
@@ -290,12 +295,16 @@ def bench(models, providers, batches, seq, iters, warmup, threads, opt_level, ro
     for path in models:
         if not path.is_file():
             raise click.BadParameter(f"{path} is not a file", param_hint="MODELS")
+    if prompt_model is not None and not decode:
+        raise click.UsageError("--prompt-model pairs graphs for --decode: add --decode")
+    if prompt_model is not None and not prompt_model.is_file():
+        raise click.BadParameter(f"{prompt_model} is not a file", param_hint="--prompt-model")
     names = resolve_providers(_csv(providers)) if providers else listed_providers()
     variants = {path.name: path for path in models}
     if decode:
         specs = [SessionSpec(provider=n, threads=threads, graph_optimization_level=opt_level) for n in names]
         rows = decode_bench(variants, specs, list(_int_csv(batches, "--batches")), prompt_tokens=seq,
-                            new_tokens=new_tokens, rounds=rounds)
+                            new_tokens=new_tokens, rounds=rounds, prompt_path=prompt_model)
         click.echo("\n".join(decode_table(rows)))
         if json_out:
             write_json_atomic(json_out, rows)

@@ -374,6 +374,24 @@ def test_bench_decode_times_with_past_graphs_and_refuses_others(zoo_run, tmp_pat
     assert main(["bench", "--decode", str(zoo_run / "model.fp32.onnx")]) == 2
     assert "not a with-past causal LM" in capsys.readouterr().err
 
+    # a one-row deployment is a pair: timed with --prompt-model, refused without it
+    tokens, prompt = zoo_run / "model.int8.pertoken-fused-gptq.one-row.past.onnx", \
+        zoo_run / "model.int8.pertoken-fused-gptq.past.onnx"
+    assert main(["bench", "--decode", str(tokens), "--providers", "cpu", "--batches", "1"]) == 2
+    assert "--prompt-model" in capsys.readouterr().err
+    assert main(["bench", str(tokens), "--prompt-model", str(prompt)]) == 2
+    assert "add --decode" in capsys.readouterr().err
+    assert main(["bench", "--decode", str(tokens), "--prompt-model", str(tmp_path / "missing.onnx")]) == 2
+    assert "is not a file" in capsys.readouterr().err
+    assert main(["bench", "--decode", str(tokens), "--prompt-model", str(prompt), "--providers", "cpu", "--batches",
+                 "1,2", "--seq", "8", "--new-tokens", "6", "--threads", "1", "--json", str(json_out)]) == 0
+    rows = json.loads(json_out.read_text())
+    pair = f"{tokens.name} (prompt: {prompt.name})"
+    assert [(r["model"], r["batch"]) for r in rows] == [(pair, 1), (pair, 2)]
+    assert all(r["status"] == "measured" and r["gen_tokens_per_s"] > 0 for r in rows)
+    assert rows[0]["step_weight_bytes"] == weights_read_per_step(tokens)
+    assert pair in capsys.readouterr().out
+
 
 def test_a_bundle_reads_back_as_a_model(hf_run, tmp_path):
     """`evaluate --model BUNDLE`: the bundle's INT8 model measured as given (no recipe quantizes it

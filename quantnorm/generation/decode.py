@@ -232,8 +232,8 @@ class DecodeSession:
         if self.tokens_graph.one_row and (prompt_model is None or self.prompt_graph.one_row):
             raise ConfigError("a one-row token graph (quantnorm.one_row) runs beside the per-token graph it was "
                               "made from, which takes prompts and batches: pass that graph as the prompt graph "
-                              "(DecodeSession's prompt_model; a run times the pair as its P+one-row row, "
-                              "benchmarks/vs_llamacpp.py --retime again)")
+                              "(DecodeSession's prompt_model; quantnorm bench --decode ONE_ROW_GRAPH --prompt-model "
+                              "P_GRAPH times the pair)")
         # the cache stays where the provider computes it: host memory for the CPU, the GPU's for CUDA
         self.device = "cuda" if self.session.get_providers()[0] == CUDA else "cpu"
         self.shared = shared_cache is not False and self._can_share(model) and \

@@ -196,27 +196,33 @@ def random_prompts(path: str | Path, batch: int, prompt_tokens: int, seed: int =
 
 
 def decode_bench(models: dict[str, Path], specs: list[SessionSpec], batches: list[int], *, prompt_tokens: int,
-                 new_tokens: int, rounds: int = 1) -> list[dict]:
+                 new_tokens: int, rounds: int = 1, prompt_path: Path | None = None) -> list[dict]:
     """``quantnorm bench --decode``: a ``decode_speed`` row per model x provider x batch, timed in
     ``rounds`` interleaved across the models (a neighbour's load hits them alike); each cell keeps
     its round with the most generation tokens/s, and lists every round's figure. Each row also
-    carries ``step_weight_bytes`` (``weights_read_per_step``: what one step reads whole)."""
+    carries ``step_weight_bytes`` (``weights_read_per_step``: what one step reads whole: the
+    model's, the graph that generates). ``prompt_path``: a graph that runs every step of more
+    than one row beside each model (``DecodeSession``'s ``prompt_model``: a split or one-row
+    deployment); the rows are named ``model (prompt: its name)``."""
     if not models or not batches or min(batches) < 1 or rounds < 1:
         raise ConfigError(f"decode bench needs models, batches >= 1 and rounds >= 1, got {list(models)}, "
                           f"{batches}, {rounds}")
     cells: dict[tuple, list[dict]] = {}
     lengths = {}
     for name, path in models.items():
-        layout = DecodeSession(path, shared_cache=False).layout   # a one-line ConfigError for a graph without a cache
+        # a one-line ConfigError for a graph without a cache, or a one-row graph without its prompt graph
+        layout = DecodeSession(path, shared_cache=False, prompt_model=prompt_path).layout
         lengths[name] = decode_lengths(layout.max_length, prompt_tokens, new_tokens)
+    suffix = f" (prompt: {Path(prompt_path).name})" if prompt_path is not None else ""
     for _ in range(rounds):
         for name, path in models.items():
             prompt, new = lengths[name]
             for spec in specs:
                 for batch in batches:
-                    row = decode_speed(path, random_prompts(path, batch, prompt), new_tokens=new, spec=spec, rounds=1)
-                    cells.setdefault((name, spec.provider, batch), []).append(row)
-    step_bytes = {name: weights_read_per_step(path) for name, path in models.items()}
+                    prompts = random_prompts(prompt_path or path, batch, prompt)
+                    row = decode_speed(path, prompts, new_tokens=new, spec=spec, rounds=1, prompt_path=prompt_path)
+                    cells.setdefault((name + suffix, spec.provider, batch), []).append(row)
+    step_bytes = {name + suffix: weights_read_per_step(path) for name, path in models.items()}
     out = []
     for (name, _, _), runs in cells.items():
         measured = [r for r in runs if r["status"] == "measured"]
