@@ -379,6 +379,8 @@ def _shared_constants(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
 # exporter's 17) Reduce* and Split take other arguments: such a graph keeps its opset.
 BLOCKED_FROM_OPSET = 21
 RAISABLE_FROM_OPSET = 18
+
+
 def _set_default_opset(model: onnx.ModelProto, version: int) -> None:
     for imp in model.opset_import:
         if imp.domain in ("", "ai.onnx"):
