@@ -6,8 +6,9 @@
 The per-token recipe's prompt is, per layer, its integer products (``MatMulIntegerToFloat``, u8
 rows x s8 weights, a scale per row), the prompt's attention, the quantizers of each product's
 input rows, and float work besides (norms, the online Hadamard, the activation, adds). This
-times the first three on the checkpoint's shapes alone, each kernel by itself in a session of
-its own (p50 of ``--iters`` runs), and sums them over the layers: a floor under what any graph
+times the first three on the checkpoint's shapes alone, each kernel in a session of its own (p50
+of ``--iters`` runs; a product over as many weights of its own as the model has layers, so they
+come from memory as the model's do), and sums them over the layers: a floor under what any graph
 of these operators can reach on this CPU, whatever the graph around them. With
 ``--llamacpp-prompt-tps`` (llama.cpp Q8_0's prompt tokens/s on this machine, from
 ``benchmarks/vs_llamacpp.py``) it prints the time the issue's goal (twice that) allows.
@@ -55,8 +56,9 @@ MODELS = {"smollm2": Shapes(layers=30, hidden=576, heads=9, kv_heads=3, head_dim
 ISA = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8", "amx_bf16")
 
 
-def session(nodes, inputs, inits, threads: int, opset: int = 21, out_type: int = TensorProto.FLOAT) -> ort.InferenceSession:
-    outputs = [helper.make_tensor_value_info(nodes[-1].output[0], out_type, None)]
+def session(nodes, inputs, inits, threads: int, opset: int = 21, out_type: int = TensorProto.FLOAT,
+            outputs: list[str] | None = None) -> ort.InferenceSession:
+    outputs = [helper.make_tensor_value_info(name, out_type, None) for name in outputs or [nodes[-1].output[0]]]
     graph = helper.make_graph(nodes, "g", inputs, outputs, inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid("com.microsoft", 1)])
     model.ir_version = 10 if opset < 23 else 11   # ORT 1.31 refuses onnx 1.23's default IR version
@@ -77,22 +79,27 @@ def p50_ms(sess: ort.InferenceSession, feed: dict, iters: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def integer_product(rows: int, k: int, n: int, signed_rows: bool, threads: int, iters: int) -> float:
-    """``MatMulIntegerToFloat`` of quantized rows [rows, k] by int8 weights [k, n], a scale per row."""
+def integer_product(rows: int, k: int, n: int, signed_rows: bool, threads: int, iters: int, copies: int = 1) -> float:
+    """``MatMulIntegerToFloat`` of quantized rows [1, rows, k] by int8 weights [k, n], a scale per
+    row: ms per product, over ``copies`` products of their own weights in one run (a model's
+    layers each read theirs from memory: one weight timed alone stays in the cache)."""
     rng = np.random.default_rng(0)
-    inits = [numpy_helper.from_array(rng.integers(-127, 128, (k, n), dtype=np.int8), "W"),
-             numpy_helper.from_array(rng.random(n, dtype=np.float32) * 0.01, "ws")]
-    args = ["x", "W", "s", "ws"]
-    if signed_rows:
-        x = rng.integers(-127, 128, (rows, k), dtype=np.int8)
-    else:
-        x = rng.integers(0, 256, (rows, k), dtype=np.uint8)
+    rows_type = TensorProto.INT8 if signed_rows else TensorProto.UINT8
+    inits, nodes = [], []
+    zero_point = [] if signed_rows else ["zp"]
+    if not signed_rows:
         inits.append(numpy_helper.from_array(np.array(128, np.uint8), "zp"))
-        args.append("zp")
-    inputs = [helper.make_tensor_value_info("x", TensorProto.INT8 if signed_rows else TensorProto.UINT8, [rows, k]),
-              helper.make_tensor_value_info("s", TensorProto.FLOAT, [rows, 1])]
-    node = helper.make_node("MatMulIntegerToFloat", args, ["y"], domain="com.microsoft")
-    return p50_ms(session([node], inputs, inits, threads), {"x": x, "s": rng.random((rows, 1), dtype=np.float32)}, iters)
+    for i in range(copies):
+        inits += [numpy_helper.from_array(rng.integers(-127, 128, (k, n), dtype=np.int8), f"W{i}"),
+                  numpy_helper.from_array(rng.random(n, dtype=np.float32) * 0.01, f"ws{i}")]
+        nodes.append(helper.make_node("MatMulIntegerToFloat", ["x", f"W{i}", "s", f"ws{i}", *zero_point], [f"y{i}"],
+                                      domain="com.microsoft"))
+    x = rng.integers(-127, 128, (1, rows, k), dtype=np.int8) if signed_rows else \
+        rng.integers(0, 256, (1, rows, k), dtype=np.uint8)
+    inputs = [helper.make_tensor_value_info("x", rows_type, [1, rows, k]),
+              helper.make_tensor_value_info("s", TensorProto.FLOAT, [1, rows, 1])]
+    sess = session(nodes, inputs, inits, threads, outputs=[n.output[0] for n in nodes])
+    return p50_ms(sess, {"x": x, "s": rng.random((1, rows, 1), dtype=np.float32)}, iters) / copies
 
 
 def attention(kind: str, m: Shapes, tokens: int, threads: int, iters: int) -> float:
@@ -186,11 +193,11 @@ def main() -> None:
     qkv = (m.heads + 2 * m.kv_heads) * m.head_dim
     products = [("q, k, v packed", m.hidden, qkv, 1), ("o", m.heads * m.head_dim, m.hidden, 1),
                 ("gate, up", m.hidden, m.intermediate, 2), ("down", m.intermediate, m.hidden, 1)]
-    print("\n| integer product (u8 x s8, a scale per row) | K x N | per layer ms | x layers ms |")
+    print(f"\n| integer product (u8 x s8, a scale per row; {m.layers} weights each) | K x N | per layer ms | x layers ms |")
     print("|---|---|---|---|")
     gemm_ms = 0.0
     for name, k, n, count in products:
-        ms = integer_product(t, k, n, False, opts.threads, opts.iters) * count
+        ms = integer_product(t, k, n, False, opts.threads, opts.iters, copies=m.layers) * count
         gemm_ms += ms * m.layers
         print(f"| {name}{f' ({count} products)' if count > 1 else ''} | {k} x {n} | {ms:.3f} | {ms * m.layers:.1f} |")
     signed = integer_product(t, m.hidden, m.heads * m.head_dim, True, opts.threads, opts.iters)
