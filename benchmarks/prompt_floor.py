@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,6 +34,8 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from pertoken_kernel import p50_ms  # noqa: E402  (benchmarks/: the script's own folder)
 
 from quantnorm.hardware import cpu_flags, cpu_model  # noqa: E402
 
@@ -66,17 +66,6 @@ def session(nodes, inputs, inits, threads: int, opset: int = 21, out_type: int =
     options.intra_op_num_threads = threads
     options.log_severity_level = 3
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-
-
-def p50_ms(sess: ort.InferenceSession, feed: dict, iters: int) -> float:
-    for _ in range(3):
-        sess.run(None, feed)
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        sess.run(None, feed)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
 
 
 def integer_product(rows: int, k: int, n: int, signed_rows: bool, threads: int, iters: int, copies: int = 1) -> float:
