@@ -107,7 +107,7 @@ def quantize_per_token(src: Path, dst: Path, nodes: list[str], *, reduce_range: 
     model = model_by_reference(src)
     places = initializer_places(src)
     opset = _default_opset(model)
-    if BLOCKED_FROM_OPSET > opset >= RAISABLE_FROM_OPSET:
+    if BLOCKED_FROM_OPSET > opset >= RAISABLE_FROM_OPSET and not model.functions:
         _set_default_opset(model, BLOCKED_FROM_OPSET)
         opset = BLOCKED_FROM_OPSET
     rewrite = _Rewrite(opset=opset, qmax=weight_qmax(reduce_range), fused=fused, row_dims=_row_dims(model),
@@ -376,7 +376,8 @@ def _shared_constants(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
 # whose defaults keep the old behaviour (Cast's saturate, Pad's wrap mode, Resize's antialias,
 # AveragePool's dilations), but GroupNormalization, whose opset-18 form the ONNX checker already
 # refuses as deprecated (so no graph the rewrite accepts holds it). Below 18 (the TorchScript
-# exporter's 17) Reduce* and Split take other arguments: such a graph keeps its opset.
+# exporter's 17) Reduce* and Split take other arguments: such a graph keeps its opset, and so does
+# one with model-local functions (their own opset imports; quantnorm's exports have none).
 BLOCKED_FROM_OPSET = 21
 RAISABLE_FROM_OPSET = 18
 
