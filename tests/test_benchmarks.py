@@ -212,7 +212,7 @@ def test_prompt_floor_benchmark_sums_its_parts_into_the_floor():
     floor_line = next(line for line in out.splitlines() if line.startswith("floor:"))
     floor = float(floor_line.split(" = ")[1].split(" ms")[0])
     # the floor is the products, the fastest attention and the blocked quantizers, as printed (rounded)
-    assert abs(floor - (total + min(attention.values()) + blocked)) < 0.2
+    assert abs(floor - (total + min(attention.values()) + blocked)) < 0.25   # four figures rounded to 0.1
     allowed = 16 / 2000 * 1e3
     ratio = float(out.split("the floor is ")[1].split("x that")[0])
     assert f"allows {allowed:.1f} ms" in out and abs(ratio - floor / allowed) < 0.02
