@@ -20,6 +20,7 @@ The budgets on a 2-core machine: SmolLM2-135M <= 15 min, Gemma 3 270M <= 25 min,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -48,6 +49,26 @@ def tree_rss_bytes(pid: int) -> int:
         except (FileNotFoundError, ProcessLookupError, PermissionError):
             continue
     return total
+
+
+@contextlib.contextmanager
+def stopped_with_this_process(child: subprocess.Popen, timeout_s: float = 60):
+    """While inside, this process stopped by SIGTERM (or Ctrl-C) stops ``child`` too: a benchmark's
+    evaluate orphaned by a killed benchmark went on timing itself beside whatever ran next.
+    ``quantnorm evaluate`` ends cleanly on SIGTERM (nothing half-written); killed after
+    ``timeout_s``."""
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    try:
+        yield child
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if child.poll() is None:
+            child.terminate()
+            try:
+                child.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
 
 
 def out_dir_of(args: list[str]) -> Path | None:
@@ -80,22 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     child = subprocess.Popen(cmd)
     samples: list[tuple[float, int]] = []
-    # stopped by SIGTERM or Ctrl-C, the benchmark stops its evaluate too: an orphan would go on
-    # timing itself beside whatever runs next
-    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    try:
+    with stopped_with_this_process(child):
         while child.poll() is None:
             samples.append((time.perf_counter() - started, tree_rss_bytes(child.pid)))
             time.sleep(opts.interval)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        if child.poll() is None:
-            child.terminate()   # quantnorm evaluate ends cleanly on SIGTERM (nothing half-written)
-            try:
-                child.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
     wall = time.perf_counter() - started
     if child.returncode != 0:
         print(f"error: quantnorm evaluate exited {child.returncode}", file=sys.stderr)

@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -54,27 +53,17 @@ from quantnorm.report.engines import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))   # the benchmarks' shared helpers, run or loaded by path
-from evaluate_budget import out_dir_of  # noqa: E402
+from evaluate_budget import out_dir_of, stopped_with_this_process  # noqa: E402
 
 ISA = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8")
 
 
 def run_child(cmd: list[str]) -> int:
     """Run ``cmd`` and return its exit status; this process stopped by SIGTERM or Ctrl-C stops it
-    too (a benchmark killed mid-run left its evaluate timing beside whatever ran next)."""
+    too (``evaluate_budget.stopped_with_this_process``)."""
     child = subprocess.Popen(cmd)
-    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    try:
+    with stopped_with_this_process(child):
         return child.wait()
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        if child.poll() is None:
-            child.terminate()
-            try:
-                child.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
 
 
 def with_defaults(args: list[str]) -> list[str]:

@@ -48,6 +48,17 @@ def _constants(graph: onnx.GraphProto) -> set[str]:
     return constant
 
 
+def _producers_and_consumers(graph: onnx.GraphProto) -> tuple[dict[str, onnx.NodeProto],
+                                                                dict[str, list[onnx.NodeProto]]]:
+    """tensor -> the node that writes it, and tensor -> the nodes that read it (in graph order)."""
+    producer = {out: node for node in graph.node for out in node.output}
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    return producer, consumers
+
+
 def _int64(graph: onnx.GraphProto, name: str, values) -> str:
     graph.initializer.append(numpy_helper.from_array(np.asarray(values, np.int64), name))
     return name
@@ -241,11 +252,7 @@ def fuse_group_query_attention(model: onnx.ModelProto, heads: int, kv_heads: int
     graph = model.graph
     if ATTENTION_MASK not in {i.name for i in graph.input}:
         return 0
-    producer = {out: node for node in graph.node for out in node.output}
-    consumers: dict[str, list[onnx.NodeProto]] = {}
-    for node in graph.node:
-        for name in node.input:
-            consumers.setdefault(name, []).append(node)
+    producer, consumers = _producers_and_consumers(graph)
     constant = _constants(graph)
     scalars = {t.name: float(numpy_helper.to_array(t).reshape(-1)[0]) for t in graph.initializer
                if t.data_type == onnx.TensorProto.FLOAT and int(np.prod(t.dims)) == 1}

@@ -39,7 +39,7 @@ from onnx import helper, numpy_helper
 from ..fileio import atomic_path
 from ..onnx_wire import write_model_streaming
 from .decode import ONE_ROW_KEY
-from .graph_passes import GQA, _constants, _drop_unused
+from .graph_passes import GQA, _constants, _drop_unused, _producers_and_consumers
 
 DQMM = "DynamicQuantizeMatMul"
 
@@ -72,15 +72,6 @@ def write_one_row_graph(src: str | Path, dst: str | Path) -> dict:
     return done
 
 
-def _maps(graph: onnx.GraphProto):
-    producer = {out: node for node in graph.node for out in node.output}
-    consumers: dict[str, list[onnx.NodeProto]] = {}
-    for node in graph.node:
-        for name in node.input:
-            consumers.setdefault(name, []).append(node)
-    return producer, consumers
-
-
 def _quantized_from(name: str, producer) -> str | None:
     """The float tensor a per-token ``x_quantized`` was computed from: the ``QuantizeLinear``'s
     input where it quantizes blocks of a row, or, where the rows were flattened for a per-axis
@@ -100,7 +91,7 @@ def _quantized_from(name: str, producer) -> str | None:
 def _fuse_quantize_matmul(graph: onnx.GraphProto) -> int:
     """Each ``MatMulIntegerToFloat`` fed by a per-token quantization, with int8 weights and no
     weight zero point, as ``DynamicQuantizeMatMul`` of the float input."""
-    producer, _ = _maps(graph)
+    producer, _ = _producers_and_consumers(graph)
     weights = {t.name: t for t in graph.initializer}
     fused = 0
     for node in list(graph.node):
@@ -136,7 +127,7 @@ def _pack_shared_inputs(graph: onnx.GraphProto) -> dict:
     where they are an attention node's query, key and value (through Reshapes only), its packed
     input; else a ``Split`` gives each its columns back. Exact: one row quantized once or three
     times is the same row."""
-    _, consumers = _maps(graph)
+    _, consumers = _producers_and_consumers(graph)
     weights = {t.name: t for t in graph.initializer}
     groups: dict[str, list[onnx.NodeProto]] = {}
     for node in graph.node:
@@ -231,7 +222,7 @@ def _fuse_residual_norms(graph: onnx.GraphProto) -> int:
     """Each residual add (of two computed tensors) read by an RMSNorm as one
     ``SkipSimplifiedLayerNormalization``: the normed tensor its output, the sum its fourth output
     under the add's own name (see the module doc). Returns how many it fused."""
-    producer, consumers = _maps(graph)
+    producer, consumers = _producers_and_consumers(graph)
     constant, value, ranks = _constants(graph), _constant_values(graph), _ranks(graph)
     fused = 0
     for div in [n for n in graph.node if n.op_type == "Div" and len(n.input) == 2]:

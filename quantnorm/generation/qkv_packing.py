@@ -16,7 +16,7 @@ from onnx import helper, numpy_helper
 
 from ..fileio import atomic_path
 from ..onnx_wire import write_model_streaming
-from .graph_passes import GQA, _drop_unused, _insert_before
+from .graph_passes import GQA, _drop_unused, _insert_before, _producers_and_consumers
 
 
 def pack_qkv_projections(model: onnx.ModelProto) -> int:
@@ -38,11 +38,7 @@ def pack_qkv_projections(model: onnx.ModelProto) -> int:
     recipe on SmolLM2 ran 2-3% faster with them packed. A graph without the pattern is left as
     it is."""
     graph = model.graph
-    producer = {out: node for node in graph.node for out in node.output}
-    consumers: dict[str, list[onnx.NodeProto]] = {}
-    for node in graph.node:
-        for name in node.input:
-            consumers.setdefault(name, []).append(node)
+    producer, consumers = _producers_and_consumers(graph)
     weights = {t.name: t for t in graph.initializer}
     packed = 0
     for gqa in [n for n in graph.node if n.op_type == GQA and n.domain == "com.microsoft"]:
