@@ -174,6 +174,9 @@ def main() -> None:
     parser.add_argument("--llamacpp-prompt-tps", type=float, default=None,
                         help="llama.cpp Q8_0's prompt tokens/s on this machine: print the time twice that allows")
     opts = parser.parse_args()
+    if min(opts.tokens, opts.threads, opts.iters) < 1 or (opts.llamacpp_prompt_tps is not None
+                                                         and opts.llamacpp_prompt_tps <= 0):
+        parser.error("--tokens, --threads and --iters must be >= 1, --llamacpp-prompt-tps > 0")
     m, t = MODELS[opts.model], opts.tokens
     flags = set(cpu_flags())
     print(f"CPU: {cpu_model()} ({', '.join(f for f in ISA if f in flags) or 'none of ' + '/'.join(ISA)}); "

@@ -216,3 +216,7 @@ def test_prompt_floor_benchmark_sums_its_parts_into_the_floor():
     allowed = 16 / 2000 * 1e3
     ratio = float(out.split("the floor is ")[1].split("x that")[0])
     assert f"allows {allowed:.1f} ms" in out and abs(ratio - floor / allowed) < 0.02
+    for bad in (["--tokens", "0"], ["--llamacpp-prompt-tps", "-5"], ["--model", "llama"]):
+        refused = subprocess.run([sys.executable, str(script), *bad], capture_output=True, text=True, cwd=ROOT,
+                                 timeout=120)
+        assert refused.returncode == 2 and "error:" in refused.stderr and "Traceback" not in refused.stderr
