@@ -58,8 +58,9 @@ def _work(recipe: Recipe) -> np.ndarray:
     return np.array([recipe.pertoken_kernel != "ort-fused",        # rescale in three float passes
                      recipe.norm_inputs != "calibrated",           # a row max per norm output
                      # Hadamards in the graph: none; before each down-projection (the stream
-                     # rotation); before every block's quantized inputs (online)
-                     {None: 0, "hadamard": 1, "online": 2}[recipe.rotation]])
+                     # rotation) or one MatMul inside each block of every input (block<b>); two
+                     # MatMuls before every quantized input (online)
+                     {None: 0, "hadamard": 1, "online": 2}.get(recipe.rotation, 1)])
 
 
 def default_space() -> tuple[str, ...]:

@@ -70,6 +70,23 @@ def test_online_hadamard_is_the_matrix_it_reports():
     assert torch.allclose(rot(h).double(), h.double() @ m, atol=1e-5)
 
 
+def test_block_hadamard_rotates_inside_each_block_only():
+    from quantnorm.errors import ConfigError
+    from quantnorm.transforms.rotation import BlockHadamard, rotation_block
+
+    rot = BlockHadamard(96, 32)
+    h = torch.randn(3, 5, 96, dtype=torch.float32)
+    m = rot.matrix()
+    assert torch.allclose(m @ m.T, torch.eye(96, dtype=torch.float64), atol=1e-6)
+    assert torch.allclose(rot(h).double(), h.double() @ m, atol=1e-5)
+    # block diagonal: a channel's energy stays in its own block of 32 (the block that owns its scale)
+    blocks = torch.block_diag(*[torch.ones(32, 32, dtype=torch.float64)] * 3)
+    assert (m[blocks == 0] == 0).all() and (m[blocks == 1].abs() > 0).all()
+    with pytest.raises(ConfigError, match="multiples of 32, got 80"):
+        BlockHadamard(80, 32)
+    assert rotation_block("block32") == 32 and rotation_block("online") is None and rotation_block(None) is None
+
+
 def test_rotation_is_exact_in_fp32():
     wrapper = tiny_llama()
     ids = torch.randint(0, 64, (2, 16))
@@ -201,6 +218,38 @@ def test_zoo_online_rotation_is_exact_for_every_placement_and_keeps_the_hadamard
     blocks = 2
     assert len(online) == 2 * (4 * blocks + 1)   # two MatMuls per rotation: q/k/v, proj, up, down; the head
     assert sum(n.op_type == "QuantizeLinear" for n in graph.node) == 4 * blocks + 1
+
+
+@pytest.mark.parametrize("placement", ["pre", "peri"])
+def test_zoo_block_rotation_is_exact_with_one_fp32_matmul_per_rotated_input(tmp_path, placement):
+    import onnx
+
+    from quantnorm.errors import ConfigError
+    from quantnorm.models import CausalLM, ModelConfig
+    from quantnorm.quantize import get_recipe, quantize
+    from quantnorm.transforms.rotation import export_online_rotated, rotate_every_linear_input
+
+    torch.manual_seed(0)
+    model = CausalLM(ModelConfig(placement=placement, norm="rms", n_layers=2, d_model=32, n_heads=2,
+                                 context=16)).eval()
+    ids = np.random.default_rng(0).integers(0, 256, size=(3, 16))
+    out = export_online_rotated(model, ids, tmp_path / "rot.onnx", opset=18, block=16)
+    assert out.onnx_vs_original_max_rel_diff < 1e-5
+    assert "inside each block of 16" in out.plan.online and "32=2x16" in out.plan.online
+    q = quantize(out.path, get_recipe("block-rotated-wo-int8-b16-acc4"), ids, tmp_path / "int8.onnx", vnni=True,
+                 probe_inputs=ids[:2])
+    assert q.status == "ok", q.problems
+    graph = onnx.load(str(q.path)).graph
+    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    rotations = [n for n in graph.node if n.op_type == "MatMul" and "online_hadamard" in n.name]
+    assert sum(n.op_type == "MatMulNBits" for n in graph.node) == linears
+    # one MatMul per rotated input (q/k/v share theirs), no transpose: 4 per block and the head's
+    assert len(rotations) == 4 * 2 + 1 and not any(n.op_type == "Transpose" and "online_hadamard" in n.name
+                                                   for n in graph.node)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ConfigError, match="multiple of 64"):
+        rotate_every_linear_input(model, 64)   # d_model 32: refused before any weight changed
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
 def test_zoo_online_rotation_shrinks_per_token_error_of_a_planted_outlier_channel():

@@ -57,6 +57,10 @@ def test_registry_names_say_what_each_recipe_does():
         ("MatMulNBits", 8, 64, 4, "gptq", "float32")
     assert s["rotation"] == "online" and "int8" in s["activation_type"]
     assert "accuracy_level 4" in r.describe() and "kept float32" in r.describe()
+    b = get_recipe("block-rotated-wo-int8-b32-acc4-gptq")   # form (c): a Hadamard inside each activation block
+    assert b.rotation == "block32" and "inside each activation block of 32" in b.describe()
+    with pytest.raises(ConfigError, match="per block .accuracy_level 4, -acc4"):
+        get_recipe("block-rotated-wo-int8-b32")
     # not in the default search space (another deployment), accepted by name
     assert not set(WEIGHT_ONLY) & set(default_space()) and "static-minmax-matmul" in default_space()
     assert SearchConfig(space=("wo-int4-b32", "wo-int8-b32-acc4-gptq")).recipes() == ("wo-int4-b32",
@@ -189,7 +193,7 @@ FAST = ["--batches", "1", "--iters", "2", "--calib-samples", "8", "--quiet", "--
         "--no-outliers"]
 GEN = ["--gen-tokens", "12,8", "--gen-batches", "1", "--agreement", "4,8"]
 RECIPES_RUN = ["wo-int8-b32", "wo-int4-b32", "wo-int4-b32-acc4", "wo-int4-b32-gptq", "online-rotated-wo-int4-b32-acc4",
-               "rotated-wo-int4-b32"]
+               "rotated-wo-int4-b32", "block-rotated-wo-int4-b32-acc4"]
 EMB8 = "wo-int8-b32-emb8"   # the token embedding in 8 bits too (tests/test_embedding.py), through the cache
 
 
@@ -213,6 +217,8 @@ def test_int8_is_closer_to_fp32_than_int4_and_gptq_closer_than_nearest(run):
     assert entries["wo-int4-b32-gptq"]["settings"]["gptq"]["calibration_positions"] == 8 * 32
     assert entries["rotated-wo-int4-b32"]["status"].startswith("not applicable: ")
     assert entries["online-rotated-wo-int4-b32-acc4"]["settings"]["rotation"] == "online"
+    assert entries["block-rotated-wo-int4-b32-acc4"]["settings"]["rotation"] == "block32"
+    assert entries["block-rotated-wo-int4-b32-acc4"]["status"] == "ok"
     # accuracy_level 4 records what its int8 inputs lose per block (tests/test_block_sqnr.py)
     blocks = entries["wo-int4-b32-acc4"]["settings"]["activation_blocks"]
     assert blocks["status"] == "measured" and blocks["windows"] == 8 and blocks["inputs"]
@@ -232,8 +238,9 @@ def test_the_search_takes_weight_only_recipes(run):
 def test_with_past_graphs_quantize_and_decode(run):
     models = {m.name: m for m in generation_models(run["results"])}
     # every ok recipe of the run, the search's pick included, on the with-past graph
-    assert set(models) == {"fp32", *RECIPES_RUN[:5], EMB8, "auto:wo-int8-b32"}
-    for name in [*RECIPES_RUN[:5], EMB8, "auto:wo-int8-b32"]:
+    ok = [n for n in RECIPES_RUN if n != "rotated-wo-int4-b32"]   # that one: not applicable to a zoo model
+    assert set(models) == {"fp32", *ok, EMB8, "auto:wo-int8-b32"}
+    for name in [*ok, EMB8, "auto:wo-int8-b32"]:
         m = models[name]
         assert m.ok, m.entry
         assert nbits_nodes(run["dir"] / m.path) and m.cache_check["relative_diff"] <= 1e-4

@@ -26,8 +26,11 @@ MODES = ("static", "dynamic", "pertoken", "fp16", "weight-only")
 # "all":    ONNX Runtime's default op list (Add, Mul, MatMul, Softmax, Where, Gather, ...).
 OP_SCOPES = ("matmul", "all")
 # "hadamard": the residual stream rotated and folded (QuaRot, Pre-RMSNorm); "online": every
-# Linear's input rotated in the graph (exact for any placement; quantnorm.transforms.rotation).
+# Linear's input rotated in the graph (exact for any placement; quantnorm.transforms.rotation);
+# "block<b>" (weight-only recipes with int8 activations per block of b): a Hadamard inside each of
+# those blocks of every Linear's input, one MatMul each (BLOCK_ROTATION).
 ROTATIONS = (None, "hadamard", "online")
+BLOCK_ROTATION = "block"
 PERTOKEN_KERNELS = ("standard", "ort-fused")
 CARRIER_MODES = (None, "fp32", "pertoken")
 # "hqq": Half-Quadratic Quantization (ORT's HQQ quantizer; weight-only 4-bit only).
@@ -147,8 +150,12 @@ class Recipe:
             raise ConfigError(f"recipe {self.name}: excluded must be a tuple of non-empty node names or patterns")
         if self.pertoken_kernel not in PERTOKEN_KERNELS:
             raise ConfigError(f"recipe {self.name}: pertoken_kernel must be one of {PERTOKEN_KERNELS}")
-        if self.rotation not in ROTATIONS:
-            raise ConfigError(f"recipe {self.name}: rotation must be one of {ROTATIONS}, got {self.rotation!r}")
+        if self.rotation not in ROTATIONS and self.rotation != f"{BLOCK_ROTATION}{self.block_size}":
+            raise ConfigError(f"recipe {self.name}: rotation must be one of {ROTATIONS} or, on a weight-only recipe "
+                              f"with int8 activations, {BLOCK_ROTATION}<its block size>; got {self.rotation!r}")
+        if str(self.rotation).startswith(BLOCK_ROTATION) and self.accuracy_level != 4:
+            raise ConfigError(f"recipe {self.name}: a block rotation serves activations quantized per block "
+                              "(accuracy_level 4, -acc4)")
         if self.rotation is not None and self.smoothquant_alpha is not None:
             raise ConfigError(f"recipe {self.name}: rotation and SmoothQuant are alternatives, not combined here")
         if self.smoothquant_alpha is not None and not 0.0 <= self.smoothquant_alpha <= 1.0:
@@ -294,6 +301,9 @@ class Recipe:
             parts.append("on the Hadamard-rotated model (residual stream; Pre-RMSNorm checkpoints)")
         elif self.rotation == "online":
             parts.append("every Linear's input Hadamard-rotated online (any placement)")
+        elif self.rotation is not None:
+            parts.append(f"every Linear's input Hadamard-rotated online inside each activation block of "
+                         f"{self.block_size} (one MatMul per input; any placement)")
         if self.excluded:
             parts.append(f"{len(self.excluded)} node pattern(s) kept in FP32")
         return ", ".join(parts)
@@ -334,6 +344,9 @@ class Recipe:
             parts.append("on the Hadamard-rotated model (residual stream; Pre-RMSNorm checkpoints)")
         elif self.rotation == "online":
             parts.append("every Linear's input Hadamard-rotated online (any placement)")
+        elif self.rotation is not None:
+            parts.append(f"every Linear's input Hadamard-rotated online inside each activation block of "
+                         f"{self.block_size} (one MatMul per input; any placement)")
         if self.norm_inputs == "calibrated":
             parts.append("the norm outputs (q/k/v, gate/up, head inputs) with one calibrated scale per tensor")
         if self.weight_rounding == "gptq":
@@ -352,11 +365,11 @@ def _static(name: str, calibration: str, *, per_channel: bool = True, op_scope: 
     return Recipe(name, "static", calibration, per_channel, op_scope, symmetric_activations, "auto", **kw)
 
 
-# Weight-only names: [rotated-|online-rotated-]wo-int{4,8}-b<block>[-asym][-acc4][-gptq|-hqq][-fphead]
+# Weight-only names: [rotated-|online-rotated-|block-rotated-]wo-int{4,8}-b<block>[-asym][-acc4][-gptq|-hqq][-fphead]
 # (-asym: a zero point per block; -acc4: accuracy_level 4, int8 activations; -fphead: the LM head
 # kept float32). The registry
 # lists the useful points of that grid; ``get_recipe`` builds any other name of the form.
-WEIGHT_ONLY_NAME = re.compile(r"(?P<rot>rotated-|online-rotated-)?wo-int(?P<bits>\d+)-b(?P<block>\d+)"
+WEIGHT_ONLY_NAME = re.compile(r"(?P<rot>rotated-|online-rotated-|block-rotated-)?wo-int(?P<bits>\d+)-b(?P<block>\d+)"
                               r"(?P<asym>-asym)?(?P<acc>-acc4)?(?P<rounding>-gptq|-hqq)?(?P<head>-fphead)?")
 
 
@@ -364,9 +377,10 @@ def weight_only(name: str) -> Recipe:
     """The weight-only recipe a name of ``WEIGHT_ONLY_NAME``'s form says (ConfigError otherwise)."""
     m = WEIGHT_ONLY_NAME.fullmatch(name)
     if m is None:
-        raise ConfigError(f"{name!r} is not a weight-only recipe name ([rotated-|online-rotated-]wo-int<4|8>-b<block>"
+        raise ConfigError(f"{name!r} is not a weight-only recipe name ([rotated-|online-rotated-|block-rotated-]wo-int<4|8>-b<block>"
                           "[-asym][-acc4][-gptq|-hqq][-fphead])")
-    rotation = {None: None, "rotated-": "hadamard", "online-rotated-": "online"}[m["rot"]]
+    rotation = {None: None, "rotated-": "hadamard", "online-rotated-": "online",
+                "block-rotated-": f"{BLOCK_ROTATION}{m['block']}"}[m["rot"]]
     rounding = (m["rounding"] or "-nearest")[1:]
     return Recipe(name, "weight-only", None, True, "matmul", False, False, rotation=rotation,
                   weight_bits=int(m["bits"]), block_size=int(m["block"]), accuracy_level=4 if m["acc"] else 0,
@@ -500,7 +514,7 @@ def get_recipe(name: str) -> Recipe:
     except KeyError:
         raise ConfigError(f"unknown recipe {name!r}: choose one of {', '.join(RECIPES)} (SmoothQuant recipes also "
                           f"as NAME{ALPHA_SEPARATOR}ALPHA, e.g. smoothquant{ALPHA_SEPARATOR}0.7; weight-only ones "
-                          "as [rotated-|online-rotated-]wo-int<4|8>-b<block>[-asym][-acc4][-gptq|-hqq][-fphead]; any "
+                          "as [rotated-|online-rotated-|block-rotated-]wo-int<4|8>-b<block>[-asym][-acc4][-gptq|-hqq][-fphead]; any "
                           f"integer recipe with its token embedding in int8 as NAME{EMBEDDING_SUFFIX})") from None
     if not sep:
         return recipe

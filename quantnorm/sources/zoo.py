@@ -19,10 +19,11 @@ from ..generation.with_past import WithPastSource, ZooWithPast, export_with_past
 from ..runs import PAST_SUFFIX, TRAIN_SUMMARY_FILE, RunDir, check_out_dir, past_file
 from ..train import RunConfig, load_model, train
 from ..transforms.rotation import (
-    ROTATED_ONLINE_ONNX_FILE,
     RotatedExport,
     export_online_rotated,
     online_rotated_copy,
+    rotated_onnx_file,
+    rotation_block,
 )
 from ..transforms.smoothquant import smooth_model, smoothing
 from ..transforms.variants import FP32Variants
@@ -30,17 +31,18 @@ from .base import Scoring, SearchScoring, SourceData, TorchChecks
 
 
 def _online_only(recipe) -> None:
-    if recipe.rotation != "online":
+    if recipe.rotation != "online" and rotation_block(recipe.rotation) is None:
         raise ConfigError(f"recipe {recipe.name}: the residual-stream rotation (form a) folds the norm weights "
                           "of a Pre-RMSNorm Llama-family checkpoint (quantnorm.transforms.rotation); a zoo model "
-                          "takes the online form, online-rotated-pertoken-fused")
+                          "takes the online forms, online-rotated-pertoken-fused or block-rotated-wo-...-acc4")
 
 
 def zoo_rotation(model, parity_inputs: np.ndarray, out_dir: Path, opset: int):
-    """The zoo's rotated export: the online form (a zoo model has no Pre-RMSNorm stream to fold)."""
+    """The zoo's rotated export: an online form (a zoo model has no Pre-RMSNorm stream to fold)."""
     def rotate(recipe) -> RotatedExport:
         _online_only(recipe)
-        return export_online_rotated(model, parity_inputs, Path(out_dir) / ROTATED_ONLINE_ONNX_FILE, opset=opset)
+        return export_online_rotated(model, parity_inputs, Path(out_dir) / rotated_onnx_file(recipe.rotation),
+                                     opset=opset, block=rotation_block(recipe.rotation))
     return rotate
 
 
@@ -54,7 +56,8 @@ def zoo_with_past(model, calib_inputs: np.ndarray, prompts: np.ndarray, out_dir:
 
     def rotate(recipe):
         _online_only(recipe)
-        return export(online_rotated_copy(model)[0], Path(out_dir) / past_file(ROTATED_ONLINE_ONNX_FILE))
+        rotated = online_rotated_copy(model, rotation_block(recipe.rotation))[0]
+        return export(rotated, Path(out_dir) / past_file(rotated_onnx_file(recipe.rotation)))
     return WithPastSource(export=lambda path: export(model, path),
                           variants=FP32Variants(out_dir, smooth=smooth, rotate=rotate, suffix=PAST_SUFFIX))
 

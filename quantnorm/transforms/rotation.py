@@ -18,6 +18,12 @@ spreads every channel's energy over all of them (a Hadamard matrix does so evenl
   ``[a, b]`` view of ``h`` (and a transpose), ``O(a + b)`` work per element instead of ``O(a b)``. Those MatMuls are
   part of the FP32 model: their module is named ``online_hadamard`` and no recipe quantizes them.
 
+Form (c), ``block<b>``, serves weight-only recipes whose activations are quantized per block of
+``b`` along K (MatMulNBits, accuracy_level 4): every Linear's input gets ``I (x) H_b``, a Hadamard
+inside each of those blocks, as one MatMul on an ``[n / b, b]`` view, and the weight absorbs it.
+A block's outlier is spread over the block that owns its scale and no further, and a decode step
+runs one small MatMul per input instead of two and a transpose (form b's).
+
 This is exact for the Pre-RMSNorm dataflow (LLaMA, Mistral, Qwen2). For Peri-LN (Gemma 2/3) the
 stream rotation is exact too but harmful: the model discards a component of the normalized
 stream before every Linear, and rotation spreads it over every input, so it
@@ -27,6 +33,7 @@ is refused for them with the reason; ``rotation_support`` says which form applie
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -254,6 +261,33 @@ class OnlineHadamard(nn.Module):
         return torch.matmul(x.transpose(-1, -2), self.left).reshape(shape)
 
 
+class BlockHadamard(nn.Module):
+    """``h -> h (I (x) H_b)``: a Hadamard of order ``b`` inside each block of ``b`` channels, one MatMul
+    on an ``[n / b, b]`` view of ``h`` (no transpose: each block stays where it was)."""
+
+    def __init__(self, width: int, b: int):
+        super().__init__()
+        if width % b:
+            raise ConfigError(f"a block rotation of {b} needs input widths that are multiples of {b}, got {width}: "
+                              f"choose a block that divides every Linear's input width")
+        self.width, self.b = width, b
+        self.register_buffer("right", torch.from_numpy(hadamard(b).copy()).float())
+
+    def matrix(self) -> torch.Tensor:
+        """``I (x) H_b`` in float64."""
+        return torch.block_diag(*[self.right.double()] * (self.width // self.b))
+
+    def forward(self, h):
+        shape = h.shape
+        return torch.matmul(h.reshape(*shape[:-1], self.width // self.b, self.b), self.right).reshape(shape)
+
+
+def rotation_block(form: str | None) -> int | None:
+    """The block order of a ``block<b>`` rotation form (form c), else None."""
+    m = re.fullmatch(r"block(\d+)", form or "")
+    return int(m.group(1)) if m else None
+
+
 class RotatedInput(nn.Module):
     """A Linear whose input is rotated online first (the rotation's module carries the marker
     name, so its MatMuls keep FP32 in every recipe)."""
@@ -267,18 +301,28 @@ class RotatedInput(nn.Module):
         return self.linear(getattr(self, ONLINE_ROTATION_MARKER)(h))
 
 
-def rotate_every_linear_input(root: nn.Module) -> tuple[int, set[str]]:
+def rotate_every_linear_input(root: nn.Module, block: int | None = None) -> tuple[int, set[str]]:
     """Form (b) in place on any module tree: each ``nn.Linear`` becomes a ``RotatedInput`` whose
     weight absorbed a two-step Hadamard ``M`` of its input width, ``y = (x M)(W M)^T`` (exact; the
-    norms, the residual stream and the biases are untouched). Returns the count and the widths."""
+    norms, the residual stream and the biases are untouched); with ``block``, form (c): ``M`` is a
+    Hadamard of that order inside each block of the input. Returns the count and the widths."""
     count, widths = 0, set()
+    if block is not None:   # refused before any weight changes: an in-place rotation is never left half done
+        for name, child in root.named_modules():
+            if isinstance(child, nn.Linear) and child.in_features % block:
+                raise ConfigError(f"a block rotation of {block} needs every Linear's input width to be a multiple of "
+                                  f"{block}; {name} reads {child.in_features}: choose a block that divides it")
     with torch.no_grad():
         for module in list(root.modules()):
             for child_name, child in list(module.named_children()):
                 if not isinstance(child, nn.Linear) or isinstance(module, RotatedInput):
                     continue
-                a, b = split_for_online(child.in_features)
-                online = OnlineHadamard(a, b)
+                if block is None:
+                    a, b = split_for_online(child.in_features)
+                    online = OnlineHadamard(a, b)
+                else:
+                    online = BlockHadamard(child.in_features, block)
+                    a, b = child.in_features // block, block
                 m = online.matrix()
                 child.weight.data = by_row_blocks(child.weight, lambda rows, m=m: rows @ m)
                 setattr(module, child_name, RotatedInput(online, child))
@@ -287,18 +331,19 @@ def rotate_every_linear_input(root: nn.Module) -> tuple[int, set[str]]:
     return count, widths
 
 
-def online_plan(d_model: int, count: int, widths: set[str], layers: int, untied: bool) -> RotationPlan:
+def online_plan(d_model: int, count: int, widths: set[str], layers: int, untied: bool,
+                block: int | None = None) -> RotationPlan:
+    what = "Hadamard before every Linear" if block is None else f"Hadamard inside each block of {block} before every Linear"
     return RotationPlan(d_model, "none (the residual stream is not rotated)",
-                        f"Hadamard before every Linear ({count} Linears; widths {', '.join(sorted(widths))})",
-                        layers, untied)
+                        f"{what} ({count} Linears; widths {', '.join(sorted(widths))})", layers, untied)
 
 
-def rotate_linear_inputs(wrapper, spec=None, *, in_place: bool = False):
+def rotate_linear_inputs(wrapper, spec=None, *, in_place: bool = False, block: int | None = None):
     """Form (b): every Linear's input rotated online, ``y = (x M)(W M)^T``, exact for any
     placement (nothing is folded, the residual stream is untouched). Each Linear of the model gets
     a two-step Hadamard ``M`` of its input width before it; a head tied to the embedding is untied
-    (only the head's copy is rotated). Costs ``a + b`` MACs per input element per Linear. A deep
-    copy, or with ``in_place`` ``wrapper`` itself."""
+    (only the head's copy is rotated). Costs ``a + b`` MACs per input element per Linear (``block``:
+    form c, ``block`` MACs). A deep copy, or with ``in_place`` ``wrapper`` itself."""
     rotated = wrapper if in_place else copy.deepcopy(wrapper)
     lm = rotated.model
     # The output embedding wherever the model keeps it (``lm_head``, BERT's MLM decoder): rotating a
@@ -310,10 +355,10 @@ def rotate_linear_inputs(wrapper, spec=None, *, in_place: bool = False):
         head.weight = nn.Parameter(embed.weight.detach().clone())
         lm.config.tie_word_embeddings = False
         untied = True
-    count, widths = rotate_every_linear_input(lm)
+    count, widths = rotate_every_linear_input(lm, block)
     d = int(getattr(lm.config, "hidden_size", 0) or 0)
     layers = len(getattr(lm.base_model, spec.layers if spec else "layers", []) or [])
-    return rotated.eval(), online_plan(d, count, widths, layers, untied)
+    return rotated.eval(), online_plan(d, count, widths, layers, untied, block)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -334,11 +379,12 @@ class RotatedExport:
 
 
 def rotated_copy(loaded, wrapper, form: str = "hadamard", *, in_place: bool = False):
-    """(rotated deep copy of a checkpoint's ``wrapper``, plan): form (a) "hadamard" or (b) "online";
-    ``in_place``: ``wrapper`` itself rotated, for a caller that reloads the original weights."""
+    """(rotated deep copy of a checkpoint's ``wrapper``, plan): form (a) "hadamard", (b) "online" or
+    (c) "block<b>"; ``in_place``: ``wrapper`` itself rotated, for a caller that reloads the original
+    weights."""
     if form == "hadamard":
         return rotate_wrapper(wrapper, loaded.spec, in_place=in_place)
-    return rotate_linear_inputs(wrapper, loaded.spec, in_place=in_place)
+    return rotate_linear_inputs(wrapper, loaded.spec, in_place=in_place, block=rotation_block(form))
 
 
 def rotate_and_export(loaded, wrapper, parity_inputs: np.ndarray, out_path: Path, *, outputs, max_positions,
@@ -360,7 +406,6 @@ def rotate_and_export(loaded, wrapper, parity_inputs: np.ndarray, out_path: Path
 
 
 ROTATED_ONNX_FILE = "model.fp32.rotated.onnx"
-ROTATED_ONLINE_ONNX_FILE = "model.fp32.rotated-online.onnx"
 
 
 def rotated_onnx_file(form: str) -> str:
@@ -368,22 +413,23 @@ def rotated_onnx_file(form: str) -> str:
     return ROTATED_ONNX_FILE if form == "hadamard" else ROTATED_ONNX_FILE.replace("rotated", f"rotated-{form}")
 
 
-def online_rotated_copy(model):
-    """(a zoo model's deep copy with every Linear's input rotated online, count, widths)."""
+def online_rotated_copy(model, block: int | None = None):
+    """(a zoo model's deep copy with every Linear's input rotated online, count, widths); ``block``:
+    form (c), a Hadamard inside each block of that order."""
     rotated = copy.deepcopy(model).eval()
-    count, widths = rotate_every_linear_input(rotated)
+    count, widths = rotate_every_linear_input(rotated, block)
     return rotated, count, widths
 
 
 def export_online_rotated(model, parity_inputs: np.ndarray, out_path: Path, *, opset: int,
-                          tolerance: float = DEFAULT_PARITY_TOLERANCE) -> RotatedExport:
+                          tolerance: float = DEFAULT_PARITY_TOLERANCE, block: int | None = None) -> RotatedExport:
     """Form (b) of the rotation on a zoo model (every Linear's input rotated in the graph; exact for
     every placement, the head is already untied) and its export, checked twice: the ONNX file against
     the rotated torch model (the export's own gate), then against the *original* model's logits,
     relative to their scale (the INT8 model is judged against the original). A failure keeps no file."""
-    rotated, count, widths = online_rotated_copy(model)
+    rotated, count, widths = online_rotated_copy(model, block)
     out_path = Path(out_path)
     exported = export_onnx(rotated, out_path, parity_inputs, opset=opset)
     diff = check_matches_original(model, out_path, parity_inputs, what="rotated", tolerance=tolerance, batch_size=16)
-    plan = online_plan(model.cfg.d_model, count, widths, model.cfg.n_layers, untied=False)
+    plan = online_plan(model.cfg.d_model, count, widths, model.cfg.n_layers, untied=False, block=block)
     return RotatedExport(out_path, plan, exported, diff)
