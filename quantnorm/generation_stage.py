@@ -40,7 +40,7 @@ from .fileio import release_memory
 from .generation.agreement import agreement_prompts, fp32_continuation, generation_agreement
 from .generation.decode import DecodeSession, check_cache
 from .generation.one_row import write_one_row_graph
-from .generation.qkv_packing import pack_qkv_file
+from .generation.qkv_packing import pack_products_file
 from .generation.speed import PROFILED_STEPS, decode_lengths, decode_speed
 from .measure.sessions import TENSORRT, SessionSpec, normalize_provider
 from .quantize import GPTQCodes, PreprocessCache, quantize
@@ -167,7 +167,10 @@ def _quantize_past(variants, name: str, recipe, fp32_past: Path, data, cfg, run_
         return {**entry, "problems": q.problems}
     # only weight-only and per-token graphs have products to pack: the others are not read back in
     # whole for nothing
-    entry["packed_qkv_layers"] = pack_qkv_file(q.path) if recipe.mode in ("weight-only", "pertoken") else 0
+    # (a per-token graph's other shared inputs are packed in its one-row graph, where they pay)
+    packed = pack_products_file(q.path, shared=recipe.mode == "weight-only") \
+        if recipe.mode in ("weight-only", "pertoken") else {"qkv_layers": 0, "shared_groups": 0}
+    entry["packed_qkv_layers"], entry["packed_shared_groups"] = packed["qkv_layers"], packed["shared_groups"]
     # the same graph scored whole: the cache's exactness, apart from what the recipe itself changes
     return {**entry, "path": q.path.name, "size_bytes": q.path.stat().st_size,
             "cache_check": _cache_check(q.path, data.eval_inputs, None, cfg)}

@@ -428,6 +428,43 @@ def test_query_key_and_value_are_packed_into_one_product(tmp_path):
         assert np.abs(runs[0][0]).max() > 0.1   # logits that say something
 
 
+def test_products_that_read_one_input_become_one_and_a_split(tmp_path):
+    """``pack_products_file`` on a weight-only graph of Gemma 3, whose per-head q/k norms keep q, k
+    and v from GroupQueryAttention's packed input: q/k/v become one MatMulNBits and a Split, as
+    does every gate/up pair (llama's q/k/v go into the attention's input: the test above); the
+    packed graph's logits and cache equal the unpacked graph's at accuracy_level 4 (the input's
+    int8 blocks are the same whoever reads them)."""
+    from quantnorm.generation.qkv_packing import pack_products_file
+    from quantnorm.quantize import get_recipe, quantize
+
+    qkv_layers, shared_groups = 0, 4   # 2 layers x (q/k/v, gate/up)
+    model = hf_model("gemma3_text")
+    fused_path = export_with_past(HFWithPast(model), tmp_path / "fused.onnx", windows(2, 6, 300)).path
+    calib = windows(4, 8, 300, seed=3)
+    q = quantize(fused_path, get_recipe("wo-int8-b32-acc4"), calib, tmp_path / "wo.onnx", vnni=True,
+                 probe_inputs=calib[:1], diagnostics=False)
+    assert q.status == "ok", q.problems
+    unpacked = tmp_path / "unpacked.onnx"
+    unpacked.write_bytes(q.path.read_bytes())
+    before = onnx.load(str(unpacked)).graph
+    assert pack_products_file(q.path) == {"qkv_layers": qkv_layers, "shared_groups": shared_groups}
+    after = onnx.load(str(q.path)).graph
+    count = lambda g, op: sum(n.op_type == op for n in g.node)   # noqa: E731
+    # per layer: q, k, v -> 1 and gate, up -> 1, each with a Split
+    assert count(after, "MatMulNBits") == count(before, "MatMulNBits") - 2 * 3
+    assert count(after, "Split") == count(before, "Split") + shared_groups
+    prompts, tokens = windows(2, 5, 300, seed=4), windows(4, 2, 300, seed=5)
+    runs = []
+    for path in (unpacked, q.path):
+        runner = DecodeSession(path)
+        runner.reset(2, tokens=9)
+        runs.append([runner.step(prompts)] + [runner.step(t[:, None]) for t in tokens] + runner.cache())
+    for a, b in zip(*runs):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+    assert np.abs(runs[0][0]).max() > 0.1
+    assert pack_products_file(q.path) == {"qkv_layers": 0, "shared_groups": 0}   # nothing left to pack
+
+
 def test_a_step_reads_every_weight_but_the_token_table_and_rotary_caches(exported, tmp_path):
     """``weights_read_per_step``: the bytes of every stored initializer except those a one-token
     step reads a row of (the embedding under Gather; GroupQueryAttention's cos and sin caches where

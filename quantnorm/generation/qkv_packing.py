@@ -62,22 +62,72 @@ def pack_qkv_projections(model: onnx.ModelProto) -> int:
     return packed
 
 
-def pack_qkv_file(path: str | Path) -> int:
-    """``pack_qkv_projections`` on the graph file at ``path``, rewritten in place (atomically)
-    where it packed a layer; returns how many layers it packed."""
-    model = onnx.load(str(path))
-    packed = pack_qkv_projections(model)
+def pack_shared_nbits(model: onnx.ModelProto) -> int:
+    """The ``MatMulNBits`` products that read one input alike (same K, bits, block size and
+    accuracy level; no zero points, group index or bias) as one, whose output a ``Split`` hands
+    back column for column: Gemma 3's query, key and value (its per-head q/k norms keep them from
+    GroupQueryAttention's packed input) and every gate/up pair. Returns how many groups were
+    packed. Exact: each output column is computed from the same codes and scales by the same
+    kernel, and at accuracy_level 4 the input's int8 blocks are the same whoever reads them (the
+    pack quantizes them once, not two or three times). Why: a decode step of one row is some 40
+    operators per layer and the narrow products (key and value: N = 256 on Gemma 3) leave a
+    thread idle; one product and a Split run where two or three ran."""
+    graph = model.graph
+    weights = {t.name: t for t in graph.initializer}
+    groups: dict[tuple, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        if node.op_type != "MatMulNBits" or node.domain != "com.microsoft" or len(node.input) != 3 \
+                or node.input[1] not in weights or node.input[2] not in weights:
+            continue
+        settings = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        key = (node.input[0], tuple(sorted((k, v) for k, v in settings.items() if k != "N")))
+        groups.setdefault(key, []).append(node)
+    packed = 0
+    for products in groups.values():
+        if len(products) < 2:
+            continue
+        name = f"{products[0].name}/shared"
+        node = _pack_nbits(products, weights, name, graph, count=len(products))
+        if node is None:
+            continue
+        columns = [helper.get_attribute_value(next(a for a in p.attribute if a.name == "N")) for p in products]
+        graph.initializer.append(numpy_helper.from_array(np.array(columns, np.int64), f"{name}_columns"))
+        split = helper.make_node("Split", [node.output[0], f"{name}_columns"], [p.output[0] for p in products],
+                                 name=f"{name}/Split", axis=-1)
+        at = min(list(graph.node).index(p) for p in products)
+        for p in products:
+            graph.node.remove(p)
+        graph.node.insert(at, node)
+        graph.node.insert(at + 1, split)
+        packed += 1
     if packed:
-        with atomic_path(path, ".onnx") as tmp:
-            write_model_streaming(model, tmp)
+        _drop_unused(graph)
     return packed
 
 
-def _pack_nbits(matmuls: list[onnx.NodeProto], weights, name: str, graph) -> onnx.NodeProto | None:
-    """One ``MatMulNBits`` for three that read one input alike (its weights are [N, blocks, bytes])."""
+def pack_products_file(path: str | Path, *, shared: bool = True) -> dict:
+    """``pack_qkv_projections``, then (``shared``) ``pack_shared_nbits``, on the graph file at
+    ``path``, rewritten in place (atomically) where either packed something; returns
+    ``{"qkv_layers": ..., "shared_groups": ...}``."""
+    model = onnx.load(str(path))
+    done = {"qkv_layers": pack_qkv_projections(model), "shared_groups": pack_shared_nbits(model) if shared else 0}
+    if any(done.values()):
+        with atomic_path(path, ".onnx") as tmp:
+            write_model_streaming(model, tmp)
+    return done
+
+
+def pack_qkv_file(path: str | Path) -> int:
+    """``pack_qkv_projections`` alone on the graph file at ``path`` (``pack_products_file``);
+    returns how many layers it packed."""
+    return pack_products_file(path, shared=False)["qkv_layers"]
+
+
+def _pack_nbits(matmuls: list[onnx.NodeProto], weights, name: str, graph, count: int = 3) -> onnx.NodeProto | None:
+    """One ``MatMulNBits`` for ``count`` that read one input alike (its weights are [N, blocks, bytes])."""
     settings = [{a.name: helper.get_attribute_value(a) for a in m.attribute} for m in matmuls]
     same = [{k: v for k, v in s.items() if k != "N"} for s in settings]
-    if len({m.input[0] for m in matmuls}) != 1 or same.count(same[0]) != 3 \
+    if len({m.input[0] for m in matmuls}) != 1 or same.count(same[0]) != count \
             or any(len(m.input) != 3 or m.input[1] not in weights or m.input[2] not in weights for m in matmuls):
         return None
     codes = np.concatenate([numpy_helper.to_array(weights[m.input[1]]) for m in matmuls], axis=0)
