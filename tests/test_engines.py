@@ -113,6 +113,25 @@ def test_without_llama_cpp_every_type_is_not_measured(monkeypatch, tmp_path, tin
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("engine_name, module", [("llamacpp", "llama_cpp"), ("ortgenai", "onnxruntime_genai")])
+def test_a_package_whose_dependency_is_missing_is_not_called_not_installed(monkeypatch, engine_name, module):
+    """llama-cpp-python installed with --target (or --no-deps) without diskcache: the import fails on
+    the dependency, and the row names it instead of asking for the package that is there."""
+    import quantnorm.engines.llamacpp as llamacpp
+    import quantnorm.engines.ortgenai as ortgenai
+
+    def fails():
+        raise ModuleNotFoundError("No module named 'diskcache'", name="diskcache")
+    monkeypatch.setattr(llamacpp, "_import", fails)
+    monkeypatch.setattr(ortgenai, "_genai", fails)
+    why = get_engine(engine_name).available()
+    assert why.startswith(f"{module} is installed but does not import (its dependency diskcache is missing): pip ")
+    monkeypatch.setitem(sys.modules, module, None)   # the package itself absent: "not installed"
+    monkeypatch.setattr(llamacpp, "_import", lambda: __import__("llama_cpp"))
+    monkeypatch.setattr(ortgenai, "_genai", lambda: __import__("onnxruntime_genai"))
+    assert get_engine(engine_name).available().startswith("not installed: pip install")
+
+
 @pytest.mark.parametrize("flags,needle", [
     (["--engines", "llamacpp", "--llamacpp-types", "Q8_0,Q9_9"], "unknown llama.cpp type 'Q9_9'"),
     (["--engines", "vllm"], "unknown engine 'vllm'"),

@@ -91,6 +91,17 @@ class EngineModel(Protocol):
         """Let the model's memory go."""
 
 
+def import_failure(exc: ImportError, module: str, install: str) -> str:
+    """Why an engine's package did not import: ``not installed: INSTALL`` where ``module`` itself is
+    missing; where the package is there but one of its own imports fails (a dependency left out by
+    a ``--no-deps`` or ``--target`` install), that module named, so the row does not send the user
+    to install what they have."""
+    missing = getattr(exc, "name", None)
+    if isinstance(exc, ModuleNotFoundError) and missing and missing.split(".")[0] != module:
+        return f"{module} is installed but does not import (its dependency {missing} is missing): {install}"
+    return f"not installed: {install}"
+
+
 class Engine(Protocol):
     name: str
 

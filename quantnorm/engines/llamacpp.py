@@ -28,7 +28,7 @@ import numpy as np
 
 from ..errors import ConfigError, MeasureError
 from ..fileio import atomic_path
-from .base import EngineRequest, NotMeasured, Speed
+from .base import EngineRequest, NotMeasured, Speed, import_failure
 
 NAME = "llamacpp"
 # --llamacpp-types name -> llama.cpp's LLAMA_FTYPE_* constant (resolved when llama_cpp is imported).
@@ -41,7 +41,8 @@ FTYPES = {
     "Q3_K_S": "MOSTLY_Q3_K_S", "Q2_K": "MOSTLY_Q2_K",
 }
 DEFAULT_TYPES = ("F32", "Q8_0", "Q4_K_M", "Q4_0")
-NOT_INSTALLED = "not installed: pip install 'quantnorm[llamacpp]' (builds llama.cpp from source, about 10 minutes)"
+INSTALL = "pip install 'quantnorm[llamacpp]' (builds llama.cpp from source, about 10 minutes)"
+NOT_INSTALLED = f"not installed: {INSTALL}"
 NOT_GGUF = "llama.cpp reads GGUF files: evaluate a .gguf (--model FILE.gguf) to compare with it"
 N_BATCH = 512   # llama.cpp's default logical batch: a prompt up to this long is one decode call
 
@@ -69,8 +70,8 @@ class LlamaCppEngine:
     def available(self) -> str | None:
         try:
             _import()
-        except ImportError:
-            return NOT_INSTALLED
+        except ImportError as exc:
+            return import_failure(exc, "llama_cpp", INSTALL)
         except (OSError, RuntimeError) as exc:   # the package is there but its shared library does not load
             return f"llama-cpp-python cannot load llama.cpp ({' '.join(str(exc).split())[:200]}): reinstall it"
         return None

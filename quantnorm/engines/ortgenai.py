@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .base import EngineRequest, NotMeasured, Speed
+from .base import EngineRequest, NotMeasured, Speed, import_failure
 
 NAME = "ortgenai"
 INSTALL = "pip install --no-deps onnxruntime-genai==0.18.0"
@@ -63,8 +63,8 @@ class OrtGenAIEngine:
     def available(self) -> str | None:
         try:
             _genai()
-        except ImportError:
-            return f"not installed: {INSTALL}"
+        except ImportError as exc:
+            return import_failure(exc, "onnxruntime_genai", INSTALL)
         except OSError as exc:   # the native library did not load
             return f"onnxruntime-genai does not load here ({str(exc).splitlines()[0]}): reinstall it with {INSTALL}"
         return None
