@@ -87,7 +87,7 @@ def pack_shared_nbits(model: onnx.ModelProto) -> int:
         if len(products) < 2:
             continue
         name = f"{products[0].name}/shared"
-        node = _pack_nbits(products, weights, name, graph, count=len(products))
+        node = _pack_nbits(products, weights, name, graph)
         if node is None:
             continue
         columns = [helper.get_attribute_value(next(a for a in p.attribute if a.name == "N")) for p in products]
@@ -123,11 +123,11 @@ def pack_qkv_file(path: str | Path) -> int:
     return pack_products_file(path, shared=False)["qkv_layers"]
 
 
-def _pack_nbits(matmuls: list[onnx.NodeProto], weights, name: str, graph, count: int = 3) -> onnx.NodeProto | None:
-    """One ``MatMulNBits`` for ``count`` that read one input alike (its weights are [N, blocks, bytes])."""
+def _pack_nbits(matmuls: list[onnx.NodeProto], weights, name: str, graph) -> onnx.NodeProto | None:
+    """One ``MatMulNBits`` for several that read one input alike (its weights are [N, blocks, bytes])."""
     settings = [{a.name: helper.get_attribute_value(a) for a in m.attribute} for m in matmuls]
     same = [{k: v for k, v in s.items() if k != "N"} for s in settings]
-    if len({m.input[0] for m in matmuls}) != 1 or same.count(same[0]) != count \
+    if len({m.input[0] for m in matmuls}) != 1 or same.count(same[0]) != len(matmuls) \
             or any(len(m.input) != 3 or m.input[1] not in weights or m.input[2] not in weights for m in matmuls):
         return None
     codes = np.concatenate([numpy_helper.to_array(weights[m.input[1]]) for m in matmuls], axis=0)
