@@ -70,6 +70,23 @@ def _insert_before(graph: onnx.GraphProto, node: onnx.NodeProto, new: list[onnx.
         graph.node.insert(at + offset, added)
 
 
+def _replace_products(graph: onnx.GraphProto, products: list[onnx.NodeProto], packed: onnx.NodeProto,
+                      columns: list[int] | None) -> None:
+    """Put ``packed`` (one product computing ``products``' columns side by side) where the first
+    of them stood and remove them; with ``columns`` (each product's width, in their order) a
+    ``Split`` after it hands each product's output back, else ``packed``'s output already has a
+    reader of its own (an attention node's packed input)."""
+    new = [packed]
+    if columns is not None:
+        name = packed.output[0]
+        new.append(helper.make_node("Split", [name, _int64(graph, f"{name}_columns", columns)],
+                                    [p.output[0] for p in products], name=f"{name}/Split", axis=-1))
+    first = min(products, key=list(graph.node).index)
+    _insert_before(graph, first, new)
+    for p in products:
+        graph.node.remove(p)
+
+
 def add_logits_to_keep(model: onnx.ModelProto) -> bool:
     """Give the graph the optional ``logits_to_keep`` input (see the module doc). The head is the
     first MatMul (or Gemm) with a constant weight met walking back from ``logits`` through nodes

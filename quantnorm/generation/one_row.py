@@ -39,7 +39,7 @@ from onnx import helper, numpy_helper
 from ..fileio import atomic_path
 from ..onnx_wire import write_model_streaming
 from .decode import ONE_ROW_KEY
-from .graph_passes import GQA, _constants, _drop_unused, _producers_and_consumers
+from .graph_passes import GQA, _constants, _drop_unused, _producers_and_consumers, _replace_products
 
 DQMM = "DynamicQuantizeMatMul"
 
@@ -151,22 +151,14 @@ def _pack_shared_inputs(graph: onnx.GraphProto) -> dict:
         name = f"{order[0].name}/packed"
         graph.initializer.extend([numpy_helper.from_array(np.concatenate(codes, axis=1), f"{name}_weights"),
                                   numpy_helper.from_array(np.concatenate(scales), f"{name}_scales")])
-        new = [helper.make_node(DQMM, [source, f"{name}_weights", f"{name}_scales"], [name], name=name,
-                                domain="com.microsoft")]
+        packed = helper.make_node(DQMM, [source, f"{name}_weights", f"{name}_scales"], [name], name=name,
+                                  domain="com.microsoft")
         if attention is not None:
             attention.input[0], attention.input[1], attention.input[2] = name, "", ""
             done["attention"] += 1
         else:
-            graph.initializer.append(numpy_helper.from_array(np.array([c.shape[1] for c in codes], np.int64),
-                                                             f"{name}_columns"))
-            new.append(helper.make_node("Split", [name, f"{name}_columns"], [p.output[0] for p in order],
-                                        name=f"{name}/Split", axis=-1))
             done["split"] += 1
-        at = min(list(graph.node).index(p) for p in order)
-        for p in order:
-            graph.node.remove(p)
-        for offset, node in enumerate(new):
-            graph.node.insert(at + offset, node)
+        _replace_products(graph, order, packed, None if attention is not None else [c.shape[1] for c in codes])
     return done
 
 

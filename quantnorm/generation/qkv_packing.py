@@ -16,7 +16,7 @@ from onnx import helper, numpy_helper
 
 from ..fileio import atomic_path
 from ..onnx_wire import write_model_streaming
-from .graph_passes import GQA, _drop_unused, _insert_before, _producers_and_consumers
+from .graph_passes import GQA, _drop_unused, _insert_before, _producers_and_consumers, _replace_products
 
 
 def pack_qkv_projections(model: onnx.ModelProto) -> int:
@@ -91,14 +91,7 @@ def pack_shared_nbits(model: onnx.ModelProto) -> int:
         if node is None:
             continue
         columns = [helper.get_attribute_value(next(a for a in p.attribute if a.name == "N")) for p in products]
-        graph.initializer.append(numpy_helper.from_array(np.array(columns, np.int64), f"{name}_columns"))
-        split = helper.make_node("Split", [node.output[0], f"{name}_columns"], [p.output[0] for p in products],
-                                 name=f"{name}/Split", axis=-1)
-        at = min(list(graph.node).index(p) for p in products)
-        for p in products:
-            graph.node.remove(p)
-        graph.node.insert(at, node)
-        graph.node.insert(at + 1, split)
+        _replace_products(graph, products, node, columns)
         packed += 1
     if packed:
         _drop_unused(graph)
