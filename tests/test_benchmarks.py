@@ -195,6 +195,33 @@ def test_avx2_instruction_counts_show_the_u8s8_kernel_saturating_under_valgrind(
     assert bad.returncode == 2 and "notes.txt: not an ONNX graph" in bad.stderr and "Traceback" not in bad.stderr
 
 
+def test_step_floor_benchmark_sums_products_head_and_attention_per_kind():
+    script = ROOT / "benchmarks" / "step_floor.py"
+    run = subprocess.run([sys.executable, str(script), "--model", "smollm2", "--cache", "32", "--threads", "1",
+                          "--iters", "1", "--llamacpp-gen-tps", "100"], capture_output=True, text=True, cwd=ROOT,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    out = run.stdout
+    assert "30 layers, vocabulary 49,152, one row against a cache of 32" in out and "1 threads" in out
+    attention = float(out.split("ms x 30 layers")[0].rsplit(", ", 1)[1])
+    for kind in ("one-row", "weight-only"):
+        table = out.split(f"| {kind} product")[1].split("\n\n")[0].splitlines()
+        rows = [line.split("|") for line in table if line.startswith("| ") and "---" not in line]
+        parts = [float(r[4]) for r in rows if r[1].strip() != "all products"]
+        total = float(next(r for r in rows if r[1].strip() == "all products")[4].strip(" *"))
+        assert len(parts) == 5 and abs(total - sum(parts)) < 0.03   # four layer products and the head, rounded
+        head_mb = float(next(r for r in rows if r[1].strip() == "LM head")[5])
+        assert head_mb >= 576 * 49152 / 1e6   # int8 codes at least (weight-only adds a scale per 32)
+        floor = float(out.split(f"floor, {kind}: products + attention = ")[1].split(" ms")[0])
+        assert abs(floor - (total + attention)) < 0.03
+        ratio = float(out.split(f"the {kind} floor is ")[1].split("x that")[0])
+        assert abs(ratio - floor / 10.0) < 0.01
+    for bad in (["--cache", "0"], ["--llamacpp-gen-tps", "0"], ["--model", "llama"]):
+        refused = subprocess.run([sys.executable, str(script), *bad], capture_output=True, text=True, cwd=ROOT,
+                                 timeout=120)
+        assert refused.returncode == 2 and "error:" in refused.stderr and "Traceback" not in refused.stderr
+
+
 def test_prompt_floor_benchmark_sums_its_parts_into_the_floor():
     script = ROOT / "benchmarks" / "prompt_floor.py"
     run = subprocess.run([sys.executable, str(script), "--model", "gemma3", "--tokens", "16", "--threads", "1",
