@@ -1,7 +1,7 @@
 """What one generation step (one row, batch 1) costs at least with ONNX Runtime's CPU kernels.
 
-    python benchmarks/step_floor.py [--model smollm2|gemma3] [--cache 192] [--threads 2]
-                                    [--iters 30] [--llamacpp-gen-tps TPS]
+    python benchmarks/step_floor.py [--model smollm2|gemma3] [--cache 192] [--blocks 32,128]
+                                    [--threads 2] [--iters 30] [--llamacpp-gen-tps TPS]
 
 A decode step of one row is, per layer, its weight products, attention over the cache, and small
 float work besides (norms, the online Hadamard, the activation, adds, reshapes), then the LM head.
@@ -11,9 +11,10 @@ deployments run them, and sums them over the layers:
 - ``one-row``: ``com.microsoft.DynamicQuantizeMatMul`` (the row quantized to uint8 over its
   min..max, int8 weights with a scale per column), the products that read one input packed
   (q, k, v; gate, up), as ``generation/one_row.py`` writes the per-token recipe's token graph;
-- ``weight-only``: ``com.microsoft.MatMulNBits`` with 8-bit codes, blocks of 32 with a float
-  scale each, accuracy_level 4 (int8 activations per block), packed the same way, as the
-  ``wo-int8-b32-acc4`` recipes deploy.
+- ``weight-only bB``: ``com.microsoft.MatMulNBits`` with 8-bit codes, blocks of B (``--blocks``)
+  with a float scale each, accuracy_level 4 (int8 activations per block), packed the same way, as
+  the ``wo-int8-bB-acc4`` recipes deploy (the block is a kernel setting as much as a format one:
+  a block of 128 runs its int8 dot products four times as long between float rescales).
 
 Each product runs over as many weights of its own as the model has layers (one session, one run
 each: a weight timed alone stays in the cache, a model's come from memory); the head once. p50 of
@@ -43,9 +44,6 @@ from prompt_floor import ISA, MODELS, Shapes, session  # noqa: E402
 
 from quantnorm.hardware import cpu_flags, cpu_model  # noqa: E402
 
-KINDS = ("one-row", "weight-only")
-BLOCK = 32   # the weight-only recipes' block (wo-int8-b32-acc4)
-
 
 def products(m: Shapes) -> list[tuple[str, int, int]]:
     """One layer's weight products as deployed, packed where they read one input: (name, K, N)."""
@@ -55,8 +53,8 @@ def products(m: Shapes) -> list[tuple[str, int, int]]:
 
 
 def product(kind: str, k: int, n: int, threads: int, iters: int, copies: int = 1) -> tuple[float, int]:
-    """One row [1, 1, k] by ``copies`` weights [k, n] of their own in one run: (ms per product,
-    weight bytes per product)."""
+    """One row [1, 1, k] by ``copies`` weights [k, n] of their own in one run, ``kind`` "one-row"
+    or "weight-only b<B>": (ms per product, weight bytes per product)."""
     rng = np.random.default_rng(0)
     inits, nodes = [], []
     for i in range(copies):
@@ -66,11 +64,12 @@ def product(kind: str, k: int, n: int, threads: int, iters: int, copies: int = 1
             nodes.append(helper.make_node("DynamicQuantizeMatMul", ["x", f"W{i}", f"ws{i}"], [f"y{i}"],
                                           domain="com.microsoft"))
         else:
-            blocks = k // BLOCK
-            inits += [numpy_helper.from_array(rng.integers(0, 256, (n, blocks, BLOCK), dtype=np.uint8), f"W{i}"),
+            block = int(kind.rsplit(" b", 1)[1])
+            blocks = -(-k // block)   # a last block K does not fill is padded, as ORT's quantizer pads it
+            inits += [numpy_helper.from_array(rng.integers(0, 256, (n, blocks, block), dtype=np.uint8), f"W{i}"),
                       numpy_helper.from_array(rng.random(n * blocks, dtype=np.float32) * 0.01, f"ws{i}")]
             nodes.append(helper.make_node("MatMulNBits", ["x", f"W{i}", f"ws{i}"], [f"y{i}"], domain="com.microsoft",
-                                          K=k, N=n, bits=8, block_size=BLOCK, accuracy_level=4))
+                                          K=k, N=n, bits=8, block_size=block, accuracy_level=4))
     weight_bytes = sum(len(t.raw_data) for t in inits) // copies
     inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, k])]
     sess = session(nodes, inputs, inits, threads, outputs=[n.output[0] for n in nodes])
@@ -104,6 +103,9 @@ def main() -> None:
     parser.add_argument("--cache", type=int, default=192,
                         help="tokens in the cache the step attends to (default 192: the middle of a 128-token "
                              "prompt's 128 new tokens)")
+    parser.add_argument("--blocks", default="32,128",
+                        help="the weight-only recipes' blocks to time, comma-separated powers of two >= 16 "
+                             "(default 32,128)")
     parser.add_argument("--threads", type=int, default=2, help="intra-op threads (default 2)")
     parser.add_argument("--iters", type=int, default=30, help="timed runs per cell, p50 reported (default 30)")
     parser.add_argument("--llamacpp-gen-tps", type=float, default=None,
@@ -112,6 +114,13 @@ def main() -> None:
     if min(opts.cache, opts.threads, opts.iters) < 1 or (opts.llamacpp_gen_tps is not None
                                                         and opts.llamacpp_gen_tps <= 0):
         parser.error("--cache, --threads and --iters must be >= 1, --llamacpp-gen-tps > 0")
+    try:
+        blocks = [int(b) for b in opts.blocks.split(",")]
+    except ValueError:
+        blocks = []
+    if not blocks or any(b < 16 or b & (b - 1) for b in blocks):
+        parser.error(f"--blocks {opts.blocks!r}: give powers of two >= 16, comma-separated (e.g. 32,128)")
+    kinds = ["one-row", *(f"weight-only b{b}" for b in blocks)]
     m = MODELS[opts.model]
     flags = set(cpu_flags())
     print(f"CPU: {cpu_model()} ({', '.join(f for f in ISA if f in flags) or 'none of ' + '/'.join(ISA)}); "
@@ -119,7 +128,7 @@ def main() -> None:
           f"{m.vocab:,}, one row against a cache of {opts.cache}; p50 of {opts.iters} runs per kernel")
     attention_ms = one_row_attention(m, opts.cache, opts.threads, opts.iters) * m.layers
     floors = {}
-    for kind in KINDS:
+    for kind in kinds:
         print(f"\n| {kind} product (one row; {m.layers} weights each) | K x N | per layer ms | x layers ms | MB | GB/s |")
         print("|---|---|---|---|---|---|")
         total_ms = total_bytes = 0.0
@@ -136,13 +145,13 @@ def main() -> None:
         floors[kind] = total_ms + attention_ms
     print(f"\nGroupQueryAttention, one row against {opts.cache}: {attention_ms / m.layers:.3f} ms a layer, "
           f"{attention_ms:.2f} ms x {m.layers} layers")
-    for kind in KINDS:
+    for kind in kinds:
         print(f"floor, {kind}: products + attention = {floors[kind]:.2f} ms a step "
               f"({1e3 / floors[kind]:,.1f} tokens/s at most), before norms, the online Hadamard, the activation, "
               "the adds and ONNX Runtime's time per node")
     if opts.llamacpp_gen_tps:
         allowed = 1e3 / opts.llamacpp_gen_tps
-        for kind in KINDS:
+        for kind in kinds:
             print(f"llama.cpp's {opts.llamacpp_gen_tps:,.1f} generation tokens/s is {allowed:.2f} ms a step: the "
                   f"{kind} floor is {floors[kind] / allowed:.2f}x that "
                   f"({'within' if floors[kind] <= allowed else 'over'} it)")

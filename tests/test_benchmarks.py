@@ -204,7 +204,7 @@ def test_step_floor_benchmark_sums_products_head_and_attention_per_kind():
     out = run.stdout
     assert "30 layers, vocabulary 49,152, one row against a cache of 32" in out and "1 threads" in out
     attention = float(out.split("ms x 30 layers")[0].rsplit(", ", 1)[1])
-    for kind in ("one-row", "weight-only"):
+    for kind in ("one-row", "weight-only b32", "weight-only b128"):
         table = out.split(f"| {kind} product")[1].split("\n\n")[0].splitlines()
         rows = [line.split("|") for line in table if line.startswith("| ") and "---" not in line]
         parts = [float(r[4]) for r in rows if r[1].strip() != "all products"]
@@ -216,7 +216,8 @@ def test_step_floor_benchmark_sums_products_head_and_attention_per_kind():
         assert abs(floor - (total + attention)) < 0.03
         ratio = float(out.split(f"the {kind} floor is ")[1].split("x that")[0])
         assert abs(ratio - floor / 10.0) < 0.01
-    for bad in (["--cache", "0"], ["--llamacpp-gen-tps", "0"], ["--model", "llama"]):
+    for bad in (["--cache", "0"], ["--llamacpp-gen-tps", "0"], ["--model", "llama"], ["--blocks", "48"],
+                ["--blocks", "32,x"]):
         refused = subprocess.run([sys.executable, str(script), *bad], capture_output=True, text=True, cwd=ROOT,
                                  timeout=120)
         assert refused.returncode == 2 and "error:" in refused.stderr and "Traceback" not in refused.stderr
