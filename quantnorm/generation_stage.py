@@ -166,11 +166,13 @@ def _quantize_past(variants, name: str, recipe, fp32_past: Path, data, cfg, run_
     if q.status != "ok" or q.path is None:
         return {**entry, "problems": q.problems}
     # only weight-only and per-token graphs have products to pack: the others are not read back in
-    # whole for nothing
-    # (a per-token graph's other shared inputs are packed in its one-row graph, where they pay)
-    packed = pack_products_file(q.path, shared=recipe.mode == "weight-only") \
-        if recipe.mode in ("weight-only", "pertoken") else {"qkv_layers": 0, "shared_groups": 0}
+    # whole for nothing. A per-token graph's other shared inputs and its residual norms are fused
+    # in its one-row graph, where they pay; a weight-only graph runs every step itself.
+    weight_only = recipe.mode == "weight-only"
+    packed = pack_products_file(q.path, shared=weight_only, residual_norms=weight_only) \
+        if recipe.mode in ("weight-only", "pertoken") else {"qkv_layers": 0, "shared_groups": 0, "residual_norms": 0}
     entry["packed_qkv_layers"], entry["packed_shared_groups"] = packed["qkv_layers"], packed["shared_groups"]
+    entry["fused_residual_norms"] = packed["residual_norms"]
     # the same graph scored whole: the cache's exactness, apart from what the recipe itself changes
     return {**entry, "path": q.path.name, "size_bytes": q.path.stat().st_size,
             "cache_check": _cache_check(q.path, data.eval_inputs, None, cfg)}

@@ -139,6 +139,12 @@ def test_a_split_deployment_prefills_on_one_graph_and_generates_on_the_other(zoo
     assert (split["path"], split["prompt_path"]) == (tokens.name, prompt.name)
     assert split["size_bytes"] == tokens.stat().st_size + prompt.stat().st_size
     assert split["cache_check"]["relative_diff"] < 1e-2   # the cache written by another graph of the same model
+    # the weight-only token graph runs each residual add fused with the RMSNorm that reads it (the
+    # embeddings' add and the two residuals, as in the one-row graph below), and the report says so
+    weight_only = _check_models(results, ())["wo-int8-b32-acc4"].entry
+    assert (weight_only["packed_shared_groups"], weight_only["fused_residual_norms"]) == (1, 3)   # q/k/v: not GQA
+    assert sum(n.op_type == "SkipSimplifiedLayerNormalization" for n in onnx.load(str(tokens)).graph.node) == 3
+    assert "`wo-int8-b32-acc4`: packed groups 1, fused norms 3" in (zoo_run / "report.md").read_text()
 
     ids = windows(2, 10, 256)
     runner = DecodeSession(tokens, prompt_model=prompt, shared_cache=False)

@@ -10,7 +10,8 @@ from onnx import TensorProto, helper, numpy_helper
 from test_pertoken import K, N, matmul_model, run
 
 from quantnorm.generation.decode import ONE_ROW_KEY
-from quantnorm.generation.one_row import DQMM, SKIP_NORM, one_row_graph, write_one_row_graph
+from quantnorm.generation.one_row import DQMM, one_row_graph, write_one_row_graph
+from quantnorm.generation.residual_norms import SKIP_NORM, fuse_residual_norms
 from quantnorm.quantize.pertoken import quantize_per_token
 
 
@@ -161,8 +162,6 @@ def _residual_norm_graph(axes=(-1,), gamma_constant=True) -> onnx.ModelProto:
 
 
 def test_a_residual_add_and_the_rms_norm_that_reads_it_become_one_skip_norm():
-    from quantnorm.generation import one_row as module
-
     rng = np.random.default_rng(3)
     feed = {"a": rng.standard_normal((1, 3, 16)).astype(np.float32) * 50,
             "b": rng.standard_normal((1, 3, 16)).astype(np.float32)}
@@ -173,7 +172,7 @@ def test_a_residual_add_and_the_rms_norm_that_reads_it_become_one_skip_norm():
 
     model = _residual_norm_graph()
     before = outputs(model)
-    assert module._fuse_residual_norms(model.graph) == 1
+    assert fuse_residual_norms(model.graph) == 1
     assert [n.op_type for n in model.graph.node] == [SKIP_NORM, "Add"]
     skip = model.graph.node[0]
     assert list(skip.input) == ["a", "b", "gamma"] and list(skip.output) == ["y", "", "", "x"]
@@ -181,10 +180,10 @@ def test_a_residual_add_and_the_rms_norm_that_reads_it_become_one_skip_norm():
         np.testing.assert_allclose(fused, plain, rtol=1e-5, atol=1e-5)
     # the last axis by its number, where the graph states the rank (the exporter's value_info)
     stated = _residual_norm_graph(axes=(2,))
-    assert module._fuse_residual_norms(stated.graph) == 1
+    assert fuse_residual_norms(stated.graph) == 1
     unstated = _residual_norm_graph(axes=(2,))
     del unstated.graph.value_info[:]
-    assert module._fuse_residual_norms(unstated.graph) == 0   # rank unknown: axis 2 might not be the last
+    assert fuse_residual_norms(unstated.graph) == 0   # rank unknown: axis 2 might not be the last
     # not an RMSNorm over the last axis with a constant gamma: left as it is
     for other in (_residual_norm_graph(axes=(1,)), _residual_norm_graph(gamma_constant=False)):
-        assert module._fuse_residual_norms(other.graph) == 0 and len(other.graph.node) == 8
+        assert fuse_residual_norms(other.graph) == 0 and len(other.graph.node) == 8

@@ -17,6 +17,7 @@ from onnx import helper, numpy_helper
 from ..fileio import atomic_path
 from ..onnx_wire import write_model_streaming
 from .graph_passes import GQA, _drop_unused, _insert_before, _producers_and_consumers, _replace_products
+from .residual_norms import fuse_residual_norms
 
 
 def pack_qkv_projections(model: onnx.ModelProto) -> int:
@@ -98,12 +99,16 @@ def pack_shared_nbits(model: onnx.ModelProto) -> int:
     return packed
 
 
-def pack_products_file(path: str | Path, *, shared: bool = True) -> dict:
-    """``pack_qkv_projections``, then (``shared``) ``pack_shared_nbits``, on the graph file at
-    ``path``, rewritten in place (atomically) where either packed something; returns
-    ``{"qkv_layers": ..., "shared_groups": ...}``."""
+def pack_products_file(path: str | Path, *, shared: bool = True, residual_norms: bool = False) -> dict:
+    """``pack_qkv_projections``, then (``shared``) ``pack_shared_nbits`` and (``residual_norms``)
+    ``residual_norms.fuse_residual_norms``, on the graph file at ``path``, rewritten in place
+    (atomically) where any of them changed something; returns ``{"qkv_layers": ...,
+    "shared_groups": ..., "residual_norms": ...}``."""
     model = onnx.load(str(path))
-    done = {"qkv_layers": pack_qkv_projections(model), "shared_groups": pack_shared_nbits(model) if shared else 0}
+    done = {"qkv_layers": pack_qkv_projections(model), "shared_groups": pack_shared_nbits(model) if shared else 0,
+            "residual_norms": fuse_residual_norms(model.graph) if residual_norms else 0}
+    if done["residual_norms"] and not any(i.domain == "com.microsoft" for i in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     if any(done.values()):
         with atomic_path(path, ".onnx") as tmp:
             write_model_streaming(model, tmp)

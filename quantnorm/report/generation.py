@@ -47,6 +47,14 @@ def generation(results: dict) -> list[str]:
               "through P's with-past graph and the new tokens through W's, one cache between them; both graphs are "
               "held (its memory and size are both files'), and its cache check is the pair through the cache "
               "against W's graph scored whole.", ""]
+    rewritten = [m for m in models if m.ok and (m.entry.get("packed_shared_groups") or m.entry.get("fused_residual_norms"))]
+    if rewritten:
+        counts = "; ".join(f"`{m.name}`: packed groups {m.entry.get('packed_shared_groups', 0)}, "
+                           f"fused norms {m.entry.get('fused_residual_norms', 0)}" for m in rewritten)
+        L += ["Weight-only graphs as they run (after quantization, exact but for the fused norm's float rounding, "
+              "which each row's cache check covers): the `MatMulNBits` that read one input alike packed as one "
+              "product and a `Split`, and each residual add fused with the RMSNorm that reads it "
+              f"(`SkipSimplifiedLayerNormalization`): {counts}.", ""]
     one_row = [m.name for m in models if m.ok and isinstance(m.entry.get("one_row"), dict)]
     if one_row:
         L += ["One-row token graphs (`P+one-row`, each per-token recipe P): a decode step of one row runs P's "
