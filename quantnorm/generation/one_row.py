@@ -39,7 +39,8 @@ from onnx import helper, numpy_helper
 from ..fileio import atomic_path
 from ..onnx_wire import write_model_streaming
 from .decode import ONE_ROW_KEY
-from .graph_passes import GQA, _drop_unused, _producers_and_consumers, _replace_products
+from .graph_edit import _drop_unused, _producers_and_consumers, _replace_products
+from .graph_passes import GQA
 from .residual_norms import fuse_residual_norms
 
 DQMM = "DynamicQuantizeMatMul"

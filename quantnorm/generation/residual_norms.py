@@ -18,7 +18,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .graph_passes import _constants, _producers_and_consumers
+from .graph_edit import _constants, _producers_and_consumers
 
 SKIP_NORM = "SkipSimplifiedLayerNormalization"
 
