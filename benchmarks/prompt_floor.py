@@ -167,18 +167,33 @@ def row_quantizer(blocked: bool, tokens: int, k: int, threads: int, iters: int) 
     return p50_ms(sess, {"x": x}, iters)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def floor_arguments(parser: argparse.ArgumentParser, size: tuple[str, int, str], rate: tuple[str, str]) -> None:
+    """What both floor benchmarks take (this one and ``step_floor.py``): the model whose shapes,
+    ``size`` (flag, default, help: the prompt's tokens or the cache's), threads, iterations and
+    ``rate`` (flag, help: llama.cpp's tokens/s to compare with)."""
     parser.add_argument("--model", choices=sorted(MODELS), default="smollm2", help="whose shapes (default smollm2)")
-    parser.add_argument("--tokens", type=int, default=128, help="prompt tokens (default 128)")
+    parser.add_argument(size[0], type=int, default=size[1], help=size[2])
     parser.add_argument("--threads", type=int, default=2, help="intra-op threads (default 2)")
     parser.add_argument("--iters", type=int, default=30, help="timed runs per cell, p50 reported (default 30)")
-    parser.add_argument("--llamacpp-prompt-tps", type=float, default=None,
-                        help="llama.cpp Q8_0's prompt tokens/s on this machine: print the time twice that allows")
+    parser.add_argument(rate[0], type=float, default=None, help=rate[1])
+
+
+def parse_floor_arguments(parser: argparse.ArgumentParser, size: str, rate: str) -> argparse.Namespace:
+    """``parser``'s arguments (``floor_arguments``'), refused (exit 2) where a count is below 1 or
+    the rate is not positive."""
     opts = parser.parse_args()
-    if min(opts.tokens, opts.threads, opts.iters) < 1 or (opts.llamacpp_prompt_tps is not None
-                                                         and opts.llamacpp_prompt_tps <= 0):
-        parser.error("--tokens, --threads and --iters must be >= 1, --llamacpp-prompt-tps > 0")
+    value = lambda flag: getattr(opts, flag.lstrip("-").replace("-", "_"))   # noqa: E731
+    if min(value(size), opts.threads, opts.iters) < 1 or (value(rate) is not None and value(rate) <= 0):
+        parser.error(f"{size}, --threads and --iters must be >= 1, {rate} > 0")
+    return opts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    floor_arguments(parser, ("--tokens", 128, "prompt tokens (default 128)"),
+                    ("--llamacpp-prompt-tps", "llama.cpp Q8_0's prompt tokens/s on this machine: print the time "
+                                              "twice that allows"))
+    opts = parse_floor_arguments(parser, "--tokens", "--llamacpp-prompt-tps")
     m, t = MODELS[opts.model], opts.tokens
     flags = set(cpu_flags())
     print(f"CPU: {cpu_model()} ({', '.join(f for f in ISA if f in flags) or 'none of ' + '/'.join(ISA)}); "

@@ -40,7 +40,7 @@ from onnx import TensorProto, helper, numpy_helper
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from pertoken_kernel import p50_ms  # noqa: E402  (benchmarks/: the script's own folder)
-from prompt_floor import ISA, MODELS, Shapes, session  # noqa: E402
+from prompt_floor import ISA, MODELS, Shapes, floor_arguments, parse_floor_arguments, session  # noqa: E402
 
 from quantnorm.hardware import cpu_flags, cpu_model  # noqa: E402
 
@@ -99,21 +99,14 @@ def one_row_attention(m: Shapes, cache: int, threads: int, iters: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=sorted(MODELS), default="smollm2", help="whose shapes (default smollm2)")
-    parser.add_argument("--cache", type=int, default=192,
-                        help="tokens in the cache the step attends to (default 192: the middle of a 128-token "
-                             "prompt's 128 new tokens)")
+    floor_arguments(parser, ("--cache", 192, "tokens in the cache the step attends to (default 192: the middle "
+                                             "of a 128-token prompt's 128 new tokens)"),
+                    ("--llamacpp-gen-tps", "llama.cpp Q8_0's generation tokens/s on this machine: print the step "
+                                           "time it takes"))
     parser.add_argument("--blocks", default="32,128",
                         help="the weight-only recipes' blocks to time, comma-separated powers of two >= 16 "
                              "(default 32,128)")
-    parser.add_argument("--threads", type=int, default=2, help="intra-op threads (default 2)")
-    parser.add_argument("--iters", type=int, default=30, help="timed runs per cell, p50 reported (default 30)")
-    parser.add_argument("--llamacpp-gen-tps", type=float, default=None,
-                        help="llama.cpp Q8_0's generation tokens/s on this machine: print the step time it takes")
-    opts = parser.parse_args()
-    if min(opts.cache, opts.threads, opts.iters) < 1 or (opts.llamacpp_gen_tps is not None
-                                                        and opts.llamacpp_gen_tps <= 0):
-        parser.error("--cache, --threads and --iters must be >= 1, --llamacpp-gen-tps > 0")
+    opts = parse_floor_arguments(parser, "--cache", "--llamacpp-gen-tps")
     try:
         blocks = [int(b) for b in opts.blocks.split(",")]
     except ValueError:

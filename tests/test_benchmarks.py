@@ -195,13 +195,22 @@ def test_avx2_instruction_counts_show_the_u8s8_kernel_saturating_under_valgrind(
     assert bad.returncode == 2 and "notes.txt: not an ONNX graph" in bad.stderr and "Traceback" not in bad.stderr
 
 
-def test_step_floor_benchmark_sums_products_head_and_attention_per_kind():
-    script = ROOT / "benchmarks" / "step_floor.py"
-    run = subprocess.run([sys.executable, str(script), "--model", "smollm2", "--cache", "32", "--threads", "1",
-                          "--iters", "1", "--llamacpp-gen-tps", "100"], capture_output=True, text=True, cwd=ROOT,
-                         timeout=300)
+def _floor_output(script: str, args: list[str], refused: list[list[str]]) -> str:
+    """A floor benchmark's output for ``args``; each of ``refused`` exits 2 with a one-line error."""
+    path = ROOT / "benchmarks" / script
+    run = subprocess.run([sys.executable, str(path), *args], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
-    out = run.stdout
+    for bad in refused:
+        no = subprocess.run([sys.executable, str(path), *bad], capture_output=True, text=True, cwd=ROOT, timeout=120)
+        assert no.returncode == 2 and "error:" in no.stderr and "Traceback" not in no.stderr
+    return run.stdout
+
+
+def test_step_floor_benchmark_sums_products_head_and_attention_per_kind():
+    out = _floor_output("step_floor.py", ["--model", "smollm2", "--cache", "32", "--threads", "1", "--iters", "1",
+                                          "--llamacpp-gen-tps", "100"],
+                        [["--cache", "0"], ["--llamacpp-gen-tps", "0"], ["--model", "llama"], ["--blocks", "48"],
+                         ["--blocks", "32,x"]])
     assert "30 layers, vocabulary 49,152, one row against a cache of 32" in out and "1 threads" in out
     attention = float(out.split("ms x 30 layers")[0].rsplit(", ", 1)[1])
     for kind in ("one-row", "weight-only b32", "weight-only b128"):
@@ -216,20 +225,12 @@ def test_step_floor_benchmark_sums_products_head_and_attention_per_kind():
         assert abs(floor - (total + attention)) < 0.03
         ratio = float(out.split(f"the {kind} floor is ")[1].split("x that")[0])
         assert abs(ratio - floor / 10.0) < 0.01
-    for bad in (["--cache", "0"], ["--llamacpp-gen-tps", "0"], ["--model", "llama"], ["--blocks", "48"],
-                ["--blocks", "32,x"]):
-        refused = subprocess.run([sys.executable, str(script), *bad], capture_output=True, text=True, cwd=ROOT,
-                                 timeout=120)
-        assert refused.returncode == 2 and "error:" in refused.stderr and "Traceback" not in refused.stderr
 
 
 def test_prompt_floor_benchmark_sums_its_parts_into_the_floor():
-    script = ROOT / "benchmarks" / "prompt_floor.py"
-    run = subprocess.run([sys.executable, str(script), "--model", "gemma3", "--tokens", "16", "--threads", "1",
-                          "--iters", "1", "--llamacpp-prompt-tps", "1000"], capture_output=True, text=True, cwd=ROOT,
-                         timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
-    out = run.stdout
+    out = _floor_output("prompt_floor.py", ["--model", "gemma3", "--tokens", "16", "--threads", "1", "--iters", "1",
+                                            "--llamacpp-prompt-tps", "1000"],
+                        [["--tokens", "0"], ["--llamacpp-prompt-tps", "-5"], ["--model", "llama"]])
     assert "18 layers, 16-token prompt" in out and "threads" in out.splitlines()[0]
     total = float(out.split("| all | | | **")[1].split("**")[0])
     attention = {line.split("|")[1].strip(): float(line.split("|")[3]) for line in out.splitlines()
@@ -244,7 +245,3 @@ def test_prompt_floor_benchmark_sums_its_parts_into_the_floor():
     allowed = 16 / 2000 * 1e3
     ratio = float(out.split("the floor is ")[1].split("x that")[0])
     assert f"allows {allowed:.1f} ms" in out and abs(ratio - floor / allowed) < 0.02
-    for bad in (["--tokens", "0"], ["--llamacpp-prompt-tps", "-5"], ["--model", "llama"]):
-        refused = subprocess.run([sys.executable, str(script), *bad], capture_output=True, text=True, cwd=ROOT,
-                                 timeout=120)
-        assert refused.returncode == 2 and "error:" in refused.stderr and "Traceback" not in refused.stderr
