@@ -4,6 +4,9 @@ A rewrite of a *quantized* with-past graph (the generation stage runs it after e
 and per-token recipe; the cache proof then checks the graph it wrote): the passes of
 ``graph_passes`` run on the FP32 graph, and packing the three projections there would change
 what a recipe quantizes (node names, per-tensor weight scales), so it waits for their codes.
+A weight-only graph's other products that read one input become one and a ``Split`` here too
+(``pack_shared_nbits``), and ``pack_products_file`` runs ``residual_norms``' fusion on the same
+load of the file, so a 500 MB graph is read and written once.
 """
 
 from __future__ import annotations
