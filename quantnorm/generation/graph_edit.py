@@ -75,3 +75,10 @@ def _drop_unused(graph: onnx.GraphProto) -> None:
     for index in reversed(range(len(graph.initializer))):   # in place: no copy of the weights
         if graph.initializer[index].name not in read:
             del graph.initializer[index]
+
+
+def _use_microsoft_domain(model: onnx.ModelProto) -> None:
+    """Declare ONNX Runtime's ``com.microsoft`` operator set where a rewrite put one of its
+    operators into a graph that had none."""
+    if not any(imp.domain == "com.microsoft" for imp in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))

@@ -33,7 +33,14 @@ import onnx
 from onnx import helper, numpy_helper
 
 from .decode import ATTENTION_MASK, LOGITS, LOGITS_TO_KEEP, POSITION_IDS
-from .graph_edit import _constants, _drop_unused, _insert_before, _int64, _producers_and_consumers
+from .graph_edit import (
+    _constants,
+    _drop_unused,
+    _insert_before,
+    _int64,
+    _producers_and_consumers,
+    _use_microsoft_domain,
+)
 
 _HEAD_OPS = {"MatMul", "Gemm"}
 _INT64_MAX = np.iinfo(np.int64).max
@@ -223,8 +230,7 @@ def fuse_group_query_attention(model: onnx.ModelProto, heads: int, kv_heads: int
     if fused:
         _seqlens_from_mask(graph)
         _drop_unused(graph)
-        if not any(imp.domain == "com.microsoft" for imp in model.opset_import):
-            model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+        _use_microsoft_domain(model)
     return fused
 
 

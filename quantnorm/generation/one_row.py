@@ -39,7 +39,7 @@ from onnx import helper, numpy_helper
 from ..fileio import atomic_path
 from ..onnx_wire import write_model_streaming
 from .decode import ONE_ROW_KEY
-from .graph_edit import _drop_unused, _producers_and_consumers, _replace_products
+from .graph_edit import _drop_unused, _producers_and_consumers, _replace_products, _use_microsoft_domain
 from .graph_passes import GQA
 from .residual_norms import fuse_residual_norms
 
@@ -55,8 +55,7 @@ def one_row_graph(model: onnx.ModelProto) -> dict:
     norms = fuse_residual_norms(graph) if products else 0
     if products:
         _drop_unused(graph)
-        if not any(imp.domain == "com.microsoft" for imp in model.opset_import):
-            model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+        _use_microsoft_domain(model)
         kept = [(p.key, p.value) for p in model.metadata_props if p.key != ONE_ROW_KEY]
         onnx.helper.set_model_props(model, {**dict(kept), ONE_ROW_KEY: "1"})
     return {"products": products, "packed_attention_layers": packed["attention"], "packed_splits": packed["split"],

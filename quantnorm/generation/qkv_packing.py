@@ -19,7 +19,7 @@ from onnx import helper, numpy_helper
 
 from ..fileio import atomic_path
 from ..onnx_wire import write_model_streaming
-from .graph_edit import _drop_unused, _insert_before, _producers_and_consumers, _replace_products
+from .graph_edit import _drop_unused, _insert_before, _producers_and_consumers, _replace_products, _use_microsoft_domain
 from .graph_passes import GQA
 from .residual_norms import fuse_residual_norms
 
@@ -111,8 +111,8 @@ def pack_products_file(path: str | Path, *, shared: bool = True, residual_norms:
     model = onnx.load(str(path))
     done = {"qkv_layers": pack_qkv_projections(model), "shared_groups": pack_shared_nbits(model) if shared else 0,
             "residual_norms": fuse_residual_norms(model.graph) if residual_norms else 0}
-    if done["residual_norms"] and not any(i.domain == "com.microsoft" for i in model.opset_import):
-        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    if done["residual_norms"]:
+        _use_microsoft_domain(model)
     if any(done.values()):
         with atomic_path(path, ".onnx") as tmp:
             write_model_streaming(model, tmp)
