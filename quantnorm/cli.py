@@ -361,7 +361,8 @@ def recipes():
         click.echo(f"{mark} {name:<36} {recipe.describe()}")
     click.echo("(* = in the default set; m = the default set instead when evaluate's probe finds massive "
                "activations in a language model; weight-only recipes also by any name of the form "
-               "[rotated-|online-rotated-|block-rotated-]wo-int<4|8>-b<block>[-asym][-acc4][-gptq|-hqq][-fphead]; any integer "
+               "[rotated-|online-rotated-|block-rotated-|stream-block-rotated-]wo-int<4|8>-b<block>"
+               "[-asym][-acc4][-gptq|-hqq][-fphead]; any integer "
                "recipe with its token embedding stored in int8 blocks too as NAME-emb8)")
 
 

@@ -657,3 +657,27 @@ def test_the_source_lets_go_of_the_torch_weights_after_the_export_and_reloads_th
     assert n_params == sum(p.numel() for p in loaded.model.parameters())
     assert np.array_equal(torch_outputs(wrapper, ids)[0], before)
     assert source.weights()[1] is wrapper                  # reloaded once, then kept
+
+
+def test_stream_block_rotation_runs_one_online_operator_a_layer_and_generates(tmp_path):
+    """stream-block-rotated-wo (form d) on a Llama checkpoint whose heads are 16 wide: quantized and
+    scored, its with-past graph decoding through the cache, with one online Hadamard a layer (the down
+    input; form c has four a layer and one before the head: Gemma 3's 73 for 18 layers)."""
+    import onnx
+    import torch
+
+    torch.manual_seed(0)
+    path = tmp_path / "llama16"
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON, head_dim=16)).save_pretrained(path)
+    tiny_tokenizer(False).save_pretrained(path)
+    recipe = "stream-block-rotated-wo-int8-b16-acc4"
+    results, run_dir = run_hf(HFOptions(path=path, window=16, max_eval_windows=4, out_dir=tmp_path / "run"),
+                              _cfg([recipe], generation=True, gen_batches=(1,), gen_prompt_tokens=6, gen_new_tokens=4,
+                                   gen_rounds=1, agreement_prompts=2, agreement_new_tokens=4))
+    entry = results["recipes"][0]
+    assert entry["status"] == "ok" and entry["settings"]["rotation"] == "stream-block16"
+    assert 0 <= entry["accuracy"]["kld_mean"] < 0.05
+    graph = onnx.load(run_dir / "model.fp32.rotated-stream-block16.past.onnx", load_external_data=False).graph
+    assert sum(n.op_type == "MatMul" and "online_hadamard" in n.name for n in graph.node) == 2
+    generation = {m["name"]: m for m in results["generation"]["models"]}
+    assert generation[recipe]["status"] == "ok" and generation[recipe]["cache_check"]["relative_diff"] < 1e-3

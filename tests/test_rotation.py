@@ -332,3 +332,36 @@ def test_rotations_transform_weights_a_block_of_rows_at_a_time(monkeypatch):
         with torch.no_grad():
             ref, got = model(ids), blocked(ids)
         assert (got - ref).abs().max() / ref.abs().max() < 1e-4
+
+
+def test_stream_block_rotation_is_exact_and_rotates_the_values_with_no_operator():
+    # Form (d): the stream rotated as form (a), the down input inside blocks of 16, each head's
+    # values inside blocks of 16 folded into v_proj and o_proj (head_dim 16, grouped heads 4/2).
+    from quantnorm.transforms.rotation import BlockHadamard, RotatedInput, rotated_copy, stream_rotation_block
+
+    wrapper = tiny_llama(d=64, ff=96)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+
+    class Loaded:
+        spec = ARCHITECTURES["llama"]
+
+    rotated, plan = rotated_copy(Loaded, wrapper, "stream-block16")
+    with torch.no_grad():
+        ref, got = wrapper(ids), rotated(ids)
+    assert (got - ref).abs().max() / ref.abs().max() < 1e-4
+    assert "each block of 16 of every head's values" in plan.online
+    layer = rotated.model.model.layers[0]
+    # one operator per layer in the graph: the down input's block rotation; q/k/v/o/gate/up are plain Linears
+    assert isinstance(layer.mlp.down_proj, RotatedInput) and isinstance(layer.mlp.down_proj.online_hadamard,
+                                                                          BlockHadamard)
+    assert all(isinstance(lin, torch.nn.Linear) for lin in (layer.self_attn.v_proj, layer.self_attn.o_proj))
+    # the values are the stream-rotated model's values, rotated inside each head's blocks of 16
+    plain, _ = rotated_copy(Loaded, wrapper, "hadamard")
+    m = BlockHadamard(32, 16).matrix().float()
+    v_plain, v_block = plain.model.model.layers[0].self_attn.v_proj.weight, layer.self_attn.v_proj.weight
+    assert torch.allclose(v_block, m.T @ v_plain, atol=1e-5) and not torch.allclose(v_block, v_plain, atol=1e-3)
+    assert stream_rotation_block("stream-block16") == 16 and stream_rotation_block("block16") is None
+    # a block that straddles two heads (head_dim 16) or does not divide the down input is refused, naming why
+    for form, why in (("stream-block32", "divides the head dimension"), ("stream-block12", "power-of-two")):
+        with pytest.raises(ConfigError, match=why):
+            rotated_copy(Loaded, wrapper, form)

@@ -61,6 +61,11 @@ def test_registry_names_say_what_each_recipe_does():
     assert b.rotation == "block32" and "inside each activation block of 32" in b.describe()
     with pytest.raises(ConfigError, match="per block .accuracy_level 4, -acc4"):
         get_recipe("block-rotated-wo-int8-b32")
+    d = get_recipe("stream-block-rotated-wo-int8-b64-acc4-gptq-emb8")   # form (d): the stream, then blocks
+    assert (d.rotation, d.block_size, d.embedding_bits) == ("stream-block64", 64, 8) and d.rotates_stream
+    assert "each head's values inside those blocks" in d.describe() and not b.rotates_stream
+    with pytest.raises(ConfigError, match="-acc4"):
+        get_recipe("stream-block-rotated-wo-int8-b64")
     # not in the default search space (another deployment), accepted by name
     assert not set(WEIGHT_ONLY) & set(default_space()) and "static-minmax-matmul" in default_space()
     assert SearchConfig(space=("wo-int4-b32", "wo-int8-b32-acc4-gptq")).recipes() == ("wo-int4-b32",

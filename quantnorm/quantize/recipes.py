@@ -28,9 +28,13 @@ OP_SCOPES = ("matmul", "all")
 # "hadamard": the residual stream rotated and folded (QuaRot, Pre-RMSNorm); "online": every
 # Linear's input rotated in the graph (exact for any placement; quantnorm.transforms.rotation);
 # "block<b>" (weight-only recipes with int8 activations per block of b): a Hadamard inside each of
-# those blocks of every Linear's input, one MatMul each (BLOCK_ROTATION).
+# those blocks of every Linear's input, one MatMul each (BLOCK_ROTATION). "stream-block<b>" (the
+# same recipes, Pre-RMSNorm): the stream rotated as "hadamard" does, the down-projection's input
+# inside blocks of b (one MatMul) and the attention output inside blocks of b of each head, folded
+# into the value and o-projections (no operator): a third of block<b>'s operators in a step.
 ROTATIONS = (None, "hadamard", "online")
 BLOCK_ROTATION = "block"
+STREAM_BLOCK_ROTATION = "stream-block"
 PERTOKEN_KERNELS = ("standard", "ort-fused")
 CARRIER_MODES = (None, "fp32", "pertoken")
 # "hqq": Half-Quadratic Quantization (ORT's HQQ quantizer; weight-only 4-bit only).
@@ -150,10 +154,12 @@ class Recipe:
             raise ConfigError(f"recipe {self.name}: excluded must be a tuple of non-empty node names or patterns")
         if self.pertoken_kernel not in PERTOKEN_KERNELS:
             raise ConfigError(f"recipe {self.name}: pertoken_kernel must be one of {PERTOKEN_KERNELS}")
-        if self.rotation not in ROTATIONS and self.rotation != f"{BLOCK_ROTATION}{self.block_size}":
+        if self.rotation not in ROTATIONS and self.rotation not in (f"{BLOCK_ROTATION}{self.block_size}",
+                                                                     f"{STREAM_BLOCK_ROTATION}{self.block_size}"):
             raise ConfigError(f"recipe {self.name}: rotation must be one of {ROTATIONS} or, on a weight-only recipe "
-                              f"with int8 activations, {BLOCK_ROTATION}<its block size>; got {self.rotation!r}")
-        if str(self.rotation).startswith(BLOCK_ROTATION) and self.accuracy_level != 4:
+                              f"with int8 activations, {BLOCK_ROTATION}<its block size> or "
+                              f"{STREAM_BLOCK_ROTATION}<its block size>; got {self.rotation!r}")
+        if str(self.rotation).startswith((BLOCK_ROTATION, STREAM_BLOCK_ROTATION)) and self.accuracy_level != 4:
             raise ConfigError(f"recipe {self.name}: a block rotation serves activations quantized per block "
                               "(accuracy_level 4, -acc4)")
         if self.rotation is not None and self.smoothquant_alpha is not None:
@@ -301,12 +307,22 @@ class Recipe:
             parts.append("on the Hadamard-rotated model (residual stream; Pre-RMSNorm checkpoints)")
         elif self.rotation == "online":
             parts.append("every Linear's input Hadamard-rotated online (any placement)")
+        elif self.rotation == f"{STREAM_BLOCK_ROTATION}{self.block_size}":
+            parts.append(f"on the Hadamard-rotated model (residual stream; Pre-RMSNorm checkpoints), the "
+                         f"down-projection's input rotated online inside each activation block of {self.block_size} "
+                         "(one MatMul) and each head's values inside those blocks (folded: no operator)")
         elif self.rotation is not None:
             parts.append(f"every Linear's input Hadamard-rotated online inside each activation block of "
                          f"{self.block_size} (one MatMul per input; any placement)")
         if self.excluded:
             parts.append(f"{len(self.excluded)} node pattern(s) kept in FP32")
         return ", ".join(parts)
+
+    @property
+    def rotates_stream(self) -> bool:
+        """Whether this recipe quantizes a model whose residual stream is rotated (the norms folded:
+        Pre-RMSNorm checkpoints with a fold rule only)."""
+        return self.rotation == "hadamard" or str(self.rotation).startswith(STREAM_BLOCK_ROTATION)
 
     def describe(self) -> str:
         """One line saying what the recipe does (``quantnorm recipes``), built from the fields so
@@ -365,11 +381,13 @@ def _static(name: str, calibration: str, *, per_channel: bool = True, op_scope: 
     return Recipe(name, "static", calibration, per_channel, op_scope, symmetric_activations, "auto", **kw)
 
 
-# Weight-only names: [rotated-|online-rotated-|block-rotated-]wo-int{4,8}-b<block>[-asym][-acc4][-gptq|-hqq][-fphead]
+# Weight-only names: [rotated-|online-rotated-|block-rotated-|stream-block-rotated-]wo-int{4,8}-b<block>
+# [-asym][-acc4][-gptq|-hqq][-fphead]
 # (-asym: a zero point per block; -acc4: accuracy_level 4, int8 activations; -fphead: the LM head
 # kept float32). The registry
 # lists the useful points of that grid; ``get_recipe`` builds any other name of the form.
-WEIGHT_ONLY_NAME = re.compile(r"(?P<rot>rotated-|online-rotated-|block-rotated-)?wo-int(?P<bits>\d+)-b(?P<block>\d+)"
+WEIGHT_ONLY_NAME = re.compile(r"(?P<rot>rotated-|online-rotated-|block-rotated-|stream-block-rotated-)?"
+                              r"wo-int(?P<bits>\d+)-b(?P<block>\d+)"
                               r"(?P<asym>-asym)?(?P<acc>-acc4)?(?P<rounding>-gptq|-hqq)?(?P<head>-fphead)?")
 
 
@@ -377,10 +395,12 @@ def weight_only(name: str) -> Recipe:
     """The weight-only recipe a name of ``WEIGHT_ONLY_NAME``'s form says (ConfigError otherwise)."""
     m = WEIGHT_ONLY_NAME.fullmatch(name)
     if m is None:
-        raise ConfigError(f"{name!r} is not a weight-only recipe name ([rotated-|online-rotated-|block-rotated-]wo-int<4|8>-b<block>"
+        raise ConfigError(f"{name!r} is not a weight-only recipe name ([rotated-|online-rotated-|block-rotated-|"
+                          "stream-block-rotated-]wo-int<4|8>-b<block>"
                           "[-asym][-acc4][-gptq|-hqq][-fphead])")
     rotation = {None: None, "rotated-": "hadamard", "online-rotated-": "online",
-                "block-rotated-": f"{BLOCK_ROTATION}{m['block']}"}[m["rot"]]
+                "block-rotated-": f"{BLOCK_ROTATION}{m['block']}",
+                "stream-block-rotated-": f"{STREAM_BLOCK_ROTATION}{m['block']}"}[m["rot"]]
     rounding = (m["rounding"] or "-nearest")[1:]
     return Recipe(name, "weight-only", None, True, "matmul", False, False, rotation=rotation,
                   weight_bits=int(m["bits"]), block_size=int(m["block"]), accuracy_level=4 if m["acc"] else 0,
@@ -514,7 +534,8 @@ def get_recipe(name: str) -> Recipe:
     except KeyError:
         raise ConfigError(f"unknown recipe {name!r}: choose one of {', '.join(RECIPES)} (SmoothQuant recipes also "
                           f"as NAME{ALPHA_SEPARATOR}ALPHA, e.g. smoothquant{ALPHA_SEPARATOR}0.7; weight-only ones "
-                          "as [rotated-|online-rotated-|block-rotated-]wo-int<4|8>-b<block>[-asym][-acc4][-gptq|-hqq][-fphead]; any "
+                          "as [rotated-|online-rotated-|block-rotated-|stream-block-rotated-]wo-int<4|8>-b<block>"
+                          "[-asym][-acc4][-gptq|-hqq][-fphead]; any "
                           f"integer recipe with its token embedding in int8 as NAME{EMBEDDING_SUFFIX})") from None
     if not sep:
         return recipe

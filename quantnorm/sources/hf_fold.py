@@ -50,7 +50,7 @@ def missing_fold_rule(spec, recipe) -> str | None:
         return None
     if getattr(recipe, "smoothquant_alpha", None) is not None:
         return f"SmoothQuant needs a fold rule and {spec.family} has none"
-    if getattr(recipe, "rotation", None) == "hadamard":
+    if getattr(recipe, "rotates_stream", False):
         return f"the residual-stream rotation needs a fold rule and {spec.family} has none"
     return None
 

@@ -24,6 +24,16 @@ inside each of those blocks, as one MatMul on an ``[n / b, b]`` view, and the we
 A block's outlier is spread over the block that owns its scale and no further, and a decode step
 runs one small MatMul per input instead of two and a transpose (form b's).
 
+Form (d), ``stream-block<b>``, is form (a) for those same weight-only recipes on Pre-RMSNorm
+checkpoints, with as few operators in a step as the algebra allows: the stream rotation leaves the
+q/k/v, gate/up and head inputs rotated at no cost in the graph; the down-projection input gets
+form (c)'s one MatMul (``I (x) H_b``); and the o-projection's input, the attention output, is rotated
+inside each block of ``b`` of every head with no operator at all: ``H_b`` folds into the value
+projection's output columns (``W_v <- M^T W_v``, each head's values ``v M``; the attention's
+weighted sum of values then comes out rotated, ``P (V M) = (P V) M``) and into the o-projection's
+input (``W_o <- W_o M``). It needs ``b`` to divide the head dimension (a block never straddles two
+heads). The KV cache then holds the rotated values: one more reason it is part of the FP32 model.
+
 This is exact for the Pre-RMSNorm dataflow (LLaMA, Mistral, Qwen2). For Peri-LN (Gemma 2/3) the
 stream rotation is exact too but harmful: the model discards a component of the normalized
 stream before every Linear, and rotation spreads it over every input, so it
@@ -178,12 +188,16 @@ class RotationPlan:
                 "layers": self.layers, "untied_head": self.untied_head, "folded_norms": len(self.folded_norms)}
 
 
-def rotate_wrapper(wrapper, spec, seed: int = 0, *, in_place: bool = False):
+def rotate_wrapper(wrapper, spec, seed: int = 0, *, in_place: bool = False, block: int | None = None):
     """A rotated deep copy of ``wrapper`` (the CausalLMWrapper around a LLaMA-family model) and its
-    plan; ``in_place``: ``wrapper`` itself rotated (a caller that reloads the original)."""
+    plan; ``in_place``: ``wrapper`` itself rotated (a caller that reloads the original). ``block``:
+    form (d), the down-projection's input rotated inside blocks of ``block`` and the attention
+    output likewise, folded into the value and o-projections."""
     why = rotation_support(spec)
     if why is not None:
         raise ConfigError(f"rotation: {why}")
+    if block is not None:   # refused before any weight changes (an in-place rotation is never left half done)
+        _check_stream_block(wrapper.model, block)
     rotated = wrapper if in_place else copy.deepcopy(wrapper)
     lm = rotated.model
     base = lm.base_model
@@ -221,10 +235,15 @@ def rotate_wrapper(wrapper, spec, seed: int = 0, *, in_place: bool = False):
             fold(layer.post_attention_layernorm, [mlp.gate_proj, mlp.up_proj])
             for lin in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
                 read(lin)
+            if block is not None:
+                rotate_values_per_head(attn.v_proj, attn.o_proj, block)
             write(attn.o_proj)
             width = mlp.down_proj.in_features
-            a, b = split_for_online(width)
-            online = OnlineHadamard(a, b)
+            if block is None:
+                a, b = split_for_online(width)
+                online = OnlineHadamard(a, b)
+            else:
+                online = BlockHadamard(width, block)
             m = online.matrix()
             mlp.down_proj.weight.data = by_row_blocks(mlp.down_proj.weight, lambda rows, m=m: rows @ m)
             write(mlp.down_proj)
@@ -232,8 +251,43 @@ def rotate_wrapper(wrapper, spec, seed: int = 0, *, in_place: bool = False):
         fold(base.norm, [head])
         read(head)
         embed.weight.data = by_row_blocks(embed.weight, lambda rows: rows @ q)
-    plan.online = f"Hadamard {a}x{b} (order {width}) before each down-projection, two MatMuls in the graph"
+    if block is None:
+        plan.online = f"Hadamard {a}x{b} (order {width}) before each down-projection, two MatMuls in the graph"
+    else:
+        plan.online = (f"Hadamard inside each block of {block} before each down-projection (width {width}, one MatMul "
+                       f"in the graph) and inside each block of {block} of every head's values (folded into the "
+                       "value and o-projections: no operator)")
     return rotated.eval(), plan
+
+
+def _check_stream_block(model, block: int) -> None:
+    """Form (d)'s shapes: ``block`` divides each down-projection's input and the head dimension."""
+    if not _is_power_of_two(block):
+        raise ConfigError(f"a stream block rotation needs a power-of-two block, got {block}")
+    for i, layer in enumerate(model.base_model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        head_dim = int(getattr(attn, "head_dim", 0) or 0)
+        if not head_dim or head_dim % block:
+            raise ConfigError(f"a stream block rotation of {block} folds a Hadamard into each head's values, and "
+                              f"layer {i}'s heads are {head_dim or 'of unknown'} wide: choose a block that divides "
+                              "the head dimension")
+        if mlp.down_proj.in_features % block:
+            raise ConfigError(f"a stream block rotation of {block} needs the down-projection's input width "
+                              f"({mlp.down_proj.in_features}, layer {i}) to be a multiple of it: choose a block "
+                              "that divides it")
+
+
+def rotate_values_per_head(v_proj: nn.Linear, o_proj: nn.Linear, block: int) -> None:
+    """``M = I (x) H_block`` into each head's values and out of the o-projection's input, in place:
+    ``W_v <- M^T W_v`` (``b_v <- b_v M``) and ``W_o <- W_o M``. Exact because attention mixes value
+    rows (tokens), never their columns, and each block lies inside one head (``block`` divides the
+    head dimension); with grouped heads every query head reading a value head gets it rotated alike."""
+    m_v = BlockHadamard(v_proj.out_features, block).matrix()
+    v_proj.weight.data = (m_v.T @ v_proj.weight.detach().double()).float()
+    if v_proj.bias is not None:
+        v_proj.bias.data = (v_proj.bias.detach().double() @ m_v).float()
+    m_o = BlockHadamard(o_proj.in_features, block).matrix()
+    o_proj.weight.data = by_row_blocks(o_proj.weight, lambda rows: rows @ m_o)
 
 
 class OnlineHadamard(nn.Module):
@@ -285,6 +339,12 @@ class BlockHadamard(nn.Module):
 def rotation_block(form: str | None) -> int | None:
     """The block order of a ``block<b>`` rotation form (form c), else None."""
     m = re.fullmatch(r"block(\d+)", form or "")
+    return int(m.group(1)) if m else None
+
+
+def stream_rotation_block(form: str | None) -> int | None:
+    """The block order of a ``stream-block<b>`` rotation form (form d), else None."""
+    m = re.fullmatch(r"stream-block(\d+)", form or "")
     return int(m.group(1)) if m else None
 
 
@@ -379,11 +439,11 @@ class RotatedExport:
 
 
 def rotated_copy(loaded, wrapper, form: str = "hadamard", *, in_place: bool = False):
-    """(rotated deep copy of a checkpoint's ``wrapper``, plan): form (a) "hadamard", (b) "online" or
-    (c) "block<b>"; ``in_place``: ``wrapper`` itself rotated, for a caller that reloads the original
-    weights."""
-    if form == "hadamard":
-        return rotate_wrapper(wrapper, loaded.spec, in_place=in_place)
+    """(rotated deep copy of a checkpoint's ``wrapper``, plan): form (a) "hadamard", (b) "online",
+    (c) "block<b>" or (d) "stream-block<b>"; ``in_place``: ``wrapper`` itself rotated, for a caller
+    that reloads the original weights."""
+    if form == "hadamard" or stream_rotation_block(form) is not None:
+        return rotate_wrapper(wrapper, loaded.spec, in_place=in_place, block=stream_rotation_block(form))
     return rotate_linear_inputs(wrapper, loaded.spec, in_place=in_place, block=rotation_block(form))
 
 
