@@ -206,6 +206,11 @@ def split_entries(models: list[dict], recipes: dict, prompt: str, eval_inputs: n
         if second["status"] != "ok":
             out.append({**entry, "status": f"not applicable: {name} has no with-past graph ({second['status']})"})
             continue
+        if recipes[name].value_cache != recipes[prompt].value_cache:
+            out.append({**entry, "status": f"not applicable: {name}'s cache holds {recipes[name].value_cache}, "
+                        f"{prompt}'s {recipes[prompt].value_cache}: one cache cannot serve both graphs (generate "
+                        f"with a block-rotated-wo-... recipe to pair it with {prompt})"})
+            continue
         # the prefill on the prompt graph, then a token at a time on the token graph, against the
         # token graph's own whole windows: what writing the cache with the other graph costs
         check = _cache_check(run_dir / second["path"], eval_inputs, None, cfg, prompt_model=run_dir / first["path"])

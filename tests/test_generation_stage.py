@@ -467,3 +467,20 @@ def test_loops_over_many_positions_hold_a_bounded_slice_of_logits():
     assert rows_within_budget(128, 49_152, 8) == 8      # SmolLM2's: the cap
     assert rows_within_budget(100_000, 262_144, 8) == 1  # never none
     assert rows_within_budget(128, 262_144, 8) * 128 * 262_144 * 4 <= LOGITS_BUDGET_BYTES
+
+
+def test_a_split_is_refused_where_the_two_graphs_cache_different_values(tmp_path):
+    """stream-block-rotated-wo keeps each head's values rotated in its cache (form d folds the
+    o-projection's input rotation into them); a per-token prompt graph writes the checkpoint's
+    values, which the token graph would read as rotated ones. Refused before any file is read."""
+    from quantnorm.generation_stage import split_entries
+    from quantnorm.quantize import get_recipe
+
+    tokens, prompt = "stream-block-rotated-wo-int8-b64-acc4-gptq", "rotated-pertoken-fused-gptq"
+    recipes = {name: get_recipe(name) for name in (tokens, prompt)}
+    models = [{"name": name, "status": "ok", "path": "absent.onnx", "size_bytes": 1} for name in recipes]
+    [entry] = split_entries(models, recipes, prompt, np.zeros((1, 8), np.int64), None, tmp_path)
+    assert entry["name"] == f"{tokens}+prefill-{prompt}" and entry["status"].startswith("not applicable: ")
+    assert "values rotated inside blocks of 64" in entry["status"] and "block-rotated-wo" in entry["status"]
+    # form (c) rotates inside each product and caches the checkpoint's values: it pairs with the prompt graph
+    assert get_recipe("block-rotated-wo-int8-b64-acc4-gptq").value_cache == recipes[prompt].value_cache

@@ -319,6 +319,15 @@ class Recipe:
         return ", ".join(parts)
 
     @property
+    def value_cache(self) -> str:
+        """What a with-past graph of this recipe keeps in its value cache: the checkpoint's values, or
+        (form d) each head's values rotated inside blocks. Two graphs share one cache only when this is
+        the same (the keys are the checkpoint's under every rotation)."""
+        if str(self.rotation).startswith(STREAM_BLOCK_ROTATION):
+            return f"each head's values rotated inside blocks of {self.block_size}"
+        return "the checkpoint's values"
+
+    @property
     def rotates_stream(self) -> bool:
         """Whether this recipe quantizes a model whose residual stream is rotated (the norms folded:
         Pre-RMSNorm checkpoints with a fold rule only)."""
