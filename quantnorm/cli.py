@@ -356,9 +356,10 @@ def bundle(run_dir, recipe, out, force, int8_weights):
 @cli.command()
 def recipes():
     """List the INT8 recipes and which ones evaluate runs by default."""
+    width = max(map(len, RECIPES))
     for name, recipe in RECIPES.items():
         mark = "*" if name in DEFAULT_RECIPES else "m" if name in MASSIVE_DEFAULT_RECIPES else " "
-        click.echo(f"{mark} {name:<36} {recipe.describe()}")
+        click.echo(f"{mark} {name:<{width}} {recipe.describe()}")
     click.echo("(* = in the default set; m = the default set instead when evaluate's probe finds massive "
                "activations in a language model; weight-only recipes also by any name of the form "
                "[rotated-|online-rotated-|block-rotated-|stream-block-rotated-]wo-int<4|8>-b<block>"
