@@ -17,7 +17,9 @@ For a causal model source (``source.with_past(cfg)``; an encoder says why it has
    an entry ``W+prefill-P`` with its own cache proof; each per-token recipe P is also deployed
    with its one-row token graph (``one_row_entries``, ``generation.one_row``): the prompts and any
    step of several rows through P's graph, a step of one row through the token graph, an entry
-   ``P+one-row`` with its own cache proof;
+   ``P+one-row`` with its own cache proof; then the FP32 with-past graph's residual adds are fused
+   with their norms, as the weight-only and one-row graphs' are (``_fuse_fp32_norms``), and its
+   cache proof taken again;
 3. decode speed (``generation.speed``) of FP32 and every ok recipe (and split pair), per provider and batch
    (at batch 1 with a profile of the one-token step: kernel time per op type, the weight bytes it reads), and
    generation agreement with FP32's greedy generations (``generation.agreement``).
@@ -95,6 +97,8 @@ def generation_section(source, cfg, *, run_dir: Path, fp32_path: Path, recipes: 
                    for name, recipe in recipes.items() if name in int8_paths]
     past.release()
     release_memory()
+    with stage("generation:fp32_norms"):
+        _fuse_fp32_norms(models[0], fp32_past, fp32_path, data.eval_inputs, cfg)
     with stage("generation:one_row"):
         models += one_row_entries(models, recipes, data.eval_inputs, cfg, run_dir)
     if cfg.gen_prefill_recipe is not None:
@@ -176,6 +180,21 @@ def _quantize_past(variants, name: str, recipe, fp32_past: Path, data, cfg, run_
     # the same graph scored whole: the cache's exactness, apart from what the recipe itself changes
     return {**entry, "path": q.path.name, "size_bytes": q.path.stat().st_size,
             "cache_check": _cache_check(q.path, data.eval_inputs, None, cfg)}
+
+
+def _fuse_fp32_norms(entry: dict, fp32_past: Path, fp32_path: Path, eval_inputs: np.ndarray, cfg) -> None:
+    """FP32's with-past graph as the INT8 graphs run theirs: each residual add fused with the RMSNorm
+    that reads it, in place, once every recipe's quantizer has read the exported pattern (the rows
+    against FP32 would otherwise compare a graph with some 2% more to do a step). The fused kernel
+    is not bit for bit, so its cache proof is taken again on the graph as it now runs."""
+    fused = pack_products_file(fp32_past, shared=False, residual_norms=True)["residual_norms"]
+    entry["fused_residual_norms"] = fused
+    if fused:
+        entry.update(size_bytes=fp32_past.stat().st_size, cache_check=_cache_check(fp32_past, eval_inputs, fp32_path, cfg))
+        if not entry["cache_check"]["ok"]:
+            raise ExportError(f"the with-past FP32 graph with its {fused} residual norms fused fails the cache proof "
+                              f"(relative NLL difference {entry['cache_check']['relative_diff']:.3g}, tolerance "
+                              f"{CACHE_TOLERANCE:g}): the fusion (quantnorm.generation.residual_norms) is wrong here")
 
 
 def split_name(tokens: str, prompt: str) -> str:

@@ -26,7 +26,7 @@ Schema versions (:data:`READABLE_SCHEMAS`; :func:`load` refuses any other):
   search beside its PPL ratio target); the ``generation`` section (``status``, ``settings``, the
   with-past ``export``, and ``models``: FP32 then each recipe on its with-past graph, with its
   ``cache_check``, ``gptq`` (GPTQ recipes: ``matmuls``, ``codes_reused`` from the whole-window
-  solve), ``packed_qkv_layers`` (q, k, v packed into one product), ``packed_shared_groups`` (a weight-only graph's other products that read one input: one product and a Split), ``fused_residual_norms`` (a weight-only graph's residual adds fused with the RMSNorm that reads each: SkipSimplifiedLayerNormalization), ``agreement``, ``decode`` rows
+  solve), ``packed_qkv_layers`` (q, k, v packed into one product), ``packed_shared_groups`` (a weight-only graph's other products that read one input: one product and a Split), ``fused_residual_norms`` (a weight-only or the FP32 graph's residual adds fused with the RMSNorm that reads each: SkipSimplifiedLayerNormalization), ``agreement``, ``decode`` rows
   (batch 1 with a ``step_profile``), a split's ``split`` {tokens, prompt} and ``prompt_path`` (``--prefill-recipe``),
   a ``P+one-row`` entry's ``one_row`` {recipe, counts} and ``prompt_path``; see :func:`generation_models`).
   The ``policy`` section: the accuracy thresholds the run was held to (``max_ppl_ratio``,

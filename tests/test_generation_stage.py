@@ -145,6 +145,12 @@ def test_a_split_deployment_prefills_on_one_graph_and_generates_on_the_other(zoo
     assert (weight_only["packed_shared_groups"], weight_only["fused_residual_norms"]) == (1, 3)   # q/k/v: not GQA
     assert sum(n.op_type == "SkipSimplifiedLayerNormalization" for n in onnx.load(str(tokens)).graph.node) == 3
     assert "`wo-int8-b32-acc4`: packed groups 1, fused norms 3" in (zoo_run / "report.md").read_text()
+    # so does FP32's with-past graph once the quantizers have read it, with its cache proof taken again on it
+    fp32 = _check_models(results, ())["fp32"].entry
+    assert fp32["fused_residual_norms"] == 3 and fp32["cache_check"]["ok"]
+    assert sum(n.op_type == "SkipSimplifiedLayerNormalization"
+               for n in onnx.load(str(zoo_run / fp32["path"]), load_external_data=False).graph.node) == 3
+    assert "`fp32`: packed groups 0, fused norms 3" in (zoo_run / "report.md").read_text()
 
     ids = windows(2, 10, 256)
     runner = DecodeSession(tokens, prompt_model=prompt, shared_cache=False)

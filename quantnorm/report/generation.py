@@ -51,10 +51,10 @@ def generation(results: dict) -> list[str]:
     if rewritten:
         counts = "; ".join(f"`{m.name}`: packed groups {m.entry.get('packed_shared_groups', 0)}, "
                            f"fused norms {m.entry.get('fused_residual_norms', 0)}" for m in rewritten)
-        L += ["Weight-only graphs as they run (after quantization, exact but for the fused norm's float rounding, "
-              "which each row's cache check covers): the `MatMulNBits` that read one input alike packed as one "
-              "product and a `Split`, and each residual add fused with the RMSNorm that reads it "
-              f"(`SkipSimplifiedLayerNormalization`): {counts}.", ""]
+        L += ["Weight-only and FP32 graphs as they run (rewritten after every quantizer has read the FP32 graph, "
+              "exact but for the fused norm's float rounding, which each row's cache check covers): the "
+              "`MatMulNBits` that read one input alike packed as one product and a `Split`, and each residual add "
+              f"fused with the RMSNorm that reads it (`SkipSimplifiedLayerNormalization`): {counts}.", ""]
     one_row = [m.name for m in models if m.ok and isinstance(m.entry.get("one_row"), dict)]
     if one_row:
         L += ["One-row token graphs (`P+one-row`, each per-token recipe P): a decode step of one row runs P's "
