@@ -1,7 +1,8 @@
 """Each residual add with the RMSNorm that reads it as one ``com.microsoft.SkipSimplifiedLayerNormalization``.
 
 A rewrite of a quantized with-past graph (the one-row token graphs, ``generation.one_row``, and the
-weight-only recipes' graphs, ``qkv_packing.pack_products_file``): the add (of two computed
+weight-only recipes' graphs, ``qkv_packing.pack_products_file``), and of the FP32 with-past graph
+once every recipe has been quantized from it (the generation stage): the add (of two computed
 tensors) and the RMSNorm over the last axis that reads it (Pow, ReduceMean, Add, Sqrt, Div, Mul
 with a constant 1-D gamma, as exported) become one operator whose fourth output is the sum the
 next residual add reads. ONNX Runtime fuses the norm alone at load but leaves the add beside it,
