@@ -681,3 +681,13 @@ def test_stream_block_rotation_runs_one_online_operator_a_layer_and_generates(tm
     assert sum(n.op_type == "MatMul" and "online_hadamard" in n.name for n in graph.node) == 2
     generation = {m["name"]: m for m in results["generation"]["models"]}
     assert generation[recipe]["status"] == "ok" and generation[recipe]["cache_check"]["relative_diff"] < 1e-3
+    # its graphs say what their value cache holds, and a decode session refuses to pair one with a graph
+    # that caches the checkpoint's values (its prompt would be read as rotated values)
+    from quantnorm.generation.decode import VALUE_CACHE_KEY, DecodeSession
+
+    tokens = run_dir / generation[recipe]["path"]
+    meta = {p.key: p.value for p in onnx.load(tokens, load_external_data=False).metadata_props}
+    assert meta[VALUE_CACHE_KEY] == "each head's values rotated inside blocks of 16"
+    with pytest.raises(ConfigError, match="the prompt graph's cache holds the checkpoint's values, the token graph's "
+                                          "each head's values rotated"):
+        DecodeSession(tokens, prompt_model=run_dir / "model.fp32.past.onnx")

@@ -55,6 +55,10 @@ LOGITS = "logits"
 # (what llama.cpp and transformers' ``logits_to_keep`` do): on a 262k-token vocabulary the head is
 # most of a prefill.
 MAX_LENGTH_KEY = "quantnorm.max_length"   # model metadata: the longest past + seq the graph is exact for
+# model metadata: what the value cache holds where it is not the checkpoint's values (a rotation
+# folded into them, quantnorm.transforms.rotation's form d): two graphs share a cache only alike
+VALUE_CACHE_KEY = "quantnorm.value_cache"
+CHECKPOINT_VALUES = "the checkpoint's values"
 ONE_ROW_KEY = "quantnorm.one_row"   # model metadata "1": a token graph exact for steps of one row (one_row.py)
 _PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
 _ORT_FLOAT = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
@@ -87,6 +91,7 @@ class PastLayout:
     head_dim: int
     dtype: type = np.float32
     max_length: int | None = None   # from the graph's metadata; None: not stated
+    values: str = CHECKPOINT_VALUES   # what its value cache holds (the graph's metadata)
 
     def empty(self, batch: int) -> list[np.ndarray]:
         return [np.zeros((batch, self.kv_heads, 0, self.head_dim), self.dtype)] * (2 * self.n_layers)
@@ -122,7 +127,8 @@ class PastLayout:
             raise ConfigError(f"{where}: the cache is {first.type}; float or float16 expected")
         meta = session.get_modelmeta().custom_metadata_map
         max_length = int(meta[MAX_LENGTH_KEY]) if MAX_LENGTH_KEY in meta else None
-        return cls(n_layers, shape[1], shape[3], _ORT_FLOAT[first.type], max_length)
+        return cls(n_layers, shape[1], shape[3], _ORT_FLOAT[first.type], max_length,
+                   meta.get(VALUE_CACHE_KEY, CHECKPOINT_VALUES))
 
 
 GQA = "GroupQueryAttention"   # com.microsoft: past_key, past_value are inputs 3, 4; present outputs 1, 2
@@ -131,13 +137,17 @@ FIRST_CAPACITY = 256            # positions of a shared cache buffer before it f
 
 def check_one_cache(tokens: PastLayout, prompt: PastLayout) -> None:
     """A split deployment's two graphs must read and write one cache: a ConfigError where the prompt
-    graph's layers, heads, head size or dtype differ from the token graph's."""
+    graph's layers, heads, head size, dtype or what its values are (``VALUE_CACHE_KEY``) differ from
+    the token graph's."""
     if (prompt.n_layers, prompt.kv_heads, prompt.head_dim, prompt.dtype) != \
             (tokens.n_layers, tokens.kv_heads, tokens.head_dim, tokens.dtype):
         raise ConfigError(f"the prompt graph's cache ({prompt.n_layers} layers x {prompt.kv_heads} heads x "
                           f"{prompt.head_dim}, {np.dtype(prompt.dtype).name}) is not the token graph's "
                           f"({tokens.n_layers} x {tokens.kv_heads} x {tokens.head_dim}, "
                           f"{np.dtype(tokens.dtype).name}): both must be exports of one model")
+    if prompt.values != tokens.values:
+        raise ConfigError(f"the prompt graph's cache holds {prompt.values}, the token graph's {tokens.values}: one "
+                          "cache cannot serve both (pair graphs quantized from the same rotation form)")
 
 
 def writes_cache_in_place(path: str | Path, n_layers: int) -> bool:

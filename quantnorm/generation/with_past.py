@@ -181,13 +181,14 @@ class WithPastExportResult:
 
 def export_with_past(wrapper, out_path: Path, prompts: np.ndarray, *, opset: int = DEFAULT_OPSET,
                      tolerance: float = DEFAULT_TOLERANCE, decode_steps: int = DEFAULT_DECODE_STEPS,
-                     fuse_attention: bool = True) -> WithPastExportResult:
+                     fuse_attention: bool = True, metadata: dict[str, str] | None = None) -> WithPastExportResult:
     """Export ``wrapper`` (``ZooWithPast`` or ``HFWithPast``) to ``out_path`` and prove, on
     ``prompts`` [n, prompt] (int token ids) and ``decode_steps`` greedy tokens after them, that the
     graph computes the wrapper's logits and cache. ``fuse_attention``: each layer's attention as
     one ONNX Runtime ``GroupQueryAttention`` node where the pass finds it (graph_passes.py; False
     keeps standard ONNX operators only, for another runtime or to measure what the fusion buys).
-    Atomic: on failure no file is left."""
+    ``metadata``: more of the graph's metadata (``decode.VALUE_CACHE_KEY`` where a transform rotated
+    the values the cache holds). Atomic: on failure no file is left."""
     if opset < 17:
         raise ConfigError(f"opset {opset} is too old: LayerNormalization needs opset >= 17 (use 18 or 23)")
     if not tolerance > 0 or decode_steps < 1:
@@ -200,7 +201,8 @@ def export_with_past(wrapper, out_path: Path, prompts: np.ndarray, *, opset: int
         with atomic_path(out_path, suffix=".onnx") as tmp:
             _export_once(wrapper, tmp, prompts, opset)
             passes = []
-            finish_onnx_file(tmp, lambda m: passes.append(_finish_graph(m, wrapper, fuse_attention)), out_path)
+            finish_onnx_file(tmp, lambda m: passes.append(_finish_graph(m, wrapper, fuse_attention, metadata or {})),
+                             out_path)
             diffs = _parity(wrapper, tmp, prompts, decode_steps, tolerance, opset)
     finally:
         wrapper.train(was_training)
@@ -265,12 +267,13 @@ def _export_once(wrapper, tmp: Path, prompts: np.ndarray, opset: int) -> None:
                               + (f" (exporter said: {' | '.join(tail)})" if tail else "")) from exc
 
 
-def _finish_graph(model: onnx.ModelProto, wrapper, fuse_attention: bool = True) -> tuple[bool, int]:
+def _finish_graph(model: onnx.ModelProto, wrapper, fuse_attention: bool = True,
+                  metadata: dict[str, str] | None = None) -> tuple[bool, int]:
     """Nodes named after their modules, the cache's length axes named ``past + seq`` (the exporter
     writes its own expressions), the graph passes (graph_passes.py: the ``logits_to_keep`` input,
     attention that reads the cache without repeating it, then as one GroupQueryAttention node), and
-    the stated maximum length in the metadata. Returns (the graph takes ``logits_to_keep``, layers
-    fused)."""
+    the stated maximum length and ``metadata`` in the graph's metadata. Returns (the graph takes
+    ``logits_to_keep``, layers fused)."""
     name_nodes_by_module(model, wrapper.node_prefix)
     keeps_logits = add_logits_to_keep(model)
     attend_without_repeating_kv(model, wrapper.heads, wrapper.kv_heads, wrapper.head_dim)
@@ -282,8 +285,10 @@ def _finish_graph(model: onnx.ModelProto, wrapper, fuse_attention: bool = True) 
     for value in model.graph.output:
         if value.name.startswith("present."):
             value.type.tensor_type.shape.dim[2].dim_param = "past + seq"
-    if wrapper.max_length is not None:
-        onnx.helper.set_model_props(model, {MAX_LENGTH_KEY: str(wrapper.max_length)})
+    props = {**({MAX_LENGTH_KEY: str(wrapper.max_length)} if wrapper.max_length is not None else {}),
+             **(metadata or {})}
+    if props:
+        onnx.helper.set_model_props(model, props)
     return keeps_logits, fused
 
 

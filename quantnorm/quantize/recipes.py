@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 
 from ..calibration import CALIBRATION_METHODS
 from ..errors import ConfigError
+from ..generation.decode import CHECKPOINT_VALUES
 
 # "pertoken": weights INT8 per output channel offline, activations quantized per row (token) at
 #             run time with standard ONNX ops (quantize/pertoken.py); the massive-activation remedy.
@@ -322,10 +323,11 @@ class Recipe:
     def value_cache(self) -> str:
         """What a with-past graph of this recipe keeps in its value cache: the checkpoint's values, or
         (form d) each head's values rotated inside blocks. Two graphs share one cache only when this is
-        the same (the keys are the checkpoint's under every rotation)."""
+        the same (the keys are the checkpoint's under every rotation); a with-past graph states it in
+        its metadata where it is not the checkpoint's (``generation.decode.VALUE_CACHE_KEY``)."""
         if str(self.rotation).startswith(STREAM_BLOCK_ROTATION):
             return f"each head's values rotated inside blocks of {self.block_size}"
-        return "the checkpoint's values"
+        return CHECKPOINT_VALUES
 
     @property
     def rotates_stream(self) -> bool:

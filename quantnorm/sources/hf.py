@@ -20,6 +20,7 @@ import numpy as np
 
 from ..data import BUILTIN_PYDOC
 from ..errors import ConfigError
+from ..generation.decode import CHECKPOINT_VALUES, VALUE_CACHE_KEY
 from ..generation.with_past import HFWithPast, WithPastSource, export_with_past, parity_prompts
 from ..measure.scoring import Scoring
 from ..portable import portable_path
@@ -205,8 +206,9 @@ class HFSource:
                               f"generates nothing, so it has no KV cache to decode with")
         prompts = parity_prompts(self.data.eval_inputs, self.max_positions, cfg.parity_windows)
 
-        def export(wrapper, path: Path):
-            return export_with_past(HFWithPast(wrapper.model), path, prompts, opset=cfg.opset)
+        def export(wrapper, path: Path, values: str = CHECKPOINT_VALUES):
+            return export_with_past(HFWithPast(wrapper.model), path, prompts, opset=cfg.opset,
+                                    metadata={} if values == CHECKPOINT_VALUES else {VALUE_CACHE_KEY: values})
 
         def smooth(alpha: float, path: Path):
             loaded, wrapper = self.weights()
@@ -215,7 +217,7 @@ class HFSource:
         def rotate(recipe):   # in place: the weights are let go after, so the next use reloads the original
             with self.weights_for_one_export() as (loaded, wrapper):
                 rotated, _ = rotated_copy(loaded, wrapper, recipe.rotation, in_place=True)
-                return export(rotated, self.run_dir / past_file(rotated_onnx_file(recipe.rotation)))
+                return export(rotated, self.run_dir / past_file(rotated_onnx_file(recipe.rotation)), recipe.value_cache)
         spec = self.loaded.spec
         return WithPastSource(export=lambda path: export(self.weights()[1], path),
                               variants=FP32Variants(self.run_dir, smooth=smooth, rotate=rotate, suffix=PAST_SUFFIX,
