@@ -198,7 +198,7 @@ FAST = ["--batches", "1", "--iters", "2", "--calib-samples", "8", "--quiet", "--
         "--no-outliers"]
 GEN = ["--gen-tokens", "12,8", "--gen-batches", "1", "--agreement", "4,8"]
 RECIPES_RUN = ["wo-int8-b32", "wo-int4-b32", "wo-int4-b32-acc4", "wo-int4-b32-gptq", "online-rotated-wo-int4-b32-acc4",
-               "rotated-wo-int4-b32", "block-rotated-wo-int4-b32-acc4"]
+               "rotated-wo-int4-b32", "block-rotated-wo-int4-b32-acc4", "stream-block-rotated-wo-int8-b16-acc4"]
 EMB8 = "wo-int8-b32-emb8"   # the token embedding in 8 bits too (tests/test_embedding.py), through the cache
 
 
@@ -221,6 +221,9 @@ def test_int8_is_closer_to_fp32_than_int4_and_gptq_closer_than_nearest(run):
     assert kl["wo-int4-b32-gptq"] < kl["wo-int4-b32"]
     assert entries["wo-int4-b32-gptq"]["settings"]["gptq"]["calibration_positions"] == 8 * 32
     assert entries["rotated-wo-int4-b32"]["status"].startswith("not applicable: ")
+    # the stream forms fold a Pre-RMSNorm checkpoint's norms: a zoo model is told which forms it takes
+    stream = entries["stream-block-rotated-wo-int8-b16-acc4"]["status"]
+    assert stream.startswith("not applicable: ") and "forms a and d" in stream and "block-rotated-wo" in stream
     assert entries["online-rotated-wo-int4-b32-acc4"]["settings"]["rotation"] == "online"
     assert entries["block-rotated-wo-int4-b32-acc4"]["settings"]["rotation"] == "block32"
     assert entries["block-rotated-wo-int4-b32-acc4"]["status"] == "ok"
@@ -243,7 +246,7 @@ def test_the_search_takes_weight_only_recipes(run):
 def test_with_past_graphs_quantize_and_decode(run):
     models = {m.name: m for m in generation_models(run["results"])}
     # every ok recipe of the run, the search's pick included, on the with-past graph
-    ok = [n for n in RECIPES_RUN if n != "rotated-wo-int4-b32"]   # that one: not applicable to a zoo model
+    ok = [n for n in RECIPES_RUN if "stream" not in n and n != "rotated-wo-int4-b32"]   # not applicable to a zoo model
     assert set(models) == {"fp32", *ok, EMB8, "auto:wo-int8-b32"}
     for name in [*ok, EMB8, "auto:wo-int8-b32"]:
         m = models[name]

@@ -32,7 +32,7 @@ from .base import Scoring, SearchScoring, SourceData, TorchChecks
 
 def _online_only(recipe) -> None:
     if recipe.rotation != "online" and rotation_block(recipe.rotation) is None:
-        raise ConfigError(f"recipe {recipe.name}: the residual-stream rotation (form a) folds the norm weights "
+        raise ConfigError(f"recipe {recipe.name}: the residual-stream rotation (forms a and d) folds the norm weights "
                           "of a Pre-RMSNorm Llama-family checkpoint (quantnorm.transforms.rotation); a zoo model "
                           "takes the online forms, online-rotated-pertoken-fused or block-rotated-wo-...-acc4")
 
