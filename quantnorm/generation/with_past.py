@@ -201,8 +201,7 @@ def export_with_past(wrapper, out_path: Path, prompts: np.ndarray, *, opset: int
         with atomic_path(out_path, suffix=".onnx") as tmp:
             _export_once(wrapper, tmp, prompts, opset)
             passes = []
-            finish_onnx_file(tmp, lambda m: passes.append(_finish_graph(m, wrapper, fuse_attention, metadata or {})),
-                             out_path)
+            finish_onnx_file(tmp, lambda m: passes.append(_finish_graph(m, wrapper, fuse_attention, metadata)), out_path)
             diffs = _parity(wrapper, tmp, prompts, decode_steps, tolerance, opset)
     finally:
         wrapper.train(was_training)
