@@ -164,7 +164,8 @@ def table(results: dict, run: Path | None = None, rounds: int = 0) -> tuple[list
         rows = with_step_bytes(run, results, rows)
     if rounds > 0 and run is not None:
         rows = retime(run, results, rows, rounds)
-    lines = [f"CPU: {hw.get('cpu', '?')}; ISA: {', '.join(flags) or 'none of ' + ', '.join(ISA)}; threads: "
+    cpu = hw.get("cpu", "?") + "".join(f" ({hw[k]})" for k in ("cpu_id", "cpu_caches") if hw.get(k))
+    lines = [f"CPU: {cpu}; ISA: {', '.join(flags) or 'none of ' + ', '.join(ISA)}; threads: "
              f"{threads or 'default'}; onnxruntime {hw.get('onnxruntime', '?')}",
              f"speeds: best of {rounds} interleaved rounds, retimed after the run" if rounds > 0 else
              "speeds: the run's own (quantnorm's in its generation stage, llama.cpp's in its engine stage)", ""]

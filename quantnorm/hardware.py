@@ -64,6 +64,38 @@ def cpu_model() -> str:
     return _cpuinfo_field("model name") or platform.processor() or platform.machine() or "unknown"
 
 
+def cpu_id() -> str | None:
+    """Vendor, family, model and stepping from /proc/cpuinfo ("AuthenticAMD family 26 model 2
+    stepping 0"), or None where it lists no family and model (not x86 Linux).
+
+    A cloud's model name alone ("AMD EPYC") does not tell two CPU generations apart, and INT8 and
+    decode speeds differ between them."""
+    vendor, family, model, stepping = (_cpuinfo_field(k) for k in ("vendor_id", "cpu family", "model", "stepping"))
+    if family is None or model is None:
+        return None
+    return " ".join(part for part in (vendor, f"family {family}", f"model {model}",
+                                      f"stepping {stepping}" if stepping is not None else None) if part)
+
+
+CPU_CACHE_DIR = Path("/sys/devices/system/cpu/cpu0/cache")
+
+
+def cpu_caches() -> str | None:
+    """The data and unified caches the first CPU sees ("L1d 48K, L2 1024K, L3 32768K"), or None where
+    sysfs lists none. A one-token step streams the weights: whether they fit in the last level decides
+    its speed as much as the ISA does."""
+    found = []
+    for index in sorted(CPU_CACHE_DIR.glob("index*")):
+        try:
+            level, kind, size = ((index / name).read_text().strip() for name in ("level", "type", "size"))
+        except OSError:
+            continue
+        if kind == "Instruction":
+            continue
+        found.append((int(level) if level.isdigit() else 0, f"L{level}{'d' if kind == 'Data' else ''} {size}"))
+    return ", ".join(text for _, text in sorted(found)) or None
+
+
 def available_cpus() -> int:
     """Logical CPUs this process may run on (the affinity mask, not the machine's total)."""
     try:

@@ -292,6 +292,19 @@ def test_latency_on_other_hardware_is_not_comparable(tmp_path, capsys, edit, why
     assert gate([c, "--baseline", b, "--policy", policy], capsys)[0] == 1
 
 
+def test_one_model_name_of_two_cpu_families_is_not_comparable():
+    base, cand = run(), run(p50=4.0)
+    base["hardware"].update(cpu="AMD EPYC", cpu_id="AuthenticAMD family 25 model 17 stepping 1")
+    cand["hardware"].update(cpu="AMD EPYC", cpu_id="AuthenticAMD family 26 model 2 stepping 1")
+    lat = _latency(compare_runs(base, cand, Policy()))
+    assert lat and all(c.verdict == NOT_COMPARABLE and "CPU family differs (AuthenticAMD family 25" in c.reason
+                       for c in lat.values()), lat
+    # a baseline written before runs recorded the family compares by the model name, as it did
+    del base["hardware"]["cpu_id"]
+    lat = _latency(compare_runs(base, cand, Policy()))
+    assert lat[("fp32", "latency CPU b=1")].verdict == FAIL
+
+
 def test_a_provider_the_candidate_did_not_measure_is_not_comparable():
     base, cand = run(), run()
     base["latency"] = [r if r["provider"] != CUDA else _row(r["variant"], 1.0, provider=CUDA) for r in base["latency"]]

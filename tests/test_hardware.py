@@ -60,6 +60,37 @@ def test_unknown_cpuinfo_means_no_flags_and_no_vnni(fake_cpuinfo):
     assert isinstance(hardware.cpu_model(), str) and hardware.cpu_model()
 
 
+CPUINFO_ZEN5 = """processor\t: 0
+vendor_id\t: AuthenticAMD
+cpu family\t: 26
+model\t\t: 2
+model name\t: AMD EPYC
+stepping\t: 1
+flags\t\t: avx avx2 avx512f avx512_vnni avx512_vp2intersect
+"""
+
+
+def test_cpu_id_tells_one_model_name_apart(fake_cpuinfo):
+    fake_cpuinfo(CPUINFO_ZEN5)
+    assert hardware.cpu_model() == "AMD EPYC"
+    assert hardware.cpu_id() == "AuthenticAMD family 26 model 2 stepping 1"
+    fake_cpuinfo(CPUINFO_AVX2)  # no family or model listed
+    assert hardware.cpu_id() is None
+
+
+def test_cpu_caches_read_sysfs_without_instruction_caches(tmp_path, monkeypatch):
+    for index, (level, kind, size) in enumerate([("1", "Data", "48K"), ("1", "Instruction", "32K"),
+                                                   ("3", "Unified", "32768K"), ("2", "Unified", "1024K")]):
+        folder = tmp_path / f"index{index}"
+        folder.mkdir()
+        for name, value in (("level", level), ("type", kind), ("size", size)):
+            (folder / name).write_text(value + "\n")
+    monkeypatch.setattr(hardware, "CPU_CACHE_DIR", tmp_path)
+    assert hardware.cpu_caches() == "L1d 48K, L2 1024K, L3 32768K"
+    monkeypatch.setattr(hardware, "CPU_CACHE_DIR", tmp_path / "absent")
+    assert hardware.cpu_caches() is None
+
+
 def test_real_machine_flags_are_consistent():
     hardware._all_cpu_flags.cache_clear()
     flags = set(hardware.cpu_flags())
@@ -70,7 +101,7 @@ def test_hardware_info_has_the_contract_keys():
     import onnxruntime as ort
 
     info = sessions.hardware_info(threads=2)
-    for key in ("cpu", "cpu_flags", "vnni", "threads", "onnxruntime", "torch", "onnx", "numpy", "python",
+    for key in ("cpu", "cpu_id", "cpu_caches", "cpu_flags", "vnni", "threads", "onnxruntime", "torch", "onnx", "numpy", "python",
                 "providers_available", "gpu", "os"):
         assert key in info, key
     assert info["threads"] == 2
@@ -106,3 +137,15 @@ def test_gpu_name_from_nvidia_smi(monkeypatch):
         assert hardware.gpu_device_present()
     finally:
         hardware.gpu_names.cache_clear()
+
+
+def test_report_names_the_cpu_family_and_caches_where_recorded():
+    from quantnorm.report import sections
+
+    hw = {"cpu": "AMD EPYC", "cpu_id": "AuthenticAMD family 26 model 2 stepping 1",
+          "cpu_caches": "L1d 48K, L2 1024K, L3 32768K", "cpu_flags": ["avx2"], "vnni": True, "threads": 2}
+    text = "\n".join(sections.hardware({"hardware": hw}))
+    assert "| CPU family | AuthenticAMD family 26 model 2 stepping 1 |" in text
+    assert "L3 32768K" in text
+    older = "\n".join(sections.hardware({"hardware": {k: v for k, v in hw.items() if k not in ("cpu_id", "cpu_caches")}}))
+    assert "CPU family" not in older and "caches" not in older

@@ -36,14 +36,18 @@ def _flags(hardware: dict) -> set[str]:
 
 
 def hardware_differences(baseline: dict, candidate: dict, provider: str) -> list[str]:
-    """Why two runs' timings on ``provider`` cannot be compared ([] when they can): the CPU model, its
-    ISA flags, the thread count, and for a GPU provider the GPU, each as recorded in ``hardware``."""
+    """Why two runs' timings on ``provider`` cannot be compared ([] when they can): the CPU model (and
+    family, where both record it), its ISA flags, the thread count, and for a GPU provider the GPU,
+    each as recorded in ``hardware``."""
     hb, hc = section(baseline, "hardware"), section(candidate, "hardware")
     if hb is None or hc is None:
         return [f"the {'baseline' if hb is None else 'candidate'} records no hardware"]
     out = []
     if hb.get("cpu") != hc.get("cpu"):
         out.append(f"CPU differs ({hb.get('cpu')} vs {hc.get('cpu')})")
+    elif hb.get("cpu_id") and hc.get("cpu_id") and hb["cpu_id"] != hc["cpu_id"]:
+        # one model name, two generations (a cloud's "AMD EPYC"); runs older than the field compare by name
+        out.append(f"CPU family differs ({hb['cpu_id']} vs {hc['cpu_id']})")
     fb, fc = _flags(hb), _flags(hc)
     if fb != fc:
         sides = [f"only the baseline has {', '.join(sorted(fb - fc))}" if fb - fc else "",

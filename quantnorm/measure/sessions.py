@@ -26,7 +26,17 @@ import onnxruntime as ort
 
 from ..errors import ConfigError, MeasureError
 from ..fileio import atomic_path, release_memory, save_onnx, serialized_size_estimate
-from ..hardware import available_cpus, cpu_flags, cpu_has_vnni, cpu_model, gpu_details, gpu_device_present, gpu_names
+from ..hardware import (
+    available_cpus,
+    cpu_caches,
+    cpu_flags,
+    cpu_has_vnni,
+    cpu_id,
+    cpu_model,
+    gpu_details,
+    gpu_device_present,
+    gpu_names,
+)
 from ..providers import CPU, CUDA, PROVIDERS, TENSORRT, short_provider
 from ..unsigned_weights import has_signed_weight_ops, to_unsigned
 
@@ -273,6 +283,8 @@ def hardware_info(threads: int | None = None, *, probe_providers: bool = True) -
     names = gpu_names()
     info: dict = {
         "cpu": cpu_model(),
+        "cpu_id": cpu_id(),
+        "cpu_caches": cpu_caches(),
         "cpu_flags": cpu_flags(),
         "vnni": (vnni := cpu_has_vnni()),
         **({} if vnni else {"int8_weights": UNSIGNED_AT_LOAD}),

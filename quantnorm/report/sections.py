@@ -26,7 +26,9 @@ def reproduce(results: dict) -> list[str]:
 def hardware(results: dict) -> list[str]:
     hw = results["hardware"]
     return ["## Hardware and versions", ""] + table(["what", "value"], [
-        ["CPU", hw.get("cpu")], ["ISA flags", ", ".join(hw.get("cpu_flags", []))], ["VNNI", hw.get("vnni")],
+        ["CPU", hw.get("cpu")], *([["CPU family", hw["cpu_id"]]] if hw.get("cpu_id") else []),
+        *([["caches (one core's view)", hw["cpu_caches"]]] if hw.get("cpu_caches") else []),
+        ["ISA flags", ", ".join(hw.get("cpu_flags", []))], ["VNNI", hw.get("vnni")],
         ["threads", hw.get("threads") or "ORT default"], ["GPU", hw.get("gpu") or "none"],
         ["providers available", ", ".join(hw.get("providers_available", []))],
         ["onnxruntime / torch / onnx", f"{hw.get('onnxruntime')} / {hw.get('torch')} / {hw.get('onnx')}"],
