@@ -93,12 +93,13 @@ def test_committed_results_load_with_the_kind_their_source_says():
     # the real-models runs of the two GGUF checkpoints, SmolLM2 beside the other engines, both beside llama.cpp
     # (on an AMD EPYC, and on a Xeon under xeon/, with the block rotation under xeon/block-rotation/, its
     # blocks of 128 under xeon/block128/, the weight-only graphs' fused norms under xeon/fused-norms/ and
-    # SmolLM2's stream block rotation under xeon/stream-block/)
+    # SmolLM2's stream block rotation under xeon/stream-block/; on a Zen 5 EPYC under zen5/)
     assert sorted(str(p.relative_to(REPORTS).parent) for p in kinds["gguf"]) == [
         "engines-smollm2", "real-models/gemma3", "real-models/smollm2", "vs-llamacpp/gemma3", "vs-llamacpp/gemma3/xeon",
         "vs-llamacpp/gemma3/xeon/block-rotation", "vs-llamacpp/gemma3/xeon/block128", "vs-llamacpp/gemma3/xeon/fused-norms",
-        "vs-llamacpp/smollm2", "vs-llamacpp/smollm2/xeon", "vs-llamacpp/smollm2/xeon/block-rotation",
-        "vs-llamacpp/smollm2/xeon/fused-norms", "vs-llamacpp/smollm2/xeon/stream-block"]
+        "vs-llamacpp/smollm2", "vs-llamacpp/smollm2/xeon",
+        "vs-llamacpp/smollm2/xeon/block-rotation", "vs-llamacpp/smollm2/xeon/fused-norms",
+        "vs-llamacpp/smollm2/xeon/stream-block", "vs-llamacpp/smollm2/zen5"]
 
 
 def _row(provider, variant, batch, p50=None, status="measured", seq=32):
