@@ -97,7 +97,7 @@ def test_committed_results_load_with_the_kind_their_source_says():
     assert sorted(str(p.relative_to(REPORTS).parent) for p in kinds["gguf"]) == [
         "engines-smollm2", "real-models/gemma3", "real-models/smollm2", "vs-llamacpp/gemma3", "vs-llamacpp/gemma3/xeon",
         "vs-llamacpp/gemma3/xeon/block-rotation", "vs-llamacpp/gemma3/xeon/block128", "vs-llamacpp/gemma3/xeon/fused-norms",
-        "vs-llamacpp/smollm2", "vs-llamacpp/smollm2/xeon",
+        "vs-llamacpp/gemma3/zen5", "vs-llamacpp/smollm2", "vs-llamacpp/smollm2/xeon",
         "vs-llamacpp/smollm2/xeon/block-rotation", "vs-llamacpp/smollm2/xeon/fused-norms",
         "vs-llamacpp/smollm2/xeon/stream-block", "vs-llamacpp/smollm2/zen5"]
 
