@@ -37,6 +37,8 @@ Schema versions (:data:`READABLE_SCHEMAS`; :func:`load` refuses any other):
   The ``recipe_choice`` section (no ``--recipes`` named): ``{"by": "probe", "massive_total",
   "probe_windows", "recipes", "default_recipes"}``: the recipes the FP32 probe chose (the ones that
   survive massive activations when it found any); absent when recipes were named.
+  ``hardware.cpu_id`` ("AuthenticAMD family 26 model 2 stepping 1") and ``hardware.cpu_caches``
+  ("L1d 48K, L2 1024K, L3 32768K"): what tells two CPUs of one model name apart (null off x86 Linux).
   A version-1 file is read as it is: every key added in 2 is optional to a reader.
 """
 
