@@ -36,9 +36,7 @@ Schema versions (:data:`READABLE_SCHEMAS`; :func:`load` refuses any other):
   other engines' models scored against the run's FP32 (read through :func:`engine_rows`).
   The ``recipe_choice`` section (no ``--recipes`` named): ``{"by": "probe", "massive_total",
   "probe_windows", "recipes", "default_recipes"}``: the recipes the FP32 probe chose (the ones that
-  survive massive activations when it found any); absent when recipes were named.
-  ``hardware.cpu_id`` ("AuthenticAMD family 26 model 2 stepping 1") and ``hardware.cpu_caches``
-  ("L1d 48K, L2 1024K, L3 32768K"): what tells two CPUs of one model name apart (null off x86 Linux).
+  survive massive activations when it found any); absent when recipes were named. ``hardware.cpu_id``, ``cpu_caches``: the CPU's family, its caches.
   A version-1 file is read as it is: every key added in 2 is optional to a reader.
 """
 
